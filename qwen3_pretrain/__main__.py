@@ -1,0 +1,5 @@
+import sys
+
+from qwen3_pretrain.cli import main
+
+sys.exit(main())

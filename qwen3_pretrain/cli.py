@@ -1,0 +1,68 @@
+"""One entry point, ``qwen3-pretrain <command>``, for every stage of the pipeline.
+
+Each subcommand lives in the package that owns its stage and is imported only
+when it is run, so ``qwen3-pretrain plan`` does not pay for importing the
+training engine. A subcommand is a function ``main(argv: list[str]) -> int``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# name -> ("module:function", one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "wiki2parquet": ("qwen3_pretrain.data.wiki:main", "Wikipedia dump or wikiextractor output -> parquet"),
+    "convert": ("qwen3_pretrain.data.convert:main", "parquet -> tokenized, sharded Megatron indexed dataset"),
+    "train": ("qwen3_pretrain.train.trainer:main", "pre-train with TP x PP x DP (torchrun, mpirun or one process)"),
+    "merge": ("qwen3_pretrain.checkpoint.merge:main", "merge a sharded checkpoint into one HuggingFace model"),
+    "parse-log": ("qwen3_pretrain.analysis.parse_log:main", "training log or metrics.jsonl -> CSV (+ PNG plot)"),
+    "plan": ("qwen3_pretrain.plan.cli:main", "predict memory and throughput per parallel layout"),
+    "commbench": ("qwen3_pretrain.plan.commbench:main", "measure collective latency and bandwidth per mesh axis"),
+    "demo": ("qwen3_pretrain.models.qwen3.demo:main", "tiny random Qwen3 -> HF format -> reload -> logits checksum"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: qwen3-pretrain <command> [options]", "", "commands:"]
+    width = max(len(n) for n in COMMANDS)
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'qwen3-pretrain <command> --help' for the options of one command."]
+    return "\n".join(lines)
+
+
+def run_command(target: str, argv: list[str]) -> int:
+    """Call ``module:function`` with ``argv``; user errors become one line on stderr."""
+    module_name, func_name = target.split(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+        return int(func(argv) or 0)
+    except (ValueError, OSError) as exc:
+        if os.environ.get("QWEN3_PRETRAIN_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        from qwen3_pretrain.config.loader import nearest
+
+        hint = nearest(name, COMMANDS)
+        print(f"error: unknown command {name!r}" + (f"; did you mean {hint!r}?" if hint else ""), file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    return run_command(COMMANDS[name][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

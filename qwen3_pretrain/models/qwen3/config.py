@@ -1,0 +1,176 @@
+"""Qwen3 model configuration, with the field names of HuggingFace's ``config.json``.
+
+``head_dim`` is a field of its own and is never derived from ``hidden_size /
+num_attention_heads``: Qwen3-0.6B has 16 heads of 128 on a hidden size of 1024.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qwen3_pretrain.config.loader import nearest
+from qwen3_pretrain.errors import UserError
+
+# The tokenizer has 151,669 ids; the embedding is padded to 151,936 = 128 * 1187.
+QWEN3_VOCAB_SIZE = 151936
+ENDOFTEXT_ID = 151643
+
+
+@dataclass
+class Qwen3Config:
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = QWEN3_VOCAB_SIZE
+    max_position_embeddings: int = 40960
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    bos_token_id: int = ENDOFTEXT_ID
+    eos_token_id: int = 151645
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise UserError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act != "silu":
+            raise UserError(f"model config: hidden_act {self.hidden_act!r} is not supported (Qwen3 uses 'silu')")
+        if self.attention_bias:
+            raise UserError("model config: attention_bias=true is not supported (Qwen3 has no biases)")
+
+    # --- HF config.json ---------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
+        model_type = data.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise UserError(f"{source}: model_type is {model_type!r}; this project trains dense 'qwen3' models")
+        if data.get("rope_scaling"):
+            raise UserError(f"{source}: rope_scaling {data['rope_scaling']!r} is not supported; remove it for pre-training")
+        if data.get("use_sliding_window"):
+            raise UserError(f"{source}: use_sliding_window=true is not supported")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        if "dtype" in data and "torch_dtype" not in data:
+            kwargs["torch_dtype"] = data["dtype"]
+        required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise UserError(f"{source}: missing key(s) {', '.join(missing)}")
+        kwargs.setdefault("num_key_value_heads", data["num_attention_heads"])
+        if "head_dim" not in data:
+            kwargs["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        if isinstance(kwargs.get("eos_token_id"), list):
+            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise UserError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "Qwen3Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json; a HuggingFace model directory needs one")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: malformed JSON ({exc}); re-download or fix the file") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: expected a JSON object")
+        return cls.from_hf_dict(data, source=str(path))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update({
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "attention_dropout": 0.0,
+            "rope_scaling": None,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+        })
+        return out
+
+    # --- sizes ------------------------------------------------------------
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count; with ``include_embedding=False`` the input embedding and an untied head are left out."""
+        h, hd = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * hd  # q, k, v, o, q_norm, k_norm
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
+        total = self.num_hidden_layers * layer + h
+        if include_embedding:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total
+
+    def num_matmul_params(self) -> int:
+        """Weights that take part in matmuls: every linear layer including the LM head, not the embedding lookup."""
+        h = self.hidden_size
+        per_layer = (h * self.num_attention_heads * self.head_dim * 2 + 2 * h * self.num_key_value_heads * self.head_dim
+                     + 3 * h * self.intermediate_size)
+        return self.num_hidden_layers * per_layer + self.vocab_size * h
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token: 6 * N_matmul + 12 * L * heads * head_dim * seq (PaLM convention)."""
+        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_length
+        return 6.0 * self.num_matmul_params() + attn
+
+
+def _preset(hidden: int, layers: int, heads: int, ffn: int, tied: bool) -> Qwen3Config:
+    return Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=ffn, tie_word_embeddings=tied)
+
+
+# Published Qwen3 dense models (config.json of Qwen/Qwen3-*).
+PRESETS: dict[str, Qwen3Config] = {
+    "qwen3-0.6b": _preset(1024, 28, 16, 3072, tied=True),
+    "qwen3-1.7b": _preset(2048, 28, 16, 6144, tied=True),
+    "qwen3-4b": _preset(2560, 36, 32, 9728, tied=True),
+    "qwen3-8b": _preset(4096, 36, 32, 12288, tied=False),
+    "qwen3-14b": _preset(5120, 40, 40, 17408, tied=False),
+    "qwen3-32b": _preset(5120, 64, 64, 25600, tied=False),
+}
+
+
+def get_preset(name: str) -> Qwen3Config:
+    """A copy of the named preset; the name is case-insensitive (``Qwen3-8B`` works)."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        hint = nearest(key, PRESETS)
+        raise UserError(f"unknown model preset {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" (known: {', '.join(PRESETS)})")
+    return dataclasses.replace(PRESETS[key])
+
+
+def is_preset_name(name: str | None) -> bool:
+    return bool(name) and name.strip().lower() in PRESETS
