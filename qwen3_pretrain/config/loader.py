@@ -70,6 +70,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             if normalized == choice or (isinstance(choice, str) and normalized == choice.lower()):
                 return choice
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of key: value, got {value!r}")
+        return dict(value)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

@@ -72,8 +72,14 @@ class Qwen3Config:
             raise UserError(f"{source}: rope_scaling {data['rope_scaling']!r} is not supported; remove it for pre-training")
         if data.get("use_sliding_window"):
             raise UserError(f"{source}: use_sliding_window=true is not supported")
+        # transformers >= 5 writes rope_theta inside rope_parameters instead of at the top level.
+        rope = data.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise UserError(f"{source}: rope_parameters {rope!r} is not supported; only rope_type 'default' is")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
+        if "rope_theta" in rope and "rope_theta" not in data:
+            kwargs["rope_theta"] = rope["rope_theta"]
         if "dtype" in data and "torch_dtype" not in data:
             kwargs["torch_dtype"] = data["dtype"]
         required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]

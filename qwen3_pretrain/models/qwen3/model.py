@@ -139,12 +139,20 @@ class Qwen3Model(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Set from outside: return hidden states instead of logits (the loss applies the head in chunks);
+        # build a per-document attention mask from the positions; and how many shards of the sequence a
+        # hidden-state input holds (sequence parallelism hands a pipeline stage 1/N of the sequence).
         self.return_hidden = False
         self.document_mask = False
+        self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        bsz, seq = h.shape[0], h.shape[1]
+        if self.embed_tokens is not None:
+            bsz, seq = x.shape
+            h = self.embed_tokens(x)
+        else:
+            h = x
+            bsz, seq = x.shape[0], x.shape[1] * self.sequence_shards
         if positions is None:
             positions = torch.arange(seq, device=h.device).expand(bsz, seq)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)

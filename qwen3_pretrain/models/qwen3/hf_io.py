@@ -1,0 +1,423 @@
+"""Reading and writing the HuggingFace model directory format.
+
+This module is the only one that touches the bytes of a HF model directory:
+``config.json``, ``generation_config.json`` and the safetensors weights, either
+one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+Everything else in the project speaks the model's own parameter names
+(``layers.3.attn.q_proj.weight``); the table below translates.
+
+Loading never holds two copies of the model: the model is built on the
+``meta`` device, materialized empty, and filled tensor by tensor. Saving
+holds one shard at a time and becomes visible only once complete (written
+into a sibling temp directory, then renamed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
+
+# (internal name, HF name); "{i}" is the layer index.
+NAME_TABLE: list[tuple[str, str]] = [
+    ("embed_tokens.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+]
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_SAVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compile(template: str) -> re.Pattern[str]:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
+_TO_HF = [(_compile(internal), hf) for internal, hf in NAME_TABLE]
+_TO_INTERNAL = [(_compile(hf), internal) for internal, hf in NAME_TABLE]
+
+
+def _translate(name: str, rules: list[tuple[re.Pattern[str], str]], kind: str) -> str:
+    for pattern, template in rules:
+        match = pattern.match(name)
+        if match:
+            return template.replace("{i}", match.groupdict().get("i") or "")
+    raise UserError(f"{name!r} is not a Qwen3 {kind} parameter name (see NAME_TABLE in {__name__})")
+
+
+def hf_to_internal(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.attn.q_proj.weight``."""
+    return _translate(name, _TO_INTERNAL, "HF")
+
+
+def internal_to_hf(name: str) -> str:
+    """``layers.0.attn.q_proj.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
+    return _translate(name, _TO_HF, "internal")
+
+
+def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Internal name -> shape of every tensor a HF checkpoint of ``config`` holds (no head when tied)."""
+    with torch.device("meta"):
+        model = Qwen3Model(config)
+    # named_parameters drops the tied head: it is the embedding, registered first.
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5_000_000``, ``"5GB"`` (10^9), ``"500MB"``, ``"2GiB"`` (2^30) or ``"100KB"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if not match:
+            raise UserError(f"max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB, 2GiB or a byte count")
+        unit = match.group(2) or "B"
+        base = 1024 if "I" in unit else 1000
+        value = int(float(match.group(1)) * base ** "BKMGT".index(unit[0]))
+    if value < 1:
+        raise UserError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --- reading --------------------------------------------------------------
+
+
+class HFCheckpointReader:
+    """Lazy access to the tensors of a HF Qwen3 directory, by internal name.
+
+    Files are opened on first use and kept open; ``read_slice`` reads only the
+    requested part of a tensor, so each rank of a sharded model reads only its
+    shard.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path}: no such directory; expected a HuggingFace model directory "
+                                    f"with {CONFIG_FILE} and {SINGLE_FILE} (or {INDEX_FILE})")
+        self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
+        self._handles: dict[str, safe_open] = {}
+        self._hf_name: dict[str, str] = {}  # internal -> HF name
+        self._file: dict[str, str] = {}  # internal -> file name
+        for hf_name, file_name in self._weight_map().items():
+            try:
+                name = hf_to_internal(hf_name)
+            except UserError as exc:
+                raise UserError(f"{self.path / file_name}: {exc}") from None
+            self._hf_name[name], self._file[name] = hf_name, file_name
+
+    def _weight_map(self) -> dict[str, str]:
+        """HF name -> file name, from the index or from the single file's header."""
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            return self._read_index(index)
+        if (self.path / SINGLE_FILE).is_file():
+            return {key: SINGLE_FILE for key in self._handle(SINGLE_FILE).keys()}
+        raise FileNotFoundError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}; this loader reads safetensors "
+                                "weights only (re-save the model with save_pretrained(safe_serialization=True))")
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{index}: malformed index ({exc!r}); it needs a 'weight_map' of name -> file") from None
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: 'weight_map' must map tensor names to file names")
+        for file_name in sorted(set(weight_map.values())):
+            if not (self.path / file_name).is_file():
+                raise FileNotFoundError(f"{index} lists {file_name!r}, which is missing from {self.path}; "
+                                        "the download is incomplete")
+        return weight_map
+
+    def _handle(self, file_name: str) -> safe_open:
+        if file_name not in self._handles:
+            try:
+                self._handles[file_name] = safe_open(str(self.path / file_name), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise UserError(f"{self.path / file_name}: not a readable safetensors file ({exc})") from None
+        return self._handles[file_name]
+
+    def _lookup(self, name: str) -> tuple[safe_open, str]:
+        if name not in self._file:
+            raise UserError(f"{self.path}: no tensor {name!r} ({internal_to_hf(name)}) in this checkpoint")
+        return self._handle(self._file[name]), self._hf_name[name]
+
+    def names(self) -> list[str]:
+        """Internal names of the tensors present, in the checkpoint's order."""
+        return list(self._file)
+
+    def hf_name(self, name: str) -> str:
+        """The name tensor ``name`` has (or would have) in this checkpoint's files."""
+        return self._hf_name.get(name) or internal_to_hf(name)
+
+    def file_of(self, name: str) -> Path:
+        """The safetensors file that holds tensor ``name``."""
+        self._lookup(name)
+        return self.path / self._file[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle, hf_name = self._lookup(name)
+        return tuple(handle.get_slice(hf_name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        handle, hf_name = self._lookup(name)
+        return _SAFETENSORS_DTYPES[handle.get_slice(hf_name).get_dtype()]
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full tensor ``name`` on CPU, converted to ``dtype`` when given."""
+        handle, hf_name = self._lookup(name)
+        tensor = handle.get_tensor(hf_name)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def read_slice(self, name: str, slices: tuple[slice, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``tensor[slices]`` reading only those bytes from disk (one slice per leading dim)."""
+        handle, hf_name = self._lookup(name)
+        tensor = handle.get_slice(hf_name)[tuple(slices)]
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "HFCheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_names(reader: HFCheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
+    present = set(reader.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        listed = INDEX_FILE if (reader.path / INDEX_FILE).is_file() else SINGLE_FILE
+        raise UserError(f"{reader.path / listed}: tensor {reader.hf_name(missing[0])!r} is missing "
+                        f"({len(missing)} missing in all); the checkpoint does not match its {CONFIG_FILE}")
+    tied_head = "lm_head.weight" if reader.config.tie_word_embeddings else None
+    extra = [n for n in reader.names() if n not in expected and n != tied_head]
+    if extra:
+        raise UserError(f"{reader.file_of(extra[0])}: unexpected tensor {reader.hf_name(extra[0])!r} for the model "
+                        f"described by {CONFIG_FILE} ({reader.config.num_hidden_layers} layers, "
+                        f"tie_word_embeddings={reader.config.tie_word_embeddings})")
+    for name, shape in expected.items():
+        found = reader.shape(name)
+        if found != shape:
+            raise UserError(f"{reader.file_of(name)}: tensor {reader.hf_name(name)!r} has shape {list(found)}, "
+                            f"expected {list(shape)} from {CONFIG_FILE}")
+
+
+def _check_tied_head(reader: HFCheckpointReader, model: Qwen3Model) -> None:
+    """HF sometimes writes a tied head too: accept it only when it is the embedding."""
+    if "lm_head.weight" not in reader.names():
+        return
+    embedding = model.embed_tokens.weight
+    if not torch.equal(reader.read("lm_head.weight", dtype=embedding.dtype).to(embedding.device), embedding):
+        raise UserError(f"{reader.file_of('lm_head.weight')}: 'lm_head.weight' differs from the embedding but "
+                        f"{CONFIG_FILE} says tie_word_embeddings=true; set it to false to keep a separate head")
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> Qwen3Model:
+    """Build a ``Qwen3Model`` from a HF directory, holding the model plus at most one tensor in memory."""
+    with HFCheckpointReader(path) as reader:
+        expected = expected_shapes(reader.config)
+        _check_names(reader, expected)
+        with torch.device("meta"):
+            model = Qwen3Model(reader.config).to(dtype)
+        model.to_empty(device=device)
+        if reader.config.tie_word_embeddings:
+            # to_empty gives each module its own new tensor, which unties the head; tie it again.
+            model.lm_head.weight = model.embed_tokens.weight
+        with torch.no_grad():
+            for name in expected:
+                model.get_parameter(name).copy_(reader.read(name))
+            if reader.config.tie_word_embeddings:
+                _check_tied_head(reader, model)
+    return model
+
+
+# --- writing --------------------------------------------------------------
+
+
+class HFCheckpointWriter:
+    """Streams tensors into a HF directory, one shard in memory at a time.
+
+    ``add`` each tensor of the model by internal name (any order), then
+    ``finalize``. Until then everything lives in a sibling temp directory, so
+    ``path`` holds either the previous model or the complete new one. Used as a
+    context manager, an exception before ``finalize`` removes the temp files.
+    """
+
+    def __init__(self, path: str | os.PathLike, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
+                 max_shard_size: int | str = "5GB") -> None:
+        if dtype not in _SAVE_DTYPES:
+            raise UserError(f"cannot save weights as {dtype}; use one of {', '.join(map(str, _SAVE_DTYPES))}")
+        self.path = Path(path)
+        self.config = config
+        self.dtype = dtype
+        self.max_shard_bytes = parse_size(max_shard_size)
+        self._expected = expected_shapes(config)
+        self._added: set[str] = set()
+        self._shard: dict[str, torch.Tensor] = {}
+        self._shard_bytes = 0
+        self._shards: list[list[str]] = []  # HF names per flushed shard
+        self._total_bytes = 0
+        self._extra_files: list[Path] = []
+        _check_replaceable(self.path)  # fail before hours of merging, not after
+        self.tmp_dir = self.path.parent / f"{self.path.name}.tmp-{os.getpid()}"
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.tmp_dir.mkdir(parents=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue tensor ``name`` (internal name) for writing; a full shard goes to disk first."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return  # a tied head is the embedding; HF stores it once
+        if name not in self._expected:
+            raise UserError(f"{name!r} ({internal_to_hf(name)}) is not a tensor of this model "
+                            f"({self.config.num_hidden_layers} layers, tied={self.config.tie_word_embeddings})")
+        if name in self._added:
+            raise UserError(f"tensor {name!r} was added twice")
+        if tuple(tensor.shape) != self._expected[name]:
+            raise UserError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(self._expected[name])}")
+        tensor = tensor.detach().to("cpu", self.dtype).contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()  # safetensors refuses views that share a storage
+        if self._shard and self._shard_bytes + tensor.nbytes > self.max_shard_bytes:
+            self._flush()
+        self._added.add(name)
+        self._shard[internal_to_hf(name)] = tensor
+        self._shard_bytes += tensor.nbytes
+
+    def add_file(self, source: str | os.PathLike) -> None:
+        """Copy a side file (e.g. ``tokenizer.json``) into the directory at ``finalize``."""
+        source = Path(source)
+        if not source.is_file():
+            raise FileNotFoundError(f"{source}: no such file to copy into {self.path}")
+        self._extra_files.append(source)
+
+    def _flush(self) -> None:
+        save_file(self._shard, str(self.tmp_dir / f"shard-{len(self._shards)}.safetensors"), metadata={"format": "pt"})
+        self._shards.append(list(self._shard))
+        self._total_bytes += self._shard_bytes
+        self._shard, self._shard_bytes = {}, 0
+
+    def finalize(self) -> Path:
+        """Write the last shard, the index and the configs, then move the directory onto ``path``."""
+        missing = [n for n in self._expected if n not in self._added]
+        if missing:
+            raise UserError(f"{self.path}: cannot finalize, {len(missing)} tensor(s) never added, "
+                            f"first {missing[0]!r}")
+        if self._shard or not self._shards:
+            self._flush()
+        weight_map = self._name_shards()
+        if len(self._shards) > 1:
+            index = {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map}
+            _write_json(self.tmp_dir / INDEX_FILE, index)
+        _write_json(self.tmp_dir / CONFIG_FILE, self._hf_config())
+        _write_json(self.tmp_dir / GENERATION_CONFIG_FILE, {
+            "bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id})
+        for source in self._extra_files:
+            shutil.copyfile(source, self.tmp_dir / source.name)
+        _replace_dir(self.tmp_dir, self.path)
+        return self.path
+
+    def _name_shards(self) -> dict[str, str]:
+        """Rename the temp shards to HF's names; returns HF name -> file name."""
+        count = len(self._shards)
+        weight_map: dict[str, str] = {}
+        for k, names in enumerate(self._shards):
+            file_name = SINGLE_FILE if count == 1 else f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.tmp_dir / f"shard-{k}.safetensors", self.tmp_dir / file_name)
+            weight_map.update(dict.fromkeys(names, file_name))
+        return weight_map
+
+    def _hf_config(self) -> dict:
+        out = dataclasses.replace(self.config, torch_dtype=_dtype_name(self.dtype)).to_hf_dict()
+        out["dtype"] = out["torch_dtype"]  # transformers >= 5 reads "dtype", older versions "torch_dtype"
+        return out
+
+    def abort(self) -> None:
+        """Drop everything written so far; ``path`` is left untouched."""
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "HFCheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def _check_replaceable(target: Path) -> None:
+    """Only an empty directory or a previous model may be replaced, never unrelated files."""
+    if not target.exists():
+        return
+    names = {p.name for p in target.iterdir()} if target.is_dir() else None
+    if names is None or (names and not names & {CONFIG_FILE, SINGLE_FILE, INDEX_FILE}):
+        raise UserError(f"{target} exists and is not a HuggingFace model directory; refusing to replace it "
+                        "(choose another output path or remove it)")
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move ``new`` onto ``target``; an existing model there is kept until the new one is in place."""
+    _check_replaceable(target)
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = target.parent / f"{target.name}.old-{os.getpid()}"
+    os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old)
+
+
+def save_hf_model(model: Qwen3Model, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                  max_shard_size: int | str = "5GB", extra_files: Iterable[str | os.PathLike] = ()) -> Path:
+    """Write ``model`` as a HF directory loadable by ``transformers.AutoModelForCausalLM``.
+
+    ``extra_files`` (e.g. the tokenizer's files) are copied alongside.
+    """
+    with HFCheckpointWriter(path, model.config, dtype, max_shard_size) as writer:
+        for name, param in model.named_parameters():
+            writer.add(name, param)
+        for source in extra_files:
+            writer.add_file(source)
+        return writer.finalize()

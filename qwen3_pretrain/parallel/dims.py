@@ -1,0 +1,59 @@
+"""Parallel degrees, their validation against the model and the world, and the device mesh.
+
+The mesh has four axes, outermost first: ``pp`` (pipeline stages), then the
+data-parallel ranks split into ``dp_replicate`` x ``dp_shard`` (FSDP's HSDP:
+with the distributed optimizer every dp rank holds a shard, without it every
+dp rank holds a full replica), then ``tp`` innermost so tensor-parallel peers,
+which talk every layer, sit on the same node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    tp: int
+    pp: int
+    distributed_optimizer: bool = True
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp if self.distributed_optimizer else 1
+
+    @property
+    def dp_replicate(self) -> int:
+        return 1 if self.distributed_optimizer else self.dp
+
+    def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
+        """Every check that can fail before any heavy work, with the numbers in the message."""
+        if self.world_size % (self.tp * self.pp):
+            raise UserError(f"tp x pp = {self.tp} x {self.pp} = {self.tp * self.pp} does not divide the "
+                            f"{self.world_size} launched processes; choose tp and pp whose product divides it")
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(cfg, name) % self.tp:
+                raise UserError(f"tp = {self.tp} does not divide {name} = {getattr(cfg, name)}; "
+                                f"pick a tp that divides both attention head counts")
+        if cfg.num_hidden_layers < num_stages:
+            raise UserError(f"{num_stages} pipeline stages need at least as many layers, but the model has "
+                            f"num_hidden_layers = {cfg.num_hidden_layers}; lower pp (or pp_virtual_stages)")
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary padded to a multiple of tp (the padding rows are masked in the loss and stripped on export)."""
+    return -(-vocab_size // tp) * tp

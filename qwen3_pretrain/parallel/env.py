@@ -1,0 +1,107 @@
+"""Process start-up: who launched us (nothing, torchrun or mpirun), which device, and the process group.
+
+torchrun exports RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. OpenMPI's
+mpirun exports OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}; the rendezvous address
+then comes from the config (``master_addr``/``master_port``), as in the
+reference workflow. Without a launcher we run as a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qwen3_pretrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # "none" | "torchrun" | "mpirun"
+
+
+def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> LaunchInfo:
+    """Read rank/world from the launcher's environment and export what ``env://`` init needs."""
+    env = os.environ
+    if "OMPI_COMM_WORLD_RANK" in env and "RANK" not in env:
+        info = LaunchInfo(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+                          int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
+    elif "RANK" in env and "WORLD_SIZE" in env:
+        info = LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+    else:
+        info = LaunchInfo(0, 1, 0, "none")
+    env.setdefault("MASTER_ADDR", master_addr if info.launcher != "none" else "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        env["MASTER_PORT"] = str(master_port if info.launcher != "none" else _free_port())
+    env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(info.rank), str(info.world_size), str(info.local_rank)
+    return info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    """``auto`` prefers CUDA, then an Ascend NPU (torch_npu), then the CPU."""
+    if kind == "auto":
+        if torch.cuda.is_available():
+            kind = "cuda"
+        elif _npu_available():
+            kind = "npu"
+        else:
+            kind = "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: cuda was asked for but torch.cuda.is_available() is False; use device: auto or cpu")
+    if kind == "npu" and not _npu_available():
+        raise UserError("device: npu was asked for but torch_npu is not installed or sees no NPU")
+    module = getattr(torch, kind)
+    module.set_device(local_rank % module.device_count())
+    return torch.device(kind, local_rank % module.device_count())
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())
+
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int, init_timeout_s: int) -> None:
+    """Join the process group; an unreachable rendezvous is a clear error, not a hang."""
+    if dist.is_initialized():
+        return
+    backend = BACKENDS[device.type]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    device_id = device if device.type != "cpu" else None
+    if info.launcher == "torchrun":  # torchrun's agent already hosts the store: join it via env://
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        store = dist.TCPStore(addr, port, info.world_size, is_master=info.rank == 0,
+                              timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise UserError(f"could not reach the rendezvous at {addr}:{port} within {init_timeout_s} s ({exc}); "
+                        "check master_addr/master_port and that rank 0 is running") from None
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                            timeout=timeout, device_id=device_id)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,112 @@
+"""Build the local part of the model for this rank: stage split -> TP -> activation checkpointing -> FSDP.
+
+The order follows the composition rules of torch.distributed: tensor
+parallelism first (parameters become DTensors on the tp axis), then
+checkpointing, then FSDP2 over the data-parallel axes (parameters become 2-D
+DTensors). Everything is built on the ``meta`` device and only this rank's
+slices are materialized, so an 8B model never exists whole on one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
+from qwen3_pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
+from qwen3_pretrain.train.loss import ChunkedLMHead
+
+# (parameter name, global shape, slices of this rank) -> values for those slices
+ParamSource = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
+
+
+@dataclass
+class PartSpec:
+    stage_index: int
+    num_stages: int
+    layers: range
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, as-even-as-possible layer ranges; earlier stages take the remainder (the last
+    stage also carries the LM head and loss)."""
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Stages of this pipeline rank: ``pp_rank + k * pp`` (the looped assignment interleaved schedules use)."""
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int) -> Qwen3Model:
+    """The stage's part of the model on the meta device, with an untied LM head swapped for the fused-loss head."""
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    for name in list(model.layers):
+        if int(name) not in spec.layers:
+            del model.layers[name]
+    if spec.stage_index != 0:
+        model.embed_tokens = None
+    if spec.stage_index != spec.num_stages - 1:
+        model.norm = None
+        model.lm_head = None
+    else:
+        # A tied head gets a parameter of its own, kept equal to the embedding by summing the two
+        # gradients (see TiedWeights), so the same code serves one stage and many.
+        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+        model.lm_head = ChunkedLMHead.from_linear(head)
+        model.lm_head.chunk_tokens = loss_chunk_tokens
+        model.lm_head.valid_vocab = valid_vocab if valid_vocab < cfg.vocab_size else None
+    model.return_hidden = True
+    return model
+
+
+def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> None:
+    """FSDP2 units: each decoder layer, the LM head (its forward runs in the loss, outside the model's),
+    and the rest (embedding, final norm) at the root."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    if model.lm_head is not None:
+        fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, ac_mode: str,
+                      mixed_precision: str) -> None:
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    apply_activation_checkpointing(model, ac_mode)
+    apply_fsdp(model, dp_mesh, mixed_precision)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, source: ParamSource) -> None:
+    """Allocate this rank's shards on ``device`` and fill each from ``source`` (only the owned slices)."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        else:
+            shape, offset = tuple(param.shape), (0,) * param.dim()
+        if local.numel() == 0:
+            continue
+        slices = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        local.copy_(source(name, tuple(param.shape), slices).to(local.dtype))

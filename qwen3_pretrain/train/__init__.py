@@ -1,0 +1,1 @@
+"""Training: the trainer loop, optimizer and LR schedule, loss, metrics."""

@@ -1,0 +1,124 @@
+"""The training config: the reference workflow's ``pretrain_config.yaml`` keys, verbatim, plus extras.
+
+Every field carries its help text; the configuration reference in the docs is
+generated from these dataclasses so it cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from qwen3_pretrain.config.loader import field_help
+from qwen3_pretrain.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    # --- keys of the reference pretrain_config.yaml ------------------------
+    model_name: str = field_help("qwen3-8b", "Preset to build (qwen3-0.6b … qwen3-32b) when model_path is empty; "
+                                 "otherwise a label that must not contradict model_path's config.json.")
+    model_path: str | None = field_help(None, "HuggingFace model directory (config.json + safetensors) to continue "
+                                        "pre-training from; empty: random init of the preset named by model_name.")
+    output_path: str = field_help("runs/pretrain", "Directory for checkpoints (step_<N>/), metrics.jsonl and the "
+                                  "resolved config.yaml.")
+    data_path: str = field_help("runs/data/d_convert", "Directory of shard_*.bin/.idx + manifest.json written by "
+                                "'qwen3-pretrain convert'.")
+    tokenizer_path: str | None = field_help(None, "Tokenizer directory; checked against the data's manifest and "
+                                            "copied into merged models.")
+    rank_size: int | None = field_help(None, "Total number of processes (devices); must equal the launched world "
+                                       "size. Empty: whatever was launched.")
+    master_addr: str = field_help("127.0.0.1", "Address of rank 0 for the rendezvous under mpirun (torchrun sets "
+                                  "its own).")
+    master_port: int = field_help(29500, "Port of rank 0 for the rendezvous under mpirun.")
+    hostfile: str | None = field_help(None, "mpirun hostfile (used by the launch script; recorded for reference).")
+    tp: int = field_help(1, "Tensor-parallel degree (splits attention heads, MLP and vocabulary).")
+    pp: int = field_help(1, "Pipeline-parallel degree (splits the layers into contiguous stages).")
+    seq_length: int = field_help(4096, "Tokens per sample.")
+    batch_size: int = field_help(1, "Micro-batch per data-parallel rank (samples). Global batch = batch_size x dp "
+                                 "x gradient_accumulation_steps.")
+    learning_rate: float = field_help(1e-5, "Peak learning rate, reached after warmup_steps.")
+    warmup_steps: int = field_help(0, "Linear warm-up steps from 0 to learning_rate.")
+    total_steps: int = field_help(1000, "Optimizer steps to train; the LR decays to min_lr at this step.")
+    save_steps: int = field_help(1000, "Save a checkpoint every this many steps (and at the end). 0: only at the end.")
+    mixed_precision: Literal["bf16", "fp32"] = field_help("bf16", "bf16: bf16 compute, fp32 master weights, "
+                                                          "gradient reduction and loss. fp32: everything fp32.")
+    distributed_optimizer: bool = field_help(True, "Shard optimizer state, gradients and master weights over the "
+                                             "data-parallel ranks (ZeRO/FSDP); false keeps full replicas.")
+    gradient_checkpointing: bool = field_help(False, "Recompute each layer's activations in the backward pass "
+                                              "(same as activation_checkpointing: full).")
+    weight_decay: float = field_help(0.01, "AdamW weight decay of matrices (not of norms and embeddings).")
+    log_steps: int = field_help(10, "Log a line and a metrics.jsonl record every this many steps.")
+    # --- extras --------------------------------------------------------------
+    gradient_accumulation_steps: int = field_help(1, "Micro-batches per optimizer step on each data-parallel rank.")
+    seed: int = field_help(1234, "Seed of weight initialization and data order.")
+    min_lr: float = field_help(0.0, "Learning rate at total_steps.")
+    lr_decay_style: Literal["cosine", "linear", "constant"] = field_help("cosine", "Decay after warm-up.")
+    adam_beta1: float = field_help(0.9, "AdamW beta1.")
+    adam_beta2: float = field_help(0.95, "AdamW beta2.")
+    adam_eps: float = field_help(1e-8, "AdamW epsilon.")
+    clip_grad: float = field_help(1.0, "Clip the global gradient norm (over all ranks) to this; 0 disables.")
+    pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = field_help("1f1b", "Pipeline schedule; interleaved "
+                                                                      "runs pp_virtual_stages stages per rank.")
+    pp_virtual_stages: int = field_help(2, "Stages per rank for pp_schedule: interleaved.")
+    pp_microbatch_size: int = field_help(1, "Samples per pipeline micro-batch; each rank's batch of batch_size x "
+                                         "gradient_accumulation_steps samples is split into micro-batches of this.")
+    activation_checkpointing: Literal["full", "selective", "none"] | None = field_help(
+        None, "full: recompute every layer; selective: recompute only the MLPs; none. Empty: from "
+              "gradient_checkpointing.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = field_help("auto", "auto picks cuda, then npu (torch_npu), "
+                                                               "then cpu.")
+    eval_steps: int = field_help(0, "Evaluate on the held-out split every this many steps; 0 disables.")
+    eval_iters: int = field_help(4, "Global batches per evaluation.")
+    valid_fraction: float = field_help(0.0, "Fraction of documents held out for evaluation (needs eval_steps).")
+    model_overrides: dict[str, Any] = field_help({}, "config.json keys overriding the preset, e.g. "
+                                                 "{num_hidden_layers: 4, hidden_size: 256} for a small model.")
+    loss_chunk_tokens: int = field_help(4096, "Tokens per chunk of the fused LM head + cross-entropy; bounds "
+                                        "logits memory to chunk x vocab/tp floats.")
+    reset_position_ids: bool = field_help(False, "Restart RoPE positions at each packed document.")
+    document_mask: bool = field_help(False, "Also stop attention across packed documents (implies "
+                                     "reset_position_ids; slower: builds a mask).")
+    keep_last_n: int = field_help(3, "Keep this many newest checkpoints; 0 keeps all.")
+    async_save: bool = field_help(False, "Write checkpoints in the background while training goes on.")
+    max_nonfinite_steps: int = field_help(5, "Stop cleanly after this many consecutive steps with a NaN/inf loss "
+                                          "or gradient norm (each one is skipped).")
+    peak_tflops: float | None = field_help(None, "Peak bf16 TFLOP/s per device for MFU; empty: from the device "
+                                           "table (CPU: measured at start-up).")
+    collective_timeout_s: int = field_help(600, "Timeout of collectives: a dead rank stops the others after this.")
+    init_timeout_s: int = field_help(300, "Timeout for reaching master_addr:master_port at start-up.")
+    tensorboard: bool = field_help(False, "Also write TensorBoard events to output_path/tensorboard.")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def ac_mode(self) -> str:
+        if self.activation_checkpointing is not None:
+            return self.activation_checkpointing
+        return "full" if self.gradient_checkpointing else "none"
+
+    def validate(self) -> None:
+        at_least = {"tp": 1, "pp": 1, "seq_length": 2, "batch_size": 1, "total_steps": 1, "log_steps": 1,
+                    "gradient_accumulation_steps": 1, "pp_virtual_stages": 1, "pp_microbatch_size": 1,
+                    "loss_chunk_tokens": 1, "collective_timeout_s": 1, "init_timeout_s": 1, "eval_iters": 1}
+        for key, low in at_least.items():
+            if getattr(self, key) < low:
+                raise ConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
+        for key in ("warmup_steps", "save_steps", "eval_steps", "keep_last_n", "max_nonfinite_steps",
+                    "weight_decay", "min_lr", "clip_grad"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.rank_size is not None and self.rank_size < 1:
+            raise ConfigError(f"rank_size must be >= 1, got {self.rank_size}")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ConfigError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.batch_size * self.gradient_accumulation_steps % self.pp_microbatch_size:
+            raise ConfigError(f"batch_size x gradient_accumulation_steps ({self.batch_size} x "
+                              f"{self.gradient_accumulation_steps}) must be a multiple of pp_microbatch_size "
+                              f"({self.pp_microbatch_size})")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)

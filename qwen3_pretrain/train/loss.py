@@ -1,0 +1,270 @@
+"""LM head + cross-entropy in chunks of tokens, vocab-parallel under tensor parallelism.
+
+Full fp32 logits for batch 4 x seq 8192 x vocab 151,936 take 20 GB per device.
+``fused_linear_cross_entropy`` never holds more than one chunk of them: for
+each chunk of tokens the forward pass computes the logits, the loss *and* the
+gradients (softmax - one-hot) at once, folds them into the gradients of the
+hidden states and of the head's weight, and drops the chunk. Backward then only
+scales the stored gradients by the incoming gradient of the loss.
+
+Under tensor parallelism each rank holds rows ``vocab_start … vocab_start +
+V_local`` of the head. Per token, the max logit (MAX), the sum of exponentials
+and the target logit (SUM, contributed by the one rank that owns the target id)
+are all-reduced over ``tp_group``; each rank's gradient of the hidden states is
+a partial sum over its vocab rows, so it is all-reduced once at the end. The
+gradient of the weight stays local, like the weight.
+
+``ChunkedLMHead`` is the ``nn.Linear`` the engine swaps in for ``lm_head``: plain
+logits without labels, the fused loss sum with them; it understands a weight
+that is a DTensor sharded over the vocab on a 1-D tensor-parallel mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from qwen3_pretrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    chunk_tokens: int
+    tp_group: dist.ProcessGroup | None
+    vocab_start: int
+    valid_vocab: int | None
+    compute_grads: bool
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_tokens: int = 4096,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    valid_vocab: int | None = None,
+) -> torch.Tensor:
+    """Sum over non-ignored tokens of ``cross_entropy(hidden @ weight.T, labels)``.
+
+    ``hidden`` [..., H] (bf16, fp16, fp32 or fp64), ``weight`` [V_local, H] the
+    rows ``vocab_start … vocab_start + V_local`` of the head (the whole head
+    when ``tp_group`` is None), ``labels`` [...] global token ids or
+    ``ignore_index``. Logits are computed in the inputs' dtype, softmax and loss
+    in fp32 (fp64 for fp64 inputs), which is also the dtype of the returned
+    scalar. Global ids ``>= valid_vocab`` are padding rows of the head and never
+    predicted. Returns a sum so the caller can divide by the number of valid
+    tokens over all micro-batches and data-parallel ranks. Under autocast the
+    inputs are cast to the autocast dtype first, as ``F.linear`` would.
+    """
+    hidden, weight = _autocast_inputs(hidden, weight)
+    _check_inputs(hidden, weight, labels, chunk_tokens, valid_vocab)
+    opts = _Options(ignore_index, chunk_tokens, tp_group, vocab_start, valid_vocab, torch.is_grad_enabled())
+    return _FusedLinearCrossEntropy.apply(hidden, weight, labels, opts)
+
+
+def _autocast_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return hidden, weight
+    dtype = torch.get_autocast_dtype(device)
+    return hidden.to(dtype), weight.to(dtype)
+
+
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                  chunk_tokens: int, valid_vocab: int | None) -> None:
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise UserError(f"LM head weight has shape {tuple(weight.shape)}, expected [vocab, {hidden.shape[-1]}] "
+                        f"to match hidden states of shape {tuple(hidden.shape)}")
+    if weight.shape[0] == 0:
+        raise UserError("this rank's shard of the LM head has no vocab rows: pad the vocab to a multiple of tp")
+    if hidden.dtype != weight.dtype:
+        raise UserError(f"hidden states are {hidden.dtype} but the LM head weight is {weight.dtype}: "
+                        "cast one of them (or run under autocast)")
+    if labels.shape != hidden.shape[:-1] or labels.is_floating_point():
+        raise UserError(f"labels must be integer ids of shape {tuple(hidden.shape[:-1])}, "
+                        f"got {labels.dtype} of shape {tuple(labels.shape)}")
+    if chunk_tokens < 1:
+        raise UserError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    if valid_vocab is not None and valid_vocab < 1:
+        raise UserError(f"valid_vocab must be at least 1, got {valid_vocab}")
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                opts: _Options) -> torch.Tensor:
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+        flat_labels = labels.reshape(-1).long()  # [N]
+        num_tokens = flat_labels.numel()
+        compute = torch.promote_types(hidden.dtype, torch.float32)
+        # Gradients are computed only when autograd will ask for them (not in eval).
+        grad_hidden = _zeros_if(opts.compute_grads and ctx.needs_input_grad[0], flat_hidden.shape, hidden)
+        grad_weight = _zeros_if(opts.compute_grads and ctx.needs_input_grad[1], weight.shape, weight, compute)
+        loss = torch.zeros((), dtype=compute, device=hidden.device)
+        unmatched = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
+        # Autocast already happened in the caller; inside, every dtype is chosen explicitly.
+        with torch.autocast(hidden.device.type, enabled=False):
+            # A fixed chunk order keeps the fp32 accumulations deterministic.
+            for start in range(0, num_tokens, opts.chunk_tokens):
+                end = min(start + opts.chunk_tokens, num_tokens)
+                chunk_grad_hidden = None if grad_hidden is None else grad_hidden[start:end]
+                loss += _chunk(flat_hidden[start:end], weight, flat_labels[start:end], opts,
+                               chunk_grad_hidden, grad_weight, unmatched[start:end])
+        _check_labels(flat_labels, unmatched, opts)
+        if grad_hidden is not None and opts.tp_group is not None:
+            dist.all_reduce(grad_hidden, group=opts.tp_group)  # sum of the vocab shards' partials
+        ctx.save_for_backward(
+            None if grad_hidden is None else grad_hidden.view(hidden.shape),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+        )
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            None if grad_hidden is None else grad_hidden * grad_loss,
+            None if grad_weight is None else grad_weight * grad_loss,
+            None,
+            None,
+        )
+
+
+def _zeros_if(needed: bool, shape: torch.Size, like: torch.Tensor,
+              dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    return torch.zeros(shape, dtype=dtype or like.dtype, device=like.device) if needed else None
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opts: _Options,
+           grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+           unmatched: torch.Tensor) -> torch.Tensor:
+    """Loss sum of one chunk of n tokens; writes its gradients into the two buffers.
+
+    ``unmatched`` [n] is set where a non-ignored label is owned by no rank (an
+    id outside the vocabulary), for ``_check_labels``.
+    """
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    logits = (hidden @ weight.T).to(compute)  # [n, V_local]; the matmul in the inputs' dtype
+    num_local = weight.shape[0]
+    if opts.valid_vocab is not None:
+        num_local = min(max(opts.valid_vocab - opts.vocab_start, 0), num_local)
+        logits[:, num_local:] = float("-inf")
+    valid = labels != opts.ignore_index  # [n]
+    local_ids = labels - opts.vocab_start
+    owned = valid & (local_ids >= 0) & (local_ids < num_local)
+    local_ids = torch.where(owned, local_ids, 0)[:, None]  # [n, 1], in range for gather/scatter
+    row_max = logits.amax(dim=-1)  # [n]
+    _all_reduce(row_max, dist.ReduceOp.MAX, opts.tp_group)
+    target = torch.where(owned, logits.gather(1, local_ids).squeeze(1), 0.0)
+    probs = logits.sub_(row_max[:, None]).exp_()  # in place: unnormalized softmax
+    stats = torch.stack([probs.sum(dim=-1), target, owned.to(compute)])  # [3, n]
+    _all_reduce(stats, dist.ReduceOp.SUM, opts.tp_group)
+    sum_exp, target, num_owners = stats
+    unmatched.copy_(valid & (num_owners != 1))
+    loss = torch.where(valid, row_max + sum_exp.log() - target, 0.0).sum()
+    if grad_hidden is None and grad_weight is None:
+        return loss
+    # d loss / d logits = softmax - one-hot, zero on ignored tokens
+    probs.mul_(torch.where(valid, sum_exp.reciprocal(), 0.0)[:, None])
+    grad_logits = probs.scatter_add_(1, local_ids, -owned.to(compute)[:, None]).to(hidden.dtype)
+    if grad_hidden is not None:
+        grad_hidden.copy_(grad_logits @ weight)  # [n, H], partial over the vocab shards
+    if grad_weight is not None:
+        grad_weight += grad_logits.T @ hidden  # [V_local, H], accumulated in fp32
+    return loss
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _check_labels(labels: torch.Tensor, unmatched: torch.Tensor, opts: _Options) -> None:
+    # One host sync per call; a silent wrong loss from a bad token id would cost far more.
+    if not bool(unmatched.any()):
+        return
+    bad = labels[unmatched]
+    limit = f"below valid_vocab={opts.valid_vocab}" if opts.valid_vocab is not None else "in the LM head's vocab"
+    raise UserError(
+        f"{bad.numel()} label(s) are not token ids {limit} nor ignore_index={opts.ignore_index} "
+        f"(first: {int(bad[0])}): check that the data was tokenized for this model's vocab_size"
+    )
+
+
+class ChunkedLMHead(nn.Linear):
+    """The LM head as an ``nn.Linear`` whose loss never materializes the full logits.
+
+    ``forward(h)`` returns plain logits (generation, evaluation); ``forward(h,
+    labels)`` returns ``fused_linear_cross_entropy``'s loss sum. ``weight`` may
+    be a DTensor on a 1-D tensor-parallel mesh, sharded over the vocab
+    (``Shard(0)``) or replicated; ``h`` (and ``labels``) may be DTensors too,
+    e.g. sequence-parallel ``Shard(1)``: they are gathered to the full tensor
+    first, so without DTensors ``h`` must be the same on every tp rank.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 chunk_tokens: int = 4096, valid_vocab: int | None = None, ignore_index: int = -100,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if bias:
+            raise UserError("ChunkedLMHead has no bias: Qwen3's LM head has none")
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.chunk_tokens = chunk_tokens  # tokens per chunk: memory ~ chunk_tokens x V_local x 6 bytes
+        self.valid_vocab = valid_vocab  # real vocab size when the head is padded to a multiple of tp
+        self.ignore_index = ignore_index
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
+                    ignore_index: int = -100) -> ChunkedLMHead:
+        """A head sharing ``linear``'s weight Parameter (same object), so parameter names and ties survive."""
+        if linear.bias is not None:
+            raise UserError("cannot build a ChunkedLMHead from a Linear with a bias: Qwen3's LM head has none")
+        head = cls(linear.in_features, linear.out_features, chunk_tokens=chunk_tokens,
+                   valid_vocab=valid_vocab, ignore_index=ignore_index, device="meta")
+        head.weight = linear.weight
+        return head
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(h, self.weight)
+        weight, tp_group, vocab_start = _local_vocab_shard(self.weight)
+        return fused_linear_cross_entropy(
+            _full(h), weight, _full(labels), ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
+            tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_tokens={self.chunk_tokens}, valid_vocab={self.valid_vocab}"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank. Differentiable: the gradient of a sharded
+    DTensor is then the local slice of the (replicated) full gradient."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
+    """(local rows, tp group or None, global id of the first local row) of the head's weight."""
+    if not isinstance(weight, DTensor):
+        return weight, None, 0
+    mesh, placement = weight.device_mesh, weight.placements[0]
+    if mesh.ndim != 1 or not (placement.is_replicate() or placement.is_shard(0)):
+        raise UserError(f"the LM head weight must be replicated or sharded on dim 0 (vocab) over a 1-D tp mesh, "
+                        f"got placements {weight.placements} on a {mesh.ndim}-D mesh")
+    local = weight.to_local()
+    if placement.is_replicate():
+        return local, None, 0
+    # Shard(0) splits like torch.chunk: ceil(vocab / tp) rows per rank, the last ranks shorter.
+    vocab = weight.shape[0]
+    rows_per_rank = -(-vocab // mesh.size())
+    vocab_start = min(mesh.get_local_rank() * rows_per_rank, vocab)
+    assert local.shape[0] == min(rows_per_rank, vocab - vocab_start), "unexpected Shard(0) layout"
+    return local, mesh.get_group(), vocab_start

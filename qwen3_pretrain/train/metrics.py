@@ -1,0 +1,107 @@
+"""Step metrics: throughput, MFU, memory; one record per logged step, written as JSON and shown as a line.
+
+The record is the data (``metrics.jsonl``); the human log line is a view of it.
+MFU = achieved model FLOP/s / peak FLOP/s, with FLOPs per token from
+``Qwen3Config.flops_per_token`` (6 x matmul weights + attention, PaLM's
+convention) and the peak from the table below, ``peak_tflops`` in the config,
+or, on a CPU, a bf16 matmul measured at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device (vendor figures). Ascend 910B SKUs differ (roughly 280-376);
+# 313 is the 910B3's figure: set peak_tflops in the config for yours.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "910B": 313.0}
+
+
+def device_peak_tflops(device: torch.device, configured: float | None) -> tuple[float, str]:
+    """(peak TFLOP/s per device, where the figure comes from)."""
+    if configured:
+        return configured, "config"
+    if device.type in ("cuda", "npu"):
+        name = getattr(torch, device.type).get_device_name(device)
+        for key, peak in PEAK_BF16_TFLOPS.items():
+            if key in name.upper().replace(" ", ""):
+                return peak, f"table ({name})"
+        return float("nan"), f"unknown device {name!r}: set peak_tflops"
+    return measure_cpu_tflops(), "measured bf16 matmul"
+
+
+def measure_cpu_tflops(n: int = 1024, reps: int = 8) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory: the device allocator's on accelerators, the process's peak RSS on a CPU."""
+    if device.type in ("cuda", "npu"):
+        return getattr(torch, device.type).max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h"
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{s:02d}s"
+    return f"{s}s"
+
+
+def format_line(r: dict) -> str:
+    line = (f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"grad_norm {r['grad_norm']:.3g} | tokens/s {r['tokens_per_sec']:.0f} "
+            f"({r['tokens_per_sec_per_device']:.1f}/device) | step {r['step_time_s']:.2f} s | "
+            f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.1f} GiB | eta {format_eta(r['eta_s'])}")
+    return line + (" | skipped" if r.get("skipped") else "")
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl`` (and optionally TensorBoard)."""
+
+    def __init__(self, output_path: str | os.PathLike, tensorboard: bool = False) -> None:
+        self.file = open(Path(output_path) / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("warning: tensorboard is not installed; pip install tensorboard", file=sys.stderr)
+            else:
+                self.tb = SummaryWriter(str(Path(output_path) / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None and "step" in record and "event" not in record:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()

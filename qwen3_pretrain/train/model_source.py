@@ -1,0 +1,83 @@
+"""Where the initial weights come from: a preset (random init) or a HuggingFace model directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from qwen3_pretrain.config.loader import nearest
+from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
+from qwen3_pretrain.models.qwen3.model import init_param
+from qwen3_pretrain.train.config import TrainConfig
+
+# Keys a preset and a checkpoint's config.json must agree on for model_name to describe model_path.
+ARCHITECTURE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+
+
+@dataclass
+class ModelSource:
+    config: Qwen3Config
+    reader: object | None  # HFCheckpointReader when continuing from a HF directory
+    description: str
+
+    def tensor_source(self, padded_vocab: int, seed: int):
+        """A ``ParamSource`` for ``materialize``: values of any slice of any parameter.
+
+        A tied head reads the embedding's values; rows past the real vocabulary (padding added to
+        make it divisible by tp) are zero and never receive probability mass.
+        """
+        cfg = self.config
+
+        def source(name: str, shape: tuple[int, ...], slices: tuple[slice, ...]) -> torch.Tensor:
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                name = "embed_tokens.weight"
+            real = (cfg.vocab_size,) + tuple(shape[1:]) if shape[0] == padded_vocab else tuple(shape)
+            out = torch.zeros(tuple(s.stop - s.start for s in slices))
+            rows = slice(slices[0].start, min(slices[0].stop, real[0]))
+            if rows.stop <= rows.start:
+                return out
+            want = (rows,) + tuple(slices[1:])
+            if self.reader is not None:
+                values = self.reader.read_slice(name, want)
+            else:
+                values = init_param(name, real, cfg, seed)[want]
+            out[: rows.stop - rows.start] = values
+            return out
+
+        return source
+
+
+def resolve_model(cfg: TrainConfig) -> ModelSource:
+    if cfg.model_path:
+        from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointReader
+
+        if cfg.model_overrides:
+            raise ConfigError("model_overrides cannot be combined with model_path: the checkpoint's config.json "
+                              "defines the model")
+        reader = HFCheckpointReader(cfg.model_path)
+        _check_name_matches(cfg.model_name, reader.config, cfg.model_path)
+        return ModelSource(reader.config, reader, f"{cfg.model_path} (continued pre-training)")
+    model_cfg = get_preset(cfg.model_name)
+    if cfg.model_overrides:
+        fields = {f.name for f in dataclasses.fields(Qwen3Config)}
+        for key in cfg.model_overrides:
+            if key not in fields:
+                hint = nearest(key, fields)
+                raise ConfigError(f"model_overrides: unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else ""))
+        model_cfg = dataclasses.replace(model_cfg, **cfg.model_overrides)
+    return ModelSource(model_cfg, None, f"{cfg.model_name} preset, random init (seed {cfg.seed})")
+
+
+def _check_name_matches(model_name: str, config: Qwen3Config, path: str) -> None:
+    if not is_preset_name(model_name):
+        return  # a free-form label
+    preset = get_preset(model_name)
+    diffs = [f"{k}: preset {getattr(preset, k)} vs {getattr(config, k)}" for k in ARCHITECTURE_KEYS
+             if getattr(preset, k) != getattr(config, k)]
+    if diffs:
+        raise ConfigError(f"model_name {model_name!r} names a preset that contradicts {path}/config.json "
+                          f"({'; '.join(diffs)}); fix model_name or model_path")

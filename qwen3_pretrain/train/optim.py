@@ -1,0 +1,52 @@
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedule.
+
+Norm weights and embeddings get no weight decay (the usual choice for LLM
+pre-training: decaying a norm's gain or rare tokens' embeddings towards zero
+only hurts). A tied LM head is an embedding too. The schedule is a pure
+function of the step, so resuming needs nothing but the step number.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from qwen3_pretrain.train.config import TrainConfig
+
+
+def _no_decay(name: str, tied: bool) -> bool:
+    return name.endswith("norm.weight") or "embed_tokens" in name or (tied and name.startswith("lm_head"))
+
+
+def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for part in parts:
+        for name, param in part.named_parameters():
+            (no_decay if _no_decay(name, tied) else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, cfg),
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up to ``learning_rate`` over
+    ``warmup_steps``, then cosine/linear decay to ``min_lr`` at ``total_steps`` (or constant)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if cfg.lr_decay_style == "constant":
+        return cfg.learning_rate
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.lr_decay_style == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + (cfg.learning_rate - cfg.min_lr) * factor
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

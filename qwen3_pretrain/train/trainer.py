@@ -1,0 +1,282 @@
+"""The training loop: set-up on every rank, then forward/backward (pipelined or not), reduce, step, log.
+
+``qwen3-pretrain train --config pretrain_config.yaml [key=value ...]`` runs it
+as one process, under ``torchrun`` or under ``mpirun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from qwen3_pretrain.config.loader import load_config, save_config
+from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
+from qwen3_pretrain.data.reader_manifest import validate_manifest
+from qwen3_pretrain.errors import ConfigError, UserError
+from qwen3_pretrain.parallel import env
+from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size
+from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
+from qwen3_pretrain.parallel.parallelize import (
+    PartSpec,
+    build_stage,
+    local_stage_indices,
+    materialize,
+    parallelize_stage,
+    stage_layer_ranges,
+)
+from qwen3_pretrain.parallel.pipeline import build_schedule
+from qwen3_pretrain.train.config import TrainConfig
+from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
+from qwen3_pretrain.train.model_source import resolve_model
+from qwen3_pretrain.train.optim import build_optimizer, lr_at, set_lr
+
+log = logging.getLogger("qwen3_pretrain.train")
+
+
+class TrainingHalted(UserError):
+    """Training stopped on purpose (too many non-finite steps); the last good checkpoint is kept."""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.launch = env.detect_launch(cfg.master_addr, cfg.master_port)
+        _setup_logging(self.launch.rank)
+        self._validate_before_launch()
+        self.device = env.pick_device(cfg.device, self.launch.local_rank)
+        env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self._build_model()
+        self._build_data()
+        self.step = 0
+        self.tokens_seen = 0
+        self.nonfinite_in_a_row = 0
+        coord = self.mesh.get_coordinate()
+        self.is_log_rank = coord[0] == self.dims.pp - 1 and not any(coord[1:])
+        Path(cfg.output_path).mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
+
+    # --- set-up ------------------------------------------------------------------
+
+    def _validate_before_launch(self) -> None:
+        """Every check that needs no process group, so bad input stops each rank before heavy work."""
+        cfg, world = self.cfg, self.launch.world_size
+        if cfg.rank_size is not None and cfg.rank_size != world:
+            raise ConfigError(f"rank_size is {cfg.rank_size} but {world} processes were launched; make them "
+                              "equal (mpirun -np / torchrun --nproc_per_node x --nnodes)")
+        self.source = resolve_model(cfg)
+        model_cfg = self.source.config
+        if cfg.seq_length > model_cfg.max_position_embeddings:
+            raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
+                              f"{model_cfg.max_position_embeddings}")
+        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer)
+        self.stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
+        self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
+        if cfg.pp > 1 and (cfg.reset_position_ids or cfg.document_mask):
+            raise ConfigError("reset_position_ids/document_mask are not supported with pp > 1 yet; set them false")
+        self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
+        self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
+        self.manifest = validate_manifest(cfg.data_path, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
+
+    def _build_model(self) -> None:
+        cfg, model_cfg, dims = self.cfg, self.source.config, self.dims
+        padded = padded_vocab_size(model_cfg.vocab_size, dims.tp)
+        stage_cfg = type(model_cfg)(**{**model_cfg.__dict__, "vocab_size": padded})
+        num_stages = dims.pp * self.stages_per_rank
+        ranges = stage_layer_ranges(model_cfg.num_hidden_layers, num_stages)
+        self.stage_indices = local_stage_indices(self.mesh.get_local_rank("pp"), dims.pp, self.stages_per_rank)
+        dp_mesh = self.mesh["dp_shard"] if cfg.distributed_optimizer else self.mesh["dp_replicate", "dp_shard"]
+        source = self.source.tensor_source(padded, cfg.seed)
+        self.parts = []
+        for idx in self.stage_indices:
+            part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
+                               cfg.loss_chunk_tokens)
+            part.document_mask = cfg.document_mask
+            parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision)
+            materialize(part, self.device, source)
+            self.parts.append(part)
+        self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings else None
+        self.params = [p for part in self.parts for p in part.parameters()]
+        # The tied head's gradient equals the embedding's: count it once in the global norm.
+        skip = {id(self.tied.head)} if self.tied is not None and self.tied.head is not None else set()
+        self.norm_params = [p for p in self.params if id(p) not in skip]
+        self.optimizer = build_optimizer(self.parts, cfg, tied=model_cfg.tie_word_embeddings)
+        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        self.has_first = 0 in self.stage_indices
+        self.has_last = num_stages - 1 in self.stage_indices
+        if dims.pp > 1:
+            self.schedule = build_schedule(self.parts, self.stage_indices, num_stages, self.device, self.pp_group,
+                                           cfg.pp_schedule, self.num_microbatches, self._loss_fn)
+
+    def _build_data(self) -> None:
+        cfg, dims = self.cfg, self.dims
+        dataset = PackedDataset(cfg.data_path, cfg.seq_length, seed=cfg.seed, valid_fraction=cfg.valid_fraction)
+        self.global_batch = cfg.batch_size * dims.dp * cfg.gradient_accumulation_steps
+        dp_rank = self.mesh.get_local_rank("dp_replicate") * dims.dp_shard + self.mesh.get_local_rank("dp_shard")
+        micro = cfg.batch_size
+        self.loader = GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro)
+        self.global_tokens = self.global_batch * cfg.seq_length
+        # Each rank's loss is its token sum over the global batch's token count, times dp because
+        # FSDP averages gradients over the dp ranks: together they give the global token mean.
+        self.loss_scale = dims.dp / self.global_tokens
+
+    # --- one step -------------------------------------------------------------------
+
+    def _loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        head = self.parts[-1].lm_head
+        if self.dims.tp > 1:
+            hidden = DTensor.from_local(hidden, self.mesh["tp"], [Shard(1)])
+        return head(hidden, labels) * self.loss_scale
+
+    def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Sum over this rank's micro-batches of the scaled loss (zero where the rank holds no head)."""
+        total = torch.zeros((), device=self.device)
+        if self.dims.pp == 1:
+            part = self.parts[0]
+            for i, mb in enumerate(batches):
+                part.set_requires_gradient_sync(i == len(batches) - 1)
+                positions = mb["positions"].to(self.device) if self.cfg.reset_position_ids or self.cfg.document_mask else None
+                hidden = part(mb["input_ids"].to(self.device), positions)
+                loss = self._loss_fn(hidden, mb["labels"].to(self.device))
+                loss.backward()
+                total += loss.detach()
+            return total
+        inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
+        labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        for loss in losses:
+            total += loss.detach()
+        return total
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        start = time.perf_counter()
+        batches = next(self.loader)
+        local_loss = self._forward_backward(batches)
+        if self.tied is not None:
+            self.tied.sync_grads()
+        grad_norm = global_grad_norm(self.norm_params, self.pp_group).item()
+        # Every last-stage rank holds its dp share of the loss, replicated over tp.
+        dist.all_reduce(local_loss)
+        loss = local_loss.item() / (self.dims.tp * self.dims.dp)
+        lr = lr_at(self.step, cfg)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            clip_grads(self.params, cfg.clip_grad, grad_norm)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        self.tokens_seen += self.global_tokens
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                "step_time_s": time.perf_counter() - start, "consumed_samples": self.loader.consumed_samples}
+
+    # --- the loop -------------------------------------------------------------------
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        self._log_start()
+        history: list[dict] = []
+        peak, _ = device_peak_tflops(self.device, cfg.peak_tflops)
+        flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
+        avg_step = None
+        while self.step < cfg.total_steps:
+            rec = self.train_step()
+            history.append(rec)
+            self._check_finite(rec)
+            if rec["step"] > 1 or cfg.total_steps == 1:  # the first step pays for warm-up
+                avg_step = rec["step_time_s"] if avg_step is None else 0.9 * avg_step + 0.1 * rec["step_time_s"]
+            if self.is_log_rank and (rec["step"] % cfg.log_steps == 0 or rec["step"] == cfg.total_steps
+                                     or rec["skipped"]):
+                self._log_step(rec, peak, flops_per_token, avg_step or rec["step_time_s"])
+        return history
+
+    def _check_finite(self, rec: dict) -> None:
+        if not rec["skipped"]:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        if self.is_log_rank:
+            log.warning("step %d: non-finite loss %s or grad_norm %s at data position %d samples; "
+                        "optimizer step skipped", rec["step"], rec["loss"], rec["grad_norm"], rec["consumed_samples"])
+        if self.nonfinite_in_a_row >= max(1, self.cfg.max_nonfinite_steps):
+            raise TrainingHalted(f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
+                                 f"norm (last at step {rec['step']}); stopping. Lower learning_rate or check the "
+                                 "data at that position; the last good checkpoint is kept")
+
+    def _log_step(self, rec: dict, peak_tflops: float, flops_per_token: float, avg_step: float) -> None:
+        world = self.launch.world_size
+        tps = self.global_tokens / rec["step_time_s"]
+        record = {
+            "step": rec["step"], "total_steps": self.cfg.total_steps, "loss": rec["loss"], "lr": rec["lr"],
+            "grad_norm": rec["grad_norm"], "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world,
+            "step_time_s": rec["step_time_s"], "mfu": flops_per_token * tps / (peak_tflops * 1e12 * world),
+            "memory_gib": memory_gib(self.device), "tokens_seen": self.tokens_seen,
+            "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
+        }
+        if rec["skipped"]:
+            record["skipped"] = True
+        log.info(format_line(record))
+        self.metrics.write(record)
+
+    def _log_start(self) -> None:
+        cfg, dims, m = self.cfg, self.dims, self.source.config
+        if self.launch.rank == 0:
+            save_config(cfg, Path(cfg.output_path) / "config.yaml")
+        if self.num_microbatches < dims.pp and dims.pp > 1 and self.launch.rank == 0:
+            log.warning("the pipeline has %d micro-batches for %d stages: most of each step is bubble; raise "
+                        "batch_size or gradient_accumulation_steps", self.num_microbatches, dims.pp)
+        if self.is_log_rank:
+            log.info("run start: world %d | tp %d pp %d dp %d | global_batch %d (batch_size %d x dp %d x "
+                     "accumulation %d) | seq %d | model %s, %.3gB params | %s | device %s | launcher %s",
+                     self.launch.world_size, dims.tp, dims.pp, dims.dp, self.global_batch, cfg.batch_size, dims.dp,
+                     cfg.gradient_accumulation_steps, cfg.seq_length, cfg.model_name, m.num_params() / 1e9,
+                     self.source.description, self.device, self.launch.launcher)
+            self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
+                                "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "global_batch": self.global_batch})
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        env.destroy()
+
+
+def _setup_logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger("qwen3_pretrain")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    parser = argparse.ArgumentParser(prog="qwen3-pretrain train", description="Pre-train a Qwen3 model.")
+    parser.add_argument("--config", help="training config YAML (the reference pretrain_config.yaml keys)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
+def main(argv: list[str]) -> int:
+    config_path, overrides = parse_args(argv)
+    cfg = load_config(TrainConfig, config_path, overrides)
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return 0

@@ -1,0 +1,40 @@
+"""Fixtures shared by the test files: paths of the repository and a tiny model config factory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path() -> Path:
+    """Directory of the bundled Qwen3 tokenizer (tokenizer.json, vocab.json, merges.txt)."""
+    return REPO_ROOT / "assets" / "qwen3-tokenizer"
+
+
+@pytest.fixture
+def tiny_config() -> Callable[..., Any]:
+    """``tiny_config(**overrides)`` -> a Qwen3Config small enough for a CPU test in milliseconds.
+
+    The defaults keep Qwen3's quirks: grouped-query attention and a head_dim
+    that is not hidden_size / num_attention_heads.
+    """
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+
+    def make(**overrides: Any) -> Qwen3Config:
+        fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+        fields.update(overrides)
+        return Qwen3Config(**fields)
+
+    return make
