@@ -14,6 +14,7 @@ from qwen3_pretrain.models.qwen3.config import PRESETS
 from qwen3_pretrain.models.qwen3.hf_io import (
     HFCheckpointReader,
     HFCheckpointWriter,
+    expected_shapes,
     hf_to_internal,
     internal_to_hf,
     load_hf_model,
@@ -74,6 +75,7 @@ def test_name_mapping_roundtrip_and_unknown_names():
 @pytest.mark.parametrize("text, expected", [(1234, 1234), ("5GB", 5 * 10**9), ("500MB", 500 * 10**6),
                                             ("2GiB", 2 * 2**30), ("100kb", 100_000), ("1.5MiB", 1_572_864)])
 def test_parse_size(text, expected):
+    """HF's convention: GB is 10^9 bytes, GiB 2^30."""
     assert parse_size(text) == expected
 
 
@@ -181,8 +183,12 @@ def test_writer_rejects_wrong_shapes_and_duplicates(tiny_config, tmp_path):
             writer.add("norm.weight", torch.ones(32))
         with pytest.raises(UserError, match="layers.5.mlp.up_proj.weight"):
             writer.add("layers.5.mlp.up_proj.weight", torch.zeros(64, 32))
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "config.json").write_text("{}")
+        with pytest.raises(UserError, match="would overwrite the model's own config.json"):
+            writer.add_file(tmp_path / "src" / "config.json")
         writer.abort()
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["src"]
 
 
 # --- clear errors on broken checkpoints -----------------------------------
@@ -202,7 +208,7 @@ def test_extra_tensor_is_named(saved):
     tensors = hf_tensors(path)
     rewrite(path, {**tensors, "model.layers.2.mlp.up_proj.weight": torch.zeros(64, 32)})
     with pytest.raises(UserError, match="unexpected tensor 'model.layers.2.mlp.up_proj.weight'"):
-        load_hf_model(path)
+        HFCheckpointReader(path).validate()
     rewrite(path, {**tensors, "model.rotary.freqs": torch.zeros(4)})
     with pytest.raises(UserError, match="model.safetensors.*'model.rotary.freqs'"):
         load_hf_model(path)
@@ -274,4 +280,5 @@ def test_preset_parameter_counts_match_published(preset):
     print(f"\n[params {preset}] meta model {counted / 1e9:.3f}B, num_params() {cfg.num_params() / 1e9:.3f}B, "
           f"published {PUBLISHED_PARAMS_B[preset]:.3f}B")
     assert counted == cfg.num_params()
+    assert expected_shapes(cfg) == {name: tuple(p.shape) for name, p in model.named_parameters()}
     assert abs(counted - published) / published < 0.005

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.train.loss import ChunkedLMHead, fused_linear_cross_entropy
@@ -162,7 +164,7 @@ def test_chunked_lm_head_logits_loss_and_from_linear():
         ChunkedLMHead.from_linear(nn.Linear(16, 50))
 
 
-# --- vocab-parallel: 2 and 4 gloo processes ---------------------------------------------------------
+# --- vocab-parallel: 4 gloo processes, tp 4 and tp 2 ------------------------------------------
 
 def run_distributed(world_size: int, fn, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a failure in any fails the test."""
@@ -187,12 +189,12 @@ def _vocab_shards(vocab: int, tp: int) -> list[tuple[int, int]]:
     return [(min(r * rows, vocab), min((r + 1) * rows, vocab)) for r in range(tp)]
 
 
-def _check_plain_tensor_shards(rank: int, tp: int) -> None:
-    """Each rank holds a slice of W and passes tp_group; uneven shards, padded vocab and bf16."""
+def _check_plain_tensor_shards(mesh) -> None:
+    """Each rank holds a slice of W and passes the tp group; uneven shards, padded vocab and bf16."""
+    tp, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     h, w, labels = make_inputs(shape=(2, 11), vocab=37)
     start, stop = _vocab_shards(37, tp)[rank]
-    loss, gh, gw = fused(h, w[start:stop], labels, scale=0.5, chunk_tokens=5,
-                         tp_group=dist.group.WORLD, vocab_start=start)
+    loss, gh, gw = fused(h, w[start:stop], labels, scale=0.5, chunk_tokens=5, tp_group=group, vocab_start=start)
     want_loss, want_gh, want_gw = naive(h, w, labels, scale=0.5)
     torch.testing.assert_close(loss, want_loss, **TOL[torch.float64])
     torch.testing.assert_close(gh, want_gh, **TOL[torch.float64])
@@ -200,7 +202,7 @@ def _check_plain_tensor_shards(rank: int, tp: int) -> None:
 
     padded = torch.cat([w, 50.0 * torch.ones(40 - 37, w.shape[1], dtype=w.dtype)])  # 40 = a multiple of tp
     start, stop = _vocab_shards(40, tp)[rank]
-    loss, gh, gw = fused(h, padded[start:stop], labels, chunk_tokens=4, tp_group=dist.group.WORLD,
+    loss, gh, gw = fused(h, padded[start:stop], labels, chunk_tokens=4, tp_group=group,
                          vocab_start=start, valid_vocab=37)
     want_loss, want_gh, want_gw = naive(h, w, labels)
     torch.testing.assert_close(loss, want_loss, **TOL[torch.float64])
@@ -209,7 +211,7 @@ def _check_plain_tensor_shards(rank: int, tp: int) -> None:
 
     hb, wb = h.bfloat16(), w.bfloat16()
     start, stop = _vocab_shards(37, tp)[rank]
-    loss, gh, gw = fused(hb, wb[start:stop], labels, chunk_tokens=8, tp_group=dist.group.WORLD, vocab_start=start)
+    loss, gh, gw = fused(hb, wb[start:stop], labels, chunk_tokens=8, tp_group=group, vocab_start=start)
     want_loss, want_gh, want_gw = naive(hb, wb, labels)
     assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
     torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
@@ -217,12 +219,8 @@ def _check_plain_tensor_shards(rank: int, tp: int) -> None:
     torch.testing.assert_close(gw, want_gw[start:stop], rtol=2e-2, atol=3e-2 * want_gw.abs().max().item())
 
 
-def _check_dtensor_head(rank: int, tp: int) -> None:
+def _check_dtensor_head(mesh) -> None:
     """ChunkedLMHead with W sharded Shard(0) and h sequence-parallel Shard(1): same loss and full grads."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (tp,))
     h, w, labels = make_inputs(shape=(2, 8), vocab=37)
     linear = nn.Linear(16, 37, bias=False, dtype=torch.float64)
     linear.weight = nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
@@ -238,12 +236,15 @@ def _check_dtensor_head(rank: int, tp: int) -> None:
         torch.testing.assert_close(head(h_dt).full_tensor(), F.linear(h, w), **TOL[torch.float64])
 
 
-def _check_all(rank: int, tp: int) -> None:
-    _check_plain_tensor_shards(rank, tp)
-    _check_dtensor_head(rank, tp)
+def _check_tp4_and_tp2(rank: int, world_size: int) -> None:
+    # tp=2 runs as two replicas on the inner axis of a (dp, tp) mesh, so its group is not the world's.
+    tp4 = init_device_mesh("cpu", (world_size,))
+    tp2 = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    for mesh in (tp4, tp2):
+        _check_plain_tensor_shards(mesh)
+        _check_dtensor_head(mesh)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_matches_single_process(tp):
-    run_distributed(tp, _check_all)
+def test_vocab_parallel_matches_single_process():
+    run_distributed(4, _check_tp4_and_tp2)

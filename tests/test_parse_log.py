@@ -104,16 +104,18 @@ def test_nan_loss_skipped_units_and_extra_fields(tmp_path: Path) -> None:
         "2026-12-02 14:00:01 INFO step 2/5 | loss 2.5 | lr 1.00e-05 | grad_norm 1.0 | tokens/s 20 | step 0.1 s"
         " | mfu 1.0% | mem 1.5 GiB | eta 1d02h | data wait 0.25 | phase warmup",
         "2026-12-02 14:00:02 INFO step 3/5 | loss 2.25 | lr 1.00e-05 | eta 45s",
+        "2026-12-02 14:00:03 INFO step 4/5 | loss 2.5 | lr 1.00e-05 | eta ? | skipped",
     ]
     (tmp_path / "a.log").write_text("\n".join(lines) + "\n")
     parsed = parse_metrics(tmp_path / "a.log")
-    r1, r2, r3 = parsed.rows
+    r1, r2, r3, r4 = parsed.rows
     assert math.isnan(r1["loss"]) and r1["grad_norm"] == math.inf and r1["skipped"] is True
     assert (r1["step_time_s"], r1["mfu"], r1["memory_gib"], r1["eta_s"]) == (0.12, 0.005, 0.5, 185)
     assert (r2["eta_s"], r3["eta_s"], r2["data_wait"], r2["phase"]) == (26 * 3600, 45, 0.25, "warmup")
     assert "tokens_per_sec_per_device" not in r2 and r2["skipped"] is False
     s = summarize(parsed)
-    assert (s.skipped_steps, s.nonfinite_steps, s.min_loss, s.min_loss_step) == ([1], [1], 2.25, 3)
+    assert r4["eta_s"] is None and r4["skipped"] is True  # an unknown eta does not hide the flag after it
+    assert (s.skipped_steps, s.nonfinite_steps, s.min_loss, s.min_loss_step) == ([1, 4], [1], 2.25, 3)
     main(["--log-path", str(tmp_path / "a.log"), "--output-path", str(tmp_path / "a.csv")])
     rows = _read_csv(tmp_path / "a.csv")
     assert list(rows[0])[-2:] == ["data_wait", "phase"]  # extras after the known columns
@@ -149,16 +151,20 @@ def test_restarts_without_start_markers_count_backward_steps(tmp_path: Path) -> 
     assert parsed.warmup_steps == {10}  # 20 (first of segment 1) was replaced by segment 2
 
 
-def test_metrics_jsonl(tmp_path: Path) -> None:
+# the engine's start event names the step it resumes from; a separate resume event does too
+@pytest.mark.parametrize("restart", [[{"event": "start", "step": 2}], [{"event": "start"}, {"event": "resume", "step": 2}]])
+def test_metrics_jsonl(tmp_path: Path, restart: list[dict]) -> None:
     loss = 2.718281828459045
-    records = [{"event": "start", "world": 8}]
+    records = [{"event": "start", "step": 0, "world": 8}]
     records += [{"step": s, "loss": loss + s, "lr": 1e-5, "tokens_per_sec": 700.0, "mfu": 0.4, "tokens_seen": s * 64}
                 for s in (1, 2, 3)]  # fmt: skip
-    records += [{"event": "start"}, {"event": "resume", "step": 2}]
+    records += restart
     records += [{"step": 3, "loss": 1.0, "mfu": 0.5, "skipped": True, "comm": {"ms": 1.5}}, {"step": 4, "loss": 0.5}]
     text = "\n".join(json.dumps(r) for r in records) + '\n{"step": 5, "lo'  # killed mid-write
     (tmp_path / "metrics.jsonl").write_text(text)
     parsed = parse_metrics(tmp_path)  # a run directory holding metrics.jsonl
+    (tmp_path / "copy.txt").write_text(text)  # detected by content as well
+    assert parse_metrics(tmp_path / "copy.txt").rows == parsed.rows
     assert parsed.source == "jsonl" and parsed.num_restarts == 1 and parsed.restart_steps == [2]
     assert [r["step"] for r in parsed.rows] == [1, 2, 3, 4] and parsed.num_ignored == 1
     main(["--log_path", str(tmp_path / "metrics.jsonl"), "--output_path", str(tmp_path / "m.csv")])
@@ -168,6 +174,31 @@ def test_metrics_jsonl(tmp_path: Path) -> None:
     assert (rows[2]["comm"], rows[1]["tokens_seen"]) == ('{"ms": 1.5}', "128")
     s = summarize(parsed)
     assert (s.mean_mfu, s.num_warmup_excluded, s.skipped_steps) == (pytest.approx(0.4), 2, [3])
+
+
+def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
+    """The contract with the training engine: the line it prints parses back to the record it wrote."""
+    format_line = pytest.importorskip("qwen3_pretrain.train.metrics").format_line
+    base = {"total_steps": 1000, "lr": 1.234e-5, "tokens_per_sec": 732.4, "tokens_per_sec_per_device": 91.55,
+            "step_time_s": 0.804, "mfu": 0.41234, "memory_gib": 41.96}  # fmt: skip
+    cases = [  # (loss, grad_norm, eta_s, skipped) -> eta in whole units as the engine shows it
+        (2.34119, 0.9134, 93784.7, False, 26 * 3600),  # 1d02h
+        (2.2, 1234.5, 3725.0, False, 3720),  # 1h02m
+        (math.nan, math.inf, 185.2, True, 185),  # 3m05s
+        (2.1, 0.5, math.inf, True, None),  # ?
+    ]
+    lines = [f"2026-12-02 14:05:{i:02d} INFO " + format_line({**base, "step": i + 1, "loss": c[0], "grad_norm": c[1],
+             "eta_s": c[2], "skipped": c[3]}) for i, c in enumerate(cases)]  # fmt: skip
+    (tmp_path / "a.log").write_text("\n".join(lines) + "\n")
+    rows = parse_metrics(tmp_path / "a.log").rows
+    assert len(rows) == len(cases)
+    for row, (loss, grad_norm, _, skipped, eta) in zip(rows, cases):
+        assert row["loss"] == pytest.approx(loss, abs=5e-5, nan_ok=True)
+        assert row["grad_norm"] == pytest.approx(grad_norm, rel=5e-3)
+        assert (row["eta_s"], row["skipped"], row["total_steps"]) == (eta, skipped, 1000)
+        assert row["lr"] == pytest.approx(1.23e-5) and row["tokens_per_sec"] == 732
+        assert (row["tokens_per_sec_per_device"], row["step_time_s"], row["mfu"], row["memory_gib"]) == (
+            pytest.approx(91.5), 0.80, 0.412, 42.0)  # fmt: skip
 
 
 def test_plot_png(tmp_path: Path) -> None:

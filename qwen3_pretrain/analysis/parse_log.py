@@ -58,23 +58,28 @@ def _tokens_per_sec(m: re.Match) -> dict[str, float]:
     return {"tokens_per_sec": float(m[1]), **per_device}
 
 
-def _eta_seconds(m: re.Match) -> dict[str, int]:
+def _eta_seconds(m: re.Match) -> dict[str, int | None]:
+    if m[0] == "?":  # the engine's "not known yet"
+        return {"eta_s": None}
     days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
     return {"eta_s": ((days * 24 + hours) * 60 + minutes) * 60 + seconds}
 
 
 # name in the log -> (pattern its whole value must match, columns from the match)
-_KNOWN: dict[str, tuple[str, Callable[[re.Match], dict[str, Any]]]] = {
-    "loss": (f"({_NUM})", lambda m: {"loss": float(m[1])}),
-    "lr": (f"({_NUM})", lambda m: {"lr": float(m[1])}),
-    "grad_norm": (f"({_NUM})", lambda m: {"grad_norm": float(m[1])}),
-    "tokens/s": (rf"({_NUM})(?:\s*\(({_NUM})/device\))?", _tokens_per_sec),
-    "step": (rf"({_NUM})\s*(ms|s)", lambda m: {"step_time_s": float(m[1]) / (1000.0 if m[2] == "ms" else 1.0)}),
-    # The log shows a percentage; the CSV, like metrics.jsonl, holds a fraction
-    # (divided in decimal so that 41.2% is written 0.412, not 0.41200000000000003).
-    "mfu": (rf"({_NUM})\s*(%?)", lambda m: {"mfu": float(Decimal(m[1]) / (100 if m[2] else 1))}),
-    "mem": (r"(%s)\s*(GiB|MiB|TiB|GB|MB)" % _NUM, lambda m: {"memory_gib": float(m[1]) * _GIB_PER_UNIT[m[2]]}),
-    "eta": (r"(?=\d)(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", _eta_seconds),
+_KNOWN: dict[str, tuple[re.Pattern, Callable[[re.Match], dict[str, Any]]]] = {
+    name: (re.compile(pattern), columns)
+    for name, pattern, columns in [
+        ("loss", f"({_NUM})", lambda m: {"loss": float(m[1])}),
+        ("lr", f"({_NUM})", lambda m: {"lr": float(m[1])}),
+        ("grad_norm", f"({_NUM})", lambda m: {"grad_norm": float(m[1])}),
+        ("tokens/s", rf"({_NUM})(?:\s*\(({_NUM})/device\))?", _tokens_per_sec),
+        ("step", rf"({_NUM})\s*(ms|s)", lambda m: {"step_time_s": float(m[1]) / (1000.0 if m[2] == "ms" else 1.0)}),
+        # The log shows a percentage; the CSV, like metrics.jsonl, holds a fraction
+        # (divided in decimal so that 41.2% is written 0.412, not 0.41200000000000003).
+        ("mfu", rf"({_NUM})\s*(%?)", lambda m: {"mfu": float(Decimal(m[1]) / (100 if m[2] else 1))}),
+        ("mem", rf"({_NUM})\s*(GiB|MiB|TiB|GB|MB)", lambda m: {"memory_gib": float(m[1]) * _GIB_PER_UNIT[m[2]]}),
+        ("eta", r"\?|(?=\d)(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", _eta_seconds),
+    ]
 }
 
 
@@ -84,19 +89,21 @@ def _scalar(value: str) -> Any:
     return float(value) if re.fullmatch(_NUM, value) else value
 
 
+def _parse_known(name: str, value: str) -> dict | None:
+    pattern, columns = _KNOWN[name]
+    m = pattern.fullmatch(value)
+    return columns(m) if m else None
+
+
 def _parse_field(part: str) -> dict | None:
     """Columns for one ``name value`` (or bare flag) field; None when it does not parse."""
+    name, _, value = part.partition(" ")
+    if name in _KNOWN:  # the common case, without the generic patterns
+        return _parse_known(name, value.strip())
     m = _NUM_FIELD.fullmatch(part) or _TEXT_FIELD.fullmatch(part)
     if m:
-        name, value = m[1], m[2].strip()
-        if name in _KNOWN:
-            pattern, columns = _KNOWN[name]
-            known = re.fullmatch(pattern, value)
-            return columns(known) if known else None
-        return {re.sub(r"\W+", "_", name).strip("_").lower(): _scalar(value)}
-    if _FLAG.fullmatch(part) and part not in _KNOWN:
-        return {part.lower(): True}  # e.g. "skipped"
-    return None
+        return {re.sub(r"\W+", "_", m[1]).strip("_").lower(): _scalar(m[2].strip())}
+    return {part.lower(): True} if _FLAG.fullmatch(part) else None  # e.g. "skipped"
 
 
 def _parse_record(step: str, total: str, text: str) -> dict | None:
@@ -171,8 +178,10 @@ class _Collector:
 
 def _line_events(line: str) -> list[tuple[int, str, Any]]:
     """(position, kind, payload) of each start, resume and step record on one line, in order."""
-    events: list[tuple[int, str, Any]] = [(m.start(), "start", None) for m in _START.finditer(line)]
-    events += [(m.start(), "resume", int(m[1])) for m in _RESUME.finditer(line)]
+    events: list[tuple[int, str, Any]] = []
+    if "run start:" in line or "resumed from" in line:  # rare: skip the regexes on most lines
+        events += [(m.start(), "start", None) for m in _START.finditer(line)]
+        events += [(m.start(), "resume", int(m[1])) for m in _RESUME.finditer(line)]
     records = list(_RECORD.finditer(line))
     for m, nxt in zip(records, records[1:] + [None]):
         text = line[m.end() : nxt.start() if nxt else len(line)]
@@ -210,8 +219,10 @@ def _feed_jsonl(lines: Iterable[str], sink: _Collector) -> None:
             sink.num_ignored += 1
         elif obj.get("event") == "start":
             sink.start()
+            if isinstance(obj.get("step"), int) and obj["step"] > 0:  # a start at step N > 0 resumes from N
+                sink.resume(obj["step"])
         elif obj.get("event") == "resume":
-            sink.resume(obj.get("step"))
+            sink.resume(obj["step"] if isinstance(obj.get("step"), int) else None)
         elif "event" not in obj and isinstance(obj.get("step"), int):
             sink.record(obj)
 
@@ -228,12 +239,12 @@ def _input_path(path: str | os.PathLike) -> Path:
 
 
 def parse_metrics(path: str | os.PathLike) -> ParsedLog:
-    """Read a training log or ``metrics.jsonl`` (detected by extension or first line)."""
+    """Read a training log or ``metrics.jsonl`` (detected by extension or a JSON object on the first line)."""
     path = _input_path(path)
     sink = _Collector()
     with open(path, encoding="utf-8", errors="replace") as f:  # universal newlines split tqdm's \r too
         first = next((line for line in f if line.strip()), "")
-        source = "jsonl" if path.suffix == ".jsonl" or first.lstrip().startswith("{") else "log"
+        source = "jsonl" if path.suffix == ".jsonl" or _json_object(first) is not None else "log"
         (_feed_jsonl if source == "jsonl" else _feed_log)(itertools.chain([first], f), sink)
     if not sink.rows and source == "log":
         raise UserError(
@@ -282,5 +293,6 @@ def main(argv: list[str]) -> int:
     ignored = f"; {parsed.num_ignored} damaged record(s) ignored" if parsed.num_ignored else ""
     print(f"read {log_path} ({'metrics.jsonl' if parsed.source == 'jsonl' else 'training log'}{ignored})")
     print(format_summary(summarize(parsed)))
-    print("\n".join(written))
+    for line in written:
+        print(line)
     return 0

@@ -57,7 +57,7 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def summarize(parsed: ParsedLog) -> Summary:
-    """Summary numbers of a parsed run (see the module docstring for warm-up and restarts)."""
+    """Summary numbers of a parsed run (``parse_log``'s docstring defines warm-up and restarts)."""
     rows = parsed.rows
     steady = [r for r in rows if r["step"] not in parsed.warmup_steps] or rows
     finite = [r for r in rows if _finite(r.get("loss"))]
@@ -92,12 +92,13 @@ def _steps(steps: list[int]) -> str:
 
 def format_summary(s: Summary) -> str:
     """The summary as a few human-readable lines."""
+    mfu_percent = None if s.mean_mfu is None else s.mean_mfu * 100
+    best = f"{s.min_loss:.4f} at step {s.min_loss_step}" if s.min_loss is not None else "n/a (no finite loss)"
     return "\n".join([
         f"steps logged: {s.num_steps} ({s.first_step}..{s.last_step}); restarts: {s.num_restarts}",
-        f"final loss: {s.final_loss:.4f}; min loss: {_fmt(s.min_loss, '.4f')} at step {s.min_loss_step}",
+        f"final loss: {s.final_loss:.4f}; min loss: {best}",
         f"mean tokens/s: {_fmt(s.mean_tokens_per_sec, '.1f')} "
-        f"({_fmt(s.mean_tokens_per_sec_per_device, '.1f')} per device), "
-        f"mean MFU: {_fmt(s.mean_mfu and s.mean_mfu * 100, '.1f', '%')} "
+        f"({_fmt(s.mean_tokens_per_sec_per_device, '.1f')} per device), mean MFU: {_fmt(mfu_percent, '.1f', '%')} "
         f"(excluding {s.num_warmup_excluded} warm-up record(s): the first of each run segment)",
         f"peak memory: {_fmt(s.peak_memory_gib, '.1f', ' GiB')}",
         f"skipped steps: {_steps(s.skipped_steps)}; nan/inf loss or grad_norm: {_steps(s.nonfinite_steps)}",

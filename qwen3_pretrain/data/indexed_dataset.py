@@ -123,7 +123,8 @@ class IndexedDataset:
         if bin_path.stat().st_size != total:
             raise UserError(f"{bin_path}: {bin_path.stat().st_size} bytes but its .idx describes {total}; "
                             "the shard is truncated or does not belong to this index: re-run the conversion")
-        self.tokens = np.memmap(bin_path, mode="r", dtype=self.dtype) if total else np.zeros(0, self.dtype)
+        # A plain ndarray view of the map: slicing an np.memmap object costs microseconds per call.
+        self.tokens = np.asarray(np.memmap(bin_path, mode="r", dtype=self.dtype)) if total else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

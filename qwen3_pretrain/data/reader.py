@@ -56,12 +56,6 @@ class Corpus:
     def num_documents(self) -> int:
         return len(self.doc_first)
 
-    def read(self, seq: int, offset: int, max_count: int) -> np.ndarray:
-        """Up to ``max_count`` tokens of sequence ``seq`` from ``offset`` (a view of the memmap)."""
-        start = int(self.seq_start[seq]) + offset
-        stop = start + min(int(self.seq_len[seq]) - offset, max_count)
-        return self.tokens[int(self.seq_shard[seq])][start:stop]
-
 
 def open_corpus(root: Path, manifest: dict[str, Any]) -> Corpus:
     """Memory-map the manifest's shards (in its order) and group their sequences into documents."""
@@ -70,7 +64,8 @@ def open_corpus(root: Path, manifest: dict[str, Any]) -> Corpus:
     seq_shard = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
     seq_start = np.concatenate([np.zeros(0, np.int64)] + [s.sequence_pointers // s.dtype.itemsize for s in shards])
     seq_len = np.concatenate([np.zeros(0, np.int64)] + [s.sequence_lengths.astype(np.int64) for s in shards])
-    tokens = [s.tokens for s in shards]
+    # Plain ndarray views of the memmaps: slicing an np.memmap costs microseconds each time.
+    tokens = [np.asarray(s.tokens) for s in shards]
     num_pieces = int(manifest["num_sequences"]) - int(manifest["num_documents"])
     ends = _document_ends(tokens, seq_shard, seq_start, seq_len, int(manifest["tokenizer"]["eod_id"]), num_pieces)
     doc_first = np.flatnonzero(np.concatenate([[True], ends[:-1]])) if len(ends) else np.zeros(0, np.int64)
@@ -159,11 +154,9 @@ def _expand_runs(first: np.ndarray, count: np.ndarray) -> np.ndarray:
 
 def document_positions(input_ids: np.ndarray, eod_id: int) -> np.ndarray:
     """RoPE positions: 0 at the first token and after every EOD, counting up within a document."""
-    index = np.arange(len(input_ids), dtype=np.int64)
-    doc_start = np.zeros(len(input_ids), dtype=np.int64)
-    after_eod = np.flatnonzero(input_ids[:-1] == eod_id) + 1
-    doc_start[after_eod] = after_eod
-    return index - np.maximum.accumulate(doc_start)
+    doc_start = np.concatenate([[0], np.flatnonzero(input_ids[:-1] == eod_id) + 1])
+    doc_len = np.diff(np.append(doc_start, len(input_ids)))
+    return np.arange(len(input_ids), dtype=np.int64) - np.repeat(doc_start, doc_len)
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -227,14 +220,16 @@ class PackedDataset(torch.utils.data.Dataset):
                 "positions": torch.from_numpy(document_positions(tokens[:-1], self.eod_id))}
 
     def _read_window(self, index: EpochIndex, window: int) -> np.ndarray:
-        need = self.seq_length + 1
+        # The window's last token is the next window's first, hence the + 1.
+        seqs = index.seq_order[index.sample_seq[window]:index.sample_seq[window + 1] + 1]
+        corpus, need = self.corpus, self.seq_length + 1
         out = np.empty(need, dtype=np.int64)
         filled, offset = 0, int(index.sample_offset[window])
-        # The window's last token is the next window's first, hence the + 1.
-        for seq in index.seq_order[index.sample_seq[window]:index.sample_seq[window + 1] + 1]:
-            piece = self.corpus.read(int(seq), offset, need - filled)
-            out[filled:filled + len(piece)] = piece
-            filled, offset = filled + len(piece), 0
+        for shard, start, length in zip(*(a[seqs].tolist() for a in (corpus.seq_shard, corpus.seq_start,
+                                                                      corpus.seq_len))):
+            take = min(length - offset, need - filled)
+            out[filled:filled + take] = corpus.tokens[shard][start + offset:start + offset + take]
+            filled, offset = filled + take, 0
         assert filled == need, (filled, need)
         return out
 
@@ -269,7 +264,7 @@ class GlobalBatchLoader:
         self.dataset = dataset
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.micro_batch_size = micro_batch_size
-        self.consumed_samples = consumed - 1_samples
+        self.consumed_samples = consumed_samples
 
     @property
     def tokens_per_step(self) -> int:

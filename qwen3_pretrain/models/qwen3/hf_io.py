@@ -53,11 +53,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _SAVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -88,11 +84,33 @@ def internal_to_hf(name: str) -> str:
 
 
 def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Internal name -> shape of every tensor a HF checkpoint of ``config`` holds (no head when tied)."""
-    with torch.device("meta"):
-        model = Qwen3Model(config)
-    # named_parameters drops the tied head: it is the embedding, registered first.
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    """Internal name -> shape of every tensor a HF checkpoint of ``config`` holds (no head when tied).
+
+    Written out rather than read off a meta-device model: the first random
+    init on ``meta`` imports torch._dynamo, seconds a writer need not pay.
+    """
+    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    layer = {  # nn.Linear weights are [out_features, in_features]
+        "attn_norm.weight": (h,),
+        "attn.q_proj.weight": (q_out, h),
+        "attn.k_proj.weight": (kv_out, h),
+        "attn.v_proj.weight": (kv_out, h),
+        "attn.o_proj.weight": (h, q_out),
+        "attn.q_norm.weight": (hd,),
+        "attn.k_norm.weight": (hd,),
+        "mlp_norm.weight": (h,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    shapes = {"embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
+    shapes["norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
 
 
 def parse_size(size: int | str) -> int:
@@ -109,10 +127,6 @@ def parse_size(size: int | str) -> int:
     if value < 1:
         raise UserError(f"max_shard_size must be positive, got {size!r}")
     return value
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # --- reading --------------------------------------------------------------
@@ -197,7 +211,11 @@ class HFCheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype:
         handle, hf_name = self._lookup(name)
-        return _SAFETENSORS_DTYPES[handle.get_slice(hf_name).get_dtype()]
+        code = handle.get_slice(hf_name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{self.file_of(name)}: tensor {hf_name!r} is stored as {code}; expected a float type "
+                            f"({', '.join(_SAFETENSORS_DTYPES)})")
+        return _SAFETENSORS_DTYPES[code]
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor ``name`` on CPU, converted to ``dtype`` when given."""
@@ -211,6 +229,33 @@ class HFCheckpointReader:
         tensor = handle.get_slice(hf_name)[tuple(slices)]
         return tensor if dtype is None else tensor.to(dtype)
 
+    def validate(self) -> None:
+        """Check the tensors against ``config.json``: none missing, none extra, every shape right.
+
+        A tied model's checkpoint may also hold ``lm_head.weight`` (HF sometimes
+        writes both); it is accepted only when equal to the embedding.
+        """
+        expected = expected_shapes(self.config)
+        missing = [n for n in expected if n not in self._file]
+        if missing:
+            listed = INDEX_FILE if (self.path / INDEX_FILE).is_file() else SINGLE_FILE
+            raise UserError(f"{self.path / listed}: tensor {self.hf_name(missing[0])!r} is missing "
+                            f"({len(missing)} missing in all); the checkpoint does not match its {CONFIG_FILE}")
+        tied_head = "lm_head.weight" if self.config.tie_word_embeddings else None
+        extra = [n for n in self._file if n not in expected and n != tied_head]
+        if extra:
+            raise UserError(f"{self.file_of(extra[0])}: unexpected tensor {self.hf_name(extra[0])!r} for the model "
+                            f"described by {CONFIG_FILE} ({self.config.num_hidden_layers} layers, "
+                            f"tie_word_embeddings={self.config.tie_word_embeddings})")
+        for name, shape in expected.items():
+            found = self.shape(name)
+            if found != shape:
+                raise UserError(f"{self.file_of(name)}: tensor {self.hf_name(name)!r} has shape {list(found)}, "
+                                f"expected {list(shape)} from {CONFIG_FILE}")
+        if tied_head in self._file and not torch.equal(self.read(tied_head), self.read("embed_tokens.weight")):
+            raise UserError(f"{self.file_of(tied_head)}: 'lm_head.weight' differs from the embedding but "
+                            f"{CONFIG_FILE} says tie_word_embeddings=true; set it to false to keep a separate head")
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -221,42 +266,11 @@ class HFCheckpointReader:
         self.close()
 
 
-def _check_names(reader: HFCheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
-    present = set(reader.names())
-    missing = [n for n in expected if n not in present]
-    if missing:
-        listed = INDEX_FILE if (reader.path / INDEX_FILE).is_file() else SINGLE_FILE
-        raise UserError(f"{reader.path / listed}: tensor {reader.hf_name(missing[0])!r} is missing "
-                        f"({len(missing)} missing in all); the checkpoint does not match its {CONFIG_FILE}")
-    tied_head = "lm_head.weight" if reader.config.tie_word_embeddings else None
-    extra = [n for n in reader.names() if n not in expected and n != tied_head]
-    if extra:
-        raise UserError(f"{reader.file_of(extra[0])}: unexpected tensor {reader.hf_name(extra[0])!r} for the model "
-                        f"described by {CONFIG_FILE} ({reader.config.num_hidden_layers} layers, "
-                        f"tie_word_embeddings={reader.config.tie_word_embeddings})")
-    for name, shape in expected.items():
-        found = reader.shape(name)
-        if found != shape:
-            raise UserError(f"{reader.file_of(name)}: tensor {reader.hf_name(name)!r} has shape {list(found)}, "
-                            f"expected {list(shape)} from {CONFIG_FILE}")
-
-
-def _check_tied_head(reader: HFCheckpointReader, model: Qwen3Model) -> None:
-    """HF sometimes writes a tied head too: accept it only when it is the embedding."""
-    if "lm_head.weight" not in reader.names():
-        return
-    embedding = model.embed_tokens.weight
-    if not torch.equal(reader.read("lm_head.weight", dtype=embedding.dtype).to(embedding.device), embedding):
-        raise UserError(f"{reader.file_of('lm_head.weight')}: 'lm_head.weight' differs from the embedding but "
-                        f"{CONFIG_FILE} says tie_word_embeddings=true; set it to false to keep a separate head")
-
-
 def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> Qwen3Model:
     """Build a ``Qwen3Model`` from a HF directory, holding the model plus at most one tensor in memory."""
     with HFCheckpointReader(path) as reader:
-        expected = expected_shapes(reader.config)
-        _check_names(reader, expected)
+        reader.validate()
         with torch.device("meta"):
             model = Qwen3Model(reader.config).to(dtype)
         model.to_empty(device=device)
@@ -264,10 +278,8 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             # to_empty gives each module its own new tensor, which unties the head; tie it again.
             model.lm_head.weight = model.embed_tokens.weight
         with torch.no_grad():
-            for name in expected:
+            for name in expected_shapes(reader.config):
                 model.get_parameter(name).copy_(reader.read(name))
-            if reader.config.tie_word_embeddings:
-                _check_tied_head(reader, model)
     return model
 
 
@@ -278,8 +290,10 @@ class HFCheckpointWriter:
     """Streams tensors into a HF directory, one shard in memory at a time.
 
     ``add`` each tensor of the model by internal name (any order), then
-    ``finalize``. Until then everything lives in a sibling temp directory, so
-    ``path`` holds either the previous model or the complete new one. Used as a
+    ``finalize``; the head of a tied model is skipped, as HF stores it once,
+    and anything else that does not belong to ``config`` is an error. Until
+    ``finalize`` everything lives in a sibling temp directory, so ``path``
+    holds either the previous model or the complete new one. Used as a
     context manager, an exception before ``finalize`` removes the temp files.
     """
 
@@ -313,7 +327,8 @@ class HFCheckpointWriter:
         if name in self._added:
             raise UserError(f"tensor {name!r} was added twice")
         if tuple(tensor.shape) != self._expected[name]:
-            raise UserError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(self._expected[name])}")
+            raise UserError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(self._expected[name])} "
+                            "from the model config")
         tensor = tensor.detach().to("cpu", self.dtype).contiguous()
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
             tensor = tensor.clone()  # safetensors refuses views that share a storage
@@ -324,10 +339,12 @@ class HFCheckpointWriter:
         self._shard_bytes += tensor.nbytes
 
     def add_file(self, source: str | os.PathLike) -> None:
-        """Copy a side file (e.g. ``tokenizer.json``) into the directory at ``finalize``."""
+        """Copy a side file (``tokenizer.json``, a ``generation_config.json``) into the directory at ``finalize``."""
         source = Path(source)
         if not source.is_file():
             raise FileNotFoundError(f"{source}: no such file to copy into {self.path}")
+        if source.name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE) or source.name.startswith("model-"):
+            raise UserError(f"{source}: would overwrite the model's own {source.name}; copy it separately")
         self._extra_files.append(source)
 
     def _flush(self) -> None:
@@ -367,7 +384,7 @@ class HFCheckpointWriter:
         return weight_map
 
     def _hf_config(self) -> dict:
-        out = dataclasses.replace(self.config, torch_dtype=_dtype_name(self.dtype)).to_hf_dict()
+        out = dataclasses.replace(self.config, torch_dtype=str(self.dtype).removeprefix("torch.")).to_hf_dict()
         out["dtype"] = out["torch_dtype"]  # transformers >= 5 reads "dtype", older versions "torch_dtype"
         return out
 

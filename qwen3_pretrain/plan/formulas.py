@@ -1,0 +1,243 @@
+"""The formulas the planner is built from, each with where it comes from.
+
+Pure arithmetic on numbers (no torch), so every one of them can be checked
+against a hand computation. Sizes are in bytes, times in seconds, bandwidths
+in bytes per second. ``t`` is the tensor-parallel degree throughout.
+
+References:
+
+* [ZeRO] Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
+  Trillion Parameter Models", 2020, section 3.
+* [SP] Korthikanti et al., "Reducing Activation Recomputation in Large
+  Transformer Models", 2022, section 4 and Table 2.
+* [PTD-P] Narayanan et al., "Efficient Large-Scale Language Model Training on
+  GPU Clusters Using Megatron-LM", 2021, sections 2.2.1 and 2.2.2.
+* [PaLM] Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways",
+  2022, appendix B (model FLOPs utilization).
+* [nccl-tests] NVIDIA nccl-tests, doc/PERFORMANCE.md (algorithm vs bus bandwidth).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+FP32 = 4
+BF16 = 2
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
+
+
+# --- parameters, gradients, optimizer state ----------------------------------
+
+
+def megatron_bytes_per_param(dp: int, distributed_optimizer: bool) -> float:
+    """Mixed-precision AdamW bytes per parameter in Megatron-LM.
+
+    bf16 weights 2 + fp32 gradients 4 + fp32 master weights 4 + Adam moments 8
+    = 18 unsharded; the distributed optimizer (ZeRO-1 over ``dp`` ranks) shards
+    the last 12: 6 + 12 / dp.
+    """
+    return 6 + 12 / dp if distributed_optimizer else 18.0
+
+
+def zero_bytes_per_param(stage: int, dp: int, mixed: bool = True) -> float:
+    """Persistent bytes per parameter under ZeRO stage 0-3 with AdamW [ZeRO, 3].
+
+    Mixed precision here is this project's: fp32 master weights (4), fp32
+    gradients (4), fp32 Adam moments (8), plus 2-byte working weights that
+    only stages 0-2 keep resident (stage 3 gathers them per layer, transiently).
+    ``mixed=False`` is plain fp32: 4 + 4 + 8.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+    optimizer = FP32 + 8 if mixed else 8  # master weights live with the optimizer state
+    weights = BF16 if mixed else FP32
+    grads = float(FP32)
+    if stage >= 1:
+        optimizer /= dp
+    if stage >= 2:
+        grads /= dp
+    if stage >= 3:
+        weights = 0 if mixed else weights / dp
+    return weights + grads + optimizer
+
+
+# --- activations ---------------------------------------------------------------
+
+
+def megatron_activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, t: int = 1,
+                                        sequence_parallel: bool = False,
+                                        recompute: Literal["none", "selective", "full"] = "none") -> float:
+    """Activation bytes of one GPT layer with 16-bit activations [SP, Table 2].
+
+    ``sbh(34 + 5as/h)`` without parallelism; tensor parallelism divides all but
+    10sbh (layer norms, dropout masks and the inputs of the first linears) by
+    ``t``; adding sequence parallelism divides everything by ``t``. Selective
+    recompute drops the attention-score terms (``5as/h``); full recompute keeps
+    only the layer's input, ``2sbh`` (``/t`` with sequence parallelism).
+    """
+    sbh = seq * batch * hidden
+    scores = 5 * heads * seq / hidden
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        scores = 0.0
+    if sequence_parallel:
+        return sbh * (34 + scores) / t
+    return sbh * (10 + (24 + scores) / t)
+
+
+def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, heads: int, kv_heads: int,
+                                      intermediate: int, t: int = 1, dtype_bytes: int = BF16) -> float:
+    """Bytes autograd keeps per token for one Qwen3 decoder layer (no recompute).
+
+    Counted from the operators of ``models/qwen3/model.py`` with sequence
+    parallelism (norms see ``1/t`` of the tokens) and flash-style attention
+    (no ``seq x seq`` scores; true of torch's SDPA on CUDA and of its CPU flash
+    kernel). With ``d`` the activation dtype's bytes:
+
+    * RMSNorm (attention and MLP): its fp32 input (4) and normalized input (d)
+      per element, on the sequence shard: ``2 (4 + d) h / t``;
+    * the all-gathered norm outputs the q/k/v and gate/up matmuls save: ``2 d h``
+      (the whole sequence: DTensor keeps the gathered tensor, unlike
+      Megatron's re-gather in backward);
+    * q and k: their norm's fp32 input (4) and normalized value (d), and the
+      rotated value SDPA saves (d): ``(4 + 2d)(q + kv) / t``; v: ``d kv / t``;
+    * SDPA output (o_proj's input): ``d q / t``; its fp32 log-sum-exp: ``4 heads / t``;
+    * SwiGLU: gate, up, SiLU(gate) and the product (down's input): ``4 d f / t``;
+    * fp32 ``rsqrt`` of every norm: ``4 (2 + heads + kv_heads) / t``.
+    """
+    d = dtype_bytes
+    sharded = ((8 + 2 * d) * hidden + (4 + 2 * d) * (q_out + kv_out) + d * kv_out + d * q_out
+               + 4 * heads + 4 * d * intermediate + 4 * (2 + heads + kv_heads))
+    return sharded / t + 2 * d * hidden
+
+
+def qwen3_mlp_saved_bytes_per_token(hidden: int, intermediate: int, t: int = 1, dtype_bytes: int = BF16) -> float:
+    """The part of the layer's saved bytes that selective recompute drops.
+
+    Selective recompute in this project checkpoints each layer's MLP block
+    (gate, up, SiLU, product, down): the four ``f``-wide tensors go, and the
+    all-gathered MLP input is replaced by its sequence shard, which the
+    checkpoint keeps to re-gather in backward.
+    """
+    d = dtype_bytes
+    return 4 * d * intermediate / t + d * hidden - d * hidden / t
+
+
+def qwen3_backward_working_bytes_per_token(hidden: int, intermediate: int, t: int = 1,
+                                           dtype_bytes: int = BF16) -> float:
+    """Gradients alive at once while one layer runs backward (beyond what it saved).
+
+    Two ``f``-wide gradients (the product's and one of gate/up) and two
+    ``h``-wide ones (the incoming gradient and the gathered input's) at the
+    MLP's backward, the widest point of a layer.
+    """
+    d = dtype_bytes
+    return 2 * d * intermediate / t + 2 * d * hidden
+
+
+# --- pipeline -------------------------------------------------------------------
+
+
+def pipeline_bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipeline step: ``(p - 1) / (v m + p - 1)`` [PTD-P, 2.2].
+
+    The bubble lasts ``(p - 1)/v`` micro-batch times (``v`` virtual stages per
+    rank, 1 for plain 1F1B) against ``m`` micro-batch times of work; this is the
+    bubble's share of the whole step, ``r / (1 + r)`` of Megatron's ratio ``r``.
+    """
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline sizes must be positive: p={p}, m={m}, v={v}")
+    return (p - 1) / (v * m + p - 1)
+
+
+def megatron_bubble_ratio(p: int, m: int, v: int = 1) -> float:
+    """Bubble time over ideal time, ``(1/v)(p - 1)/m`` [PTD-P, 2.2.1-2.2.2]."""
+    return (p - 1) / (v * m)
+
+
+def inflight_microbatches(schedule: Literal["1f1b", "interleaved", "gpipe"], p: int, stage: int, m: int,
+                          v: int = 1) -> float:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+
+    In units of a whole stage's layers. GPipe: all ``m`` (every forward runs
+    before the first backward). 1F1B: ``p - stage`` (the first stage holds
+    ``p``) [PTD-P, 2.2.1]. Interleaved: rank ``r`` warms up with
+    ``(v - 1) p + 2 (p - 1 - r)`` forward chunks and holds one more, each of
+    ``1/v`` of its layers [Megatron-LM ``get_num_warmup_microbatches``; the
+    same warm-up as torch's ``ScheduleInterleaved1F1B``]; for ``r = 0`` that
+    is ``p + (p - 1)/v`` [SP, 4.2.3]. Never more than the ``m`` micro-batches.
+    """
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} is not in 0..{p - 1}")
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b" or v == 1:
+        return float(min(m, p - stage))
+    chunks = (v - 1) * p + 2 * (p - 1 - stage) + 1
+    return min(m * v, chunks) / v
+
+
+# --- FLOPs ------------------------------------------------------------------------
+
+
+def layer_matmul_params(hidden: int, q_out: int, kv_out: int, intermediate: int) -> int:
+    """Weights of one layer's linears: q, k, v, o and gate, up, down."""
+    return hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * intermediate
+
+
+def training_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int,
+                             vocab: int, seq: int) -> float:
+    """Model FLOPs per trained token [PaLM, B]: ``6 N + 12 L q_out s``.
+
+    ``N`` counts every matmul weight (layers and the LM head, not the embedding
+    lookup); forward is 2 FLOPs per weight per token and backward twice that.
+    The attention term counts ``Q K^T`` and ``A V`` over the whole ``s x s``
+    square (the causal half is not subtracted), forward and backward.
+    """
+    n_matmul = num_layers * layer_matmul_params(hidden, q_out, kv_out, intermediate) + vocab * hidden
+    return 6.0 * n_matmul + 12.0 * num_layers * q_out * seq
+
+
+def recompute_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int, seq: int,
+                              checkpointing: Literal["none", "selective", "full"]) -> float:
+    """Extra forward FLOPs per token that activation recomputation runs in backward."""
+    if checkpointing == "none":
+        return 0.0
+    mlp = 2.0 * 3 * hidden * intermediate
+    if checkpointing == "selective":
+        return num_layers * mlp
+    return num_layers * (2.0 * layer_matmul_params(hidden, q_out, kv_out, intermediate) + 4.0 * q_out * seq)
+
+
+# --- communication ----------------------------------------------------------------
+
+
+def bus_bandwidth_factor(kind: Collective, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw x factor [nccl-tests].
+
+    All-reduce ``2(n-1)/n``; all-gather and reduce-scatter ``(n-1)/n`` (with the
+    size of the whole gathered buffer); point-to-point 1. Bus bandwidth is what
+    each link carries, comparable to the hardware's link speed whatever ``n``.
+    """
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if kind == "p2p":
+        return 1.0
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def collective_seconds(kind: Collective, nbytes: float, n: int, bus_bandwidth: float, latency: float) -> float:
+    """Time of one ring collective over ``n`` ranks: ``nbytes x factor / busbw + latency``.
+
+    ``nbytes`` is the whole buffer (for all-gather: the output; for
+    reduce-scatter: the input). One rank alone communicates nothing.
+    """
+    if n <= 1 and kind != "p2p":
+        return 0.0
+    return nbytes * bus_bandwidth_factor(kind, n) / bus_bandwidth + latency

@@ -1,0 +1,99 @@
+"""Devices the planner knows: memory, dense bf16 peak, link speeds, latencies.
+
+Bandwidths are *bus* bandwidths in the sense of nccl-tests (what one device's
+links carry in a ring collective), per device, in GB/s (1e9 bytes); they are
+typical published figures, not measured here. Replace them with measured ones
+with ``qwen3-pretrain commbench --json FILE`` and ``plan --commbench FILE``.
+
+``compute_efficiency`` is the share of the dense peak that a training step's
+compute reaches end to end in eager PyTorch (matmuls at their shapes, plus
+norms, RoPE, elementwise work and kernel launches). 0.40 on accelerators is
+calibrated on torchtitan's published Llama-3.1-8B run (8x H100, FSDP, seq 8192,
+selective recompute, eager: 34% MFU); see docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from qwen3_pretrain.config.loader import nearest
+from qwen3_pretrain.errors import UserError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device, and the links between devices of a cluster made of it."""
+
+    name: str
+    memory_gib: float  # usable device memory as the device reports it
+    peak_tflops: float  # dense bf16 peak, TFLOP/s
+    intra_node_gbps: float  # bus bandwidth between devices of one node, GB/s
+    inter_node_gbps: float  # bus bandwidth per device across nodes, GB/s
+    intra_node_latency_us: float = 10.0
+    inter_node_latency_us: float = 25.0
+    compute_efficiency: float = 0.40
+    runtime_reserved_gib: float = 1.0  # device runtime context + communicator buffers, outside the allocator
+    foreach_optimizer: bool = True  # torch's AdamW default: foreach on accelerators, a per-tensor loop on CPU
+    source: str = ""
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+
+def _cpu_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (ValueError, OSError, AttributeError):
+        return 16.0
+
+
+DEVICES: dict[str, Hardware] = {
+    "h100": Hardware(
+        "h100", 79.6, 989.0, 360.0, 45.0,
+        source="H100 SXM5 80GB: 989 TFLOP/s dense bf16 (NVIDIA datasheet); 81,559 MiB reported by nvidia-smi; "
+               "NVLink 4 at ~360 GB/s ring bus bandwidth (nccl-tests class); one 400 Gb/s NDR NIC per GPU"),
+    "h200": Hardware(
+        "h200", 140.4, 989.0, 360.0, 45.0,
+        source="H200 SXM 141GB: 989 TFLOP/s dense bf16 (NVIDIA datasheet); 143,771 MiB reported by nvidia-smi; "
+               "NVLink 4 and NDR networking as H100"),
+    "a100": Hardware(
+        "a100", 80.0, 312.0, 230.0, 22.0,
+        source="A100 SXM4 80GB: 312 TFLOP/s dense bf16 (NVIDIA datasheet); NVLink 3 at ~230 GB/s ring bus "
+               "bandwidth; one 200 Gb/s HDR NIC per GPU"),
+    "910b": Hardware(
+        "910b", 64.0, 313.0, 100.0, 22.0, intra_node_latency_us=20.0, inter_node_latency_us=50.0,
+        source="Ascend 910B (Atlas 800T A2 class): 64 GB HBM; 313 TFLOP/s fp16/bf16 used here (published "
+               "figures differ by SKU, about 280-376; set --peak-tflops for yours); HCCS ring ~100 GB/s; "
+               "200 Gb/s RoCE per NPU"),
+    "cpu": Hardware(
+        "cpu", _cpu_memory_gib(), 2.4, 5.0, 1.0, intra_node_latency_us=50.0, inter_node_latency_us=100.0,
+        compute_efficiency=0.5, runtime_reserved_gib=0.0, foreach_optimizer=False,
+        source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); memory is this "
+               "machine's RAM; gloo links are placeholders: measure them with commbench"),
+}
+
+
+def get_device(name: str) -> Hardware:
+    """The named device (case-insensitive); an unknown name suggests the nearest one."""
+    key = name.strip().lower()
+    if key not in DEVICES:
+        hint = nearest(key, DEVICES)
+        raise UserError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" (known: {', '.join(DEVICES)}; or give --device-memory-gib and --peak-tflops)")
+    return DEVICES[key]
+
+
+def with_overrides(hw: Hardware, **values: float | None) -> Hardware:
+    """``hw`` with the given fields replaced (``None`` values are ignored); each must be positive."""
+    changes = {k: v for k, v in values.items() if v is not None}
+    for key, value in changes.items():
+        if not value > 0:
+            raise UserError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    if changes and "source" not in changes:
+        changes["source"] = hw.source + f"; overridden: {', '.join(sorted(changes))}"
+    return dataclasses.replace(hw, **changes)

@@ -1,0 +1,236 @@
+"""A parallel layout, how it splits a Qwen3 model, and which layouts a cluster allows.
+
+The mesh is ``(pp, dp, tp)`` with ``tp`` innermost: the ``tp`` ranks of a group
+are consecutive, so they share a node whenever ``tp`` divides the devices of a
+node. ``micro_batch_size`` is the number of samples one data-parallel rank
+runs per forward/backward; the global batch is ``micro_batch_size * dp *
+gradient_accumulation_steps``. Under pipeline parallelism each of those
+samples is cut into pipeline micro-batches of ``pp_microbatch_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+
+Checkpointing = Literal["none", "selective", "full"]
+CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
+PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything about a training run that decides its memory and speed, besides the model."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1  # samples per data-parallel rank per forward/backward
+    gradient_accumulation_steps: int = 1
+    seq_length: int = 4096
+    activation_checkpointing: Checkpointing = "full"
+    distributed_optimizer: bool = True  # shard master weights, gradients and Adam state over dp (FSDP)
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
+    virtual_stages: int = 1  # model chunks per pipeline rank (used by the interleaved schedule only)
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the LM head + cross-entropy
+    pp_microbatch_size: int = 1  # samples per pipeline micro-batch
+    reshard_after_forward: bool = True  # FSDP frees gathered weights after each layer's forward
+    foreach_optimizer: bool = True  # AdamW's foreach path keeps one shard-sized temporary
+    document_mask: bool = False  # attention mask per packed document: a [seq, seq] mask per sample
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
+                     "virtual_stages", "loss_chunk_tokens", "pp_microbatch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"layout: {name} must be a positive integer, got {value!r}")
+        _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
+        local = self.micro_batch_size * self.gradient_accumulation_steps
+        if self.pp > 1 and local % self.pp_microbatch_size:
+            raise UserError(f"layout: micro_batch_size x gradient_accumulation_steps ({local}) is not a multiple "
+                            f"of pp_microbatch_size {self.pp_microbatch_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.dp * self.gradient_accumulation_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_length
+
+    @property
+    def num_microbatches(self) -> int:
+        """Forward/backward passes per step on one rank: pipeline micro-batches when pp > 1."""
+        if self.pp == 1:
+            return self.gradient_accumulation_steps
+        return self.micro_batch_size * self.gradient_accumulation_steps // self.pp_microbatch_size
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.virtual_stages if self.pp_schedule == "interleaved" and self.pp > 1 else 1
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        return self.micro_batch_size if self.pp == 1 else self.pp_microbatch_size
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.mixed_precision == "bf16" else 4
+
+    def replace(self, **changes: object) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"layout: {name} {value!r} is not one of {', '.join(choices)}")
+
+
+def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
+    """Raise UserError when ``layout`` cannot split ``cfg`` (heads over tp, layers over pp)."""
+    for what, count in (("num_attention_heads", cfg.num_attention_heads),
+                        ("num_key_value_heads", cfg.num_key_value_heads)):
+        if count % layout.tp:
+            raise UserError(f"tp={layout.tp} does not divide the model's {what} ({count}); "
+                            f"choose tp among {', '.join(map(str, valid_tp_degrees(cfg)))}")
+    chunks = layout.pp * layout.stages_per_rank
+    if chunks > cfg.num_hidden_layers:
+        raise UserError(f"pp={layout.pp} x virtual_stages={layout.stages_per_rank} is more pipeline chunks than "
+                        f"the model's {cfg.num_hidden_layers} layers")
+    if layout.pp > 1 and layout.num_microbatches < layout.pp:
+        raise UserError(f"pp={layout.pp} needs at least {layout.pp} pipeline micro-batches per step, got "
+                        f"{layout.num_microbatches} (micro_batch_size x gradient_accumulation_steps / "
+                        f"pp_microbatch_size); raise the batch or lower pp")
+
+
+def valid_tp_degrees(cfg: Qwen3Config) -> list[int]:
+    """tp degrees that split query and key/value heads evenly (no KV-head replication)."""
+    return [t for t in range(1, cfg.num_key_value_heads + 1)
+            if cfg.num_key_value_heads % t == 0 and cfg.num_attention_heads % t == 0]
+
+
+def layers_per_chunk(num_layers: int, chunks: int) -> list[int]:
+    """Contiguous split of the layers into ``chunks`` pipeline chunks, the earlier ones taking the remainder."""
+    base, extra = divmod(num_layers, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What pipeline rank ``stage`` holds: its layers and whether it has the embedding or the head."""
+
+    stage: int
+    num_layers: int
+    has_embedding: bool
+    has_head: bool
+    max_chunk_layers: int  # layers of its largest chunk (one chunk unless interleaved)
+
+
+def stage_shapes(cfg: Qwen3Config, layout: Layout) -> list[StageShape]:
+    """One StageShape per pipeline rank; rank ``r`` holds chunks ``r, r + pp, r + 2 pp, ...``."""
+    p, v = layout.pp, layout.stages_per_rank
+    split = layers_per_chunk(cfg.num_hidden_layers, p * v)
+    shapes = []
+    for rank in range(p):
+        mine = [split[rank + k * p] for k in range(v)]
+        shapes.append(StageShape(rank, sum(mine), has_embedding=rank == 0, has_head=rank == p - 1,
+                                 max_chunk_layers=max(mine)))
+    return shapes
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    devices_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise UserError(f"cluster: nodes ({self.nodes}) and devices per node ({self.devices_per_node}) "
+                            "must be positive")
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def axis_is_intra_node(self, layout: Layout, axis: Literal["tp", "dp", "pp"]) -> bool:
+        """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp, tp)."""
+        span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size}[axis]
+        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[axis]
+        if size == 1:
+            return True
+        return span <= self.devices_per_node and self.devices_per_node % span == 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, value = [], 1
+    while value <= limit:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_batch_size: int | None = None,
+                      fixed: dict[str, object] | None = None, max_micro_batch: int = 8) -> Iterator[Layout]:
+    """Every layout of ``cluster``'s devices for ``cfg``, starting from ``base``'s settings.
+
+    ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``micro_batch_size``,
+    ``activation_checkpointing``, ``distributed_optimizer``, ...). With a
+    ``global_batch_size`` the micro-batch sizes are the powers of two dividing
+    each data-parallel rank's share and the rest is gradient accumulation;
+    without one every micro-batch size up to ``max_micro_batch`` is tried with
+    ``base``'s gradient accumulation.
+    """
+    fixed = dict(fixed or {})
+    for tp in [t for t in valid_tp_degrees(cfg) if cluster.devices % t == 0]:
+        for pp in [p for p in _divisors(cluster.devices // tp) if p <= cfg.num_hidden_layers]:
+            dp = cluster.devices // (tp * pp)
+            if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
+                continue
+            yield from _batch_variants(cfg, base.replace(tp=tp, pp=pp, dp=dp), global_batch_size, fixed,
+                                       max_micro_batch)
+
+
+def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | None, fixed: dict[str, object],
+                    max_micro_batch: int) -> Iterator[Layout]:
+    if global_batch_size is not None:
+        if global_batch_size % layout.dp:
+            return
+        per_rank = global_batch_size // layout.dp
+        sizes = [b for b in _powers_of_two(per_rank) if per_rank % b == 0]
+    else:
+        per_rank = None
+        sizes = _powers_of_two(max_micro_batch)
+    if "micro_batch_size" in fixed:
+        sizes = [b for b in sizes if b == fixed["micro_batch_size"]] if per_rank is not None \
+            else [int(fixed["micro_batch_size"])]  # type: ignore[arg-type]
+    ac_choices = [fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed else list(CHECKPOINTING)
+    opt_choices = [fixed["distributed_optimizer"]] if "distributed_optimizer" in fixed else [True, False]
+    for mbs in sizes:
+        gas = per_rank // mbs if per_rank is not None else layout.gradient_accumulation_steps
+        for ac in ac_choices:
+            for dist_opt in opt_choices:
+                if dist_opt is False and layout.dp == 1 and "distributed_optimizer" not in fixed:
+                    continue  # identical to True on one data-parallel rank
+                try:
+                    candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                                               activation_checkpointing=ac, distributed_optimizer=dist_opt)
+                    check_model_fits_layout(cfg, candidate)
+                except UserError:
+                    continue
+                yield candidate

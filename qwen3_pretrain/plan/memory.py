@@ -1,0 +1,208 @@
+"""Predicted peak memory per device of this project's training engine.
+
+What the engine keeps, per pipeline rank (all counts local to one tp rank;
+``P`` its parameters, ``d`` the compute dtype's bytes, ``dp`` the ranks that
+shard the weights: the data-parallel degree with the distributed optimizer,
+1 without):
+
+* **parameters**: fp32 master weights sharded by FSDP (``4 P / dp``), plus the
+  unsharded working weights FSDP gathers in the compute dtype: the two largest
+  FSDP units at a time (the one computing, the one prefetched), or the whole
+  stage (``d P``) under pipeline parallelism, whose schedule keeps them
+  gathered between micro-batches. FSDP wraps every layer, the LM head, and the
+  rest (embedding, final norm) at the root.
+* **gradients**: fp32 and sharded like the master weights (``4 P / dp``) after
+  the step's reduce-scatter. With several micro-batches per step the engine
+  skips the reduction until the last one, so the stage's *unsharded* fp32
+  gradients (``4 P``) accumulate in between; while a unit's gradient is
+  produced and reduced, its compute-dtype gradient and an fp32 reduce buffer.
+* **optimizer**: AdamW's two fp32 moments (``8 P / dp``) plus its step's
+  temporaries: one shard-sized buffer on the foreach path (torch's default on
+  accelerators), two of the largest tensor on the per-tensor path (CPU).
+* **activations**: what autograd saves per layer under the chosen recompute
+  (``formulas.qwen3_layer_saved_bytes_per_token``), times the micro-batches in
+  flight on the stage, plus, for the micro-batch in backward, one layer's
+  recomputation and its gradients.
+* **logits**: the fused LM head + cross-entropy's working set on the last
+  stage: one chunk's logits in the compute dtype and in fp32, and the head's
+  weight gradient, accumulated in fp32 over the chunks.
+* **overhead**: allocator fragmentation (a stated fraction of the above) plus
+  the runtime's own reservation (context, communicator buffers).
+
+The peak is the largest of four moments of a step: the loss, the first layer's
+backward, the end of backward and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.layout import Layout, StageShape, check_model_fits_layout, stage_shapes
+
+GiB = 1024**3
+
+# Allocator fragmentation and caching, as a share of the allocated peak: PyTorch's
+# caching allocator typically reserves 5-15% more than it hands out in training.
+OVERHEAD_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted peak memory of one device, in bytes, split by what holds it."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    overhead: float
+    total: float
+    stage: int = 0  # pipeline rank this describes
+    moment: str = ""  # when in the step the peak falls
+
+    @property
+    def allocated(self) -> float:
+        """What the tensor allocator hands out at the peak (total minus overhead)."""
+        return self.total - self.overhead
+
+    def gib(self) -> dict[str, float]:
+        """The byte fields in GiB, rounded to 3 decimals."""
+        names = ("parameters", "gradients", "optimizer", "activations", "logits", "overhead", "total")
+        return {n: round(getattr(self, n) / GiB, 3) for n in names}
+
+
+@dataclass(frozen=True)
+class _StageParams:
+    total: float  # parameters on this rank (its tp shard)
+    units: list[float]  # FSDP units, largest first: layers, the LM head, the root (embedding, final norm)
+    largest_tensor: float
+    head: float  # the LM head's weight, 0 off the last stage
+
+
+def _stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> _StageParams:
+    t, h = layout.tp, cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
+    vocab = cfg.vocab_size * h / t
+    # A tied head is a parameter of its own in the engine (kept equal by summing gradients).
+    head = vocab if shape.has_head else 0.0
+    root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
+    units = sorted([layer] * shape.num_layers + [u for u in (head, root) if u], reverse=True)
+    largest = max([h * cfg.intermediate_size / t] + ([vocab] if head or shape.has_embedding else []))
+    return _StageParams(shape.num_layers * layer + head + root, units, largest, head)
+
+
+def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
+    d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
+    if checkpointing == "full":
+        return d * h / t  # the layer's input, sequence-sharded
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                cfg.intermediate_size, t, d)
+    if checkpointing == "selective":
+        saved -= F.qwen3_mlp_saved_bytes_per_token(h, cfg.intermediate_size, t, d)
+    return saved
+
+
+def _microbatch_tokens(layout: Layout) -> int:
+    return layout.samples_per_microbatch * layout.seq_length
+
+
+def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """Activations the stage keeps for all micro-batches in flight at its peak."""
+    tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
+    per_mb = shape.num_layers * tokens * _layer_bytes_per_token(cfg, layout, layout.activation_checkpointing)
+    per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
+    if layout.document_mask:
+        per_mb += tokens * layout.seq_length  # bool [seq, seq] mask per sample
+    if shape.has_head:
+        # Final norm (fp32 input + normalized value, sequence-sharded) and the gradient of the
+        # gathered hidden states that the fused loss computes in forward and keeps for backward.
+        per_mb += tokens * ((4 + d) * h / layout.tp + d * h)
+    inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, layout.num_microbatches,
+                                       layout.stages_per_rank)
+    return inflight * per_mb
+
+
+def _backward_working(cfg: Qwen3Config, layout: Layout) -> float:
+    """One micro-batch's recomputed layer plus the gradients of the layer in backward."""
+    tokens, t, d = _microbatch_tokens(layout), layout.tp, layout.dtype_bytes
+    recomputed = 0.0
+    if layout.activation_checkpointing == "full":
+        recomputed = _layer_bytes_per_token(cfg, layout, "none")
+    elif layout.activation_checkpointing == "selective":
+        recomputed = F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
+    grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
+    return tokens * (recomputed + grads)
+
+
+def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
+    """Peak of the fused LM head + cross-entropy (``train/loss.py``) beyond what it keeps for backward.
+
+    One chunk of ``c`` tokens: its logits in fp32 (4) and, in bf16, the matmul's
+    output before the upcast or the gradient after the downcast (d), per local
+    vocab entry; plus the head's weight gradient accumulated in fp32 and one
+    chunk's contribution in the compute dtype.
+    """
+    chunk = min(_microbatch_tokens(layout), layout.loss_chunk_tokens)
+    vocab, d = cfg.vocab_size / layout.tp, layout.dtype_bytes
+    logits = chunk * vocab * (4 + (d if d != 4 else 0))
+    weight_grad = vocab * cfg.hidden_size * (4 + d)
+    return logits + weight_grad
+
+
+def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, dict[str, float]]:
+    """Bytes per component at each candidate peak moment of the step."""
+    sp = _stage_params(cfg, layout, shape)
+    d = layout.dtype_bytes
+    shard = layout.dp if layout.distributed_optimizer else 1
+    working = d * (sp.total if layout.pp > 1 or not layout.reshard_after_forward else sum(sp.units[:2]))
+    master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
+    m = layout.num_microbatches
+    inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, m, layout.stages_per_rank)
+    accumulated = 4 * sp.total if m > 1 else 0.0
+    # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists.
+    before = accumulated if m > inflight else 0.0
+    unit_grad = (d + 4) * sp.units[0]
+    held = _held_activations(cfg, layout, shape)
+    step_temp = 4 * sp.total / shard if layout.foreach_optimizer else 2 * 4 * sp.largest_tensor / shard
+    params = master + working
+    return {
+        "loss": dict(parameters=params, gradients=before, optimizer=adam, activations=held,
+                     logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
+        "first layer backward": dict(parameters=params, gradients=before + unit_grad, optimizer=adam,
+                                     activations=held + _backward_working(cfg, layout), logits=0.0),
+        "end of backward": dict(parameters=params, gradients=(accumulated or sharded_grads) + unit_grad,
+                                optimizer=adam, activations=0.0, logits=0.0),
+        "optimizer step": dict(parameters=master, gradients=sharded_grads, optimizer=adam + step_temp,
+                               activations=0.0, logits=0.0),
+    }
+
+
+def _stage_breakdown(cfg: Qwen3Config, layout: Layout, shape: StageShape, overhead_fraction: float,
+                     runtime_reserved_bytes: float) -> MemoryBreakdown:
+    moment, parts = max(_moments(cfg, layout, shape).items(), key=lambda kv: sum(kv[1].values()))
+    allocated = sum(parts.values())
+    overhead = overhead_fraction * allocated + runtime_reserved_bytes
+    return MemoryBreakdown(**parts, overhead=overhead, total=allocated + overhead, stage=shape.stage, moment=moment)
+
+
+def predict_memory(cfg: Qwen3Config, layout: Layout, stage: int | None = None,
+                   overhead_fraction: float = OVERHEAD_FRACTION, runtime_reserved_bytes: float = 0.0) -> MemoryBreakdown:
+    """Peak memory per device of pipeline rank ``stage`` (default: the rank with the largest peak).
+
+    ``overhead_fraction`` covers allocator fragmentation; ``runtime_reserved_bytes``
+    the device runtime's own memory (see ``Hardware.runtime_reserved_gib``),
+    which allocator statistics do not see. Compare a measured allocator peak
+    (``torch.cuda.max_memory_allocated``, ``MemoryTracker``) with ``.allocated``.
+    """
+    check_model_fits_layout(cfg, layout)
+    shapes = stage_shapes(cfg, layout)
+    if stage is not None:
+        if not 0 <= stage < layout.pp:
+            raise ValueError(f"stage {stage} is not a pipeline rank of pp={layout.pp}")
+        shapes = [shapes[stage]]
+    results = [_stage_breakdown(cfg, layout, s, overhead_fraction, runtime_reserved_bytes) for s in shapes]
+    return max(results, key=lambda b: b.total)

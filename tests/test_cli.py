@@ -1,0 +1,73 @@
+"""The ``qwen3-pretrain`` entry point, run as a user runs it: in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+from qwen3_pretrain.cli import COMMANDS, main
+
+
+def run_cli(repo_root, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    env.pop("QWEN3_PRETRAIN_DEBUG", None)  # it turns user errors back into tracebacks
+    return subprocess.run([sys.executable, "-m", "qwen3_pretrain", *args], cwd=repo_root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_command(repo_root):
+    result = run_cli(repo_root, "--help")
+    assert result.returncode == 0
+    for name in COMMANDS:
+        assert re.search(rf"^\s+{re.escape(name)}\s", result.stdout, re.MULTILINE), name
+
+
+def test_unknown_command_exits_2_with_a_suggestion(repo_root):
+    result = run_cli(repo_root, "demoo")
+    assert result.returncode == 2
+    assert "unknown command 'demoo'; did you mean 'demo'?" in result.stderr
+
+
+def test_demo_runs_and_reloads_bit_exact(repo_root, tmp_path):
+    out = tmp_path / "tiny"
+    result = run_cli(repo_root, "demo", "--output", str(out), "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert "logits shape: [1, 10, 151936]" in result.stdout
+    assert re.search(r"checksum: sum=-?\d+\.\d+ first=\[", result.stdout)
+    assert "equal the in-memory model's: yes" in result.stdout
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_user_error_is_one_line_without_traceback(tmp_path, capsys, monkeypatch):
+    # In-process (same path as the console script, without paying a second torch import).
+    monkeypatch.delenv("QWEN3_PRETRAIN_DEBUG", raising=False)
+    code = main(["demo", "--output", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "tokenizer.json" in lines[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_package_import_does_not_import_torch(repo_root):
+    code = "import sys, qwen3_pretrain; print(qwen3_pretrain.__version__, 'torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo_root)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
+    assert result.stdout.split() == [version, "False"]
+
+
+def test_package_exports_the_model_api():
+    import qwen3_pretrain as q
+    from qwen3_pretrain.models.qwen3 import hf_io, model
+
+    assert q.load_hf_model is hf_io.load_hf_model and q.save_hf_model is hf_io.save_hf_model
+    assert q.Qwen3Model is model.Qwen3Model
+    preset = q.get_preset("Qwen3-8B")
+    assert isinstance(preset, q.Qwen3Config) and preset.hidden_size == 4096

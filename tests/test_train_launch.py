@@ -1,0 +1,109 @@
+"""Launchers and the reference layout: torchrun (1 and 2 nodes), mpirun with a hostfile, the reference
+config's tp 4 x pp 2 on 8 processes; bad input stops every rank with one clear message."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests._train_helpers import TINY_MODEL, check_ok, child_env, free_port, losses, make_corpus, run_train, write_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.mark.distributed
+def test_reference_config_layout_tp4_pp2_on_8_processes(corpus, tmp_path):
+    """examples/pretrain_config.yaml as shipped (rank_size 8, tp 4, pp 2, bf16, distributed optimizer,
+    gradient checkpointing) with only paths and model size changed to fit a CPU."""
+    reference = yaml.safe_load((REPO / "examples/pretrain_config.yaml").read_text())
+    assert (reference["rank_size"], reference["tp"], reference["pp"]) == (8, 4, 2)
+    model = dict(TINY_MODEL, num_attention_heads=8, num_key_value_heads=4)
+    overrides = [f"data_path={corpus}", f"output_path={tmp_path / 'out'}", "model_path=", "tokenizer_path=",
+                 "model_name=qwen3-0.6b", f"model_overrides={model}", "seq_length=64", "batch_size=2",
+                 "total_steps=3", "log_steps=1", "warmup_steps=1", "learning_rate=3e-3", "save_steps=0"]
+    proc = run_train(REPO / "examples/pretrain_config.yaml", 8, *overrides, timeout=400)
+    check_ok(proc)
+    got = losses(tmp_path / "out")
+    assert len(got) == 3 and all(math.isfinite(x) for x in got)
+    assert "tp 4 pp 2 dp 1" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_two_node_torchrun_on_loopback(corpus, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2, pp=2)
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--master_addr", "127.0.0.1", "--master_port", port]
+    train = ["-m", "qwen3_pretrain", "train", "--config", str(cfg)]
+    agents = [subprocess.Popen(cmd + ["--node_rank", str(n)] + train, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=child_env()) for n in (0, 1)]
+    outs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs
+    assert len(losses(tmp_path / "out")) == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_mpirun_with_hostfile(corpus, tmp_path):
+    """The reference launch line: mpirun -np N -hostfile hostfile python tools/train.py --config ..."""
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2, tp=2, rank_size=2,
+                       master_addr="127.0.0.1", master_port=free_port(), hostfile="./hostfile")
+    env = dict(child_env(), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    cmd = ["mpirun", "-np", "2", "-hostfile", "hostfile", "-x", "PATH", "-x", "OMP_NUM_THREADS",
+           sys.executable, str(REPO / "tools/train.py"), "--config", str(cfg)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    check_ok(proc)
+    assert "launcher mpirun" in proc.stdout
+    assert len(losses(tmp_path / "out")) == 2
+
+
+BAD = {
+    "rank_size": (2, ["rank_size=4"], "rank_size is 4 but 2 processes were launched"),
+    "tp_heads": (2, ["tp=2", "model_overrides={num_attention_heads: 3, num_key_value_heads: 3}"],
+                 "does not divide num_attention_heads"),
+    "layout": (2, ["tp=4"], "does not divide the 2 launched processes"),
+    "data": (1, ["data_path=/nonexistent/d_convert"], "/nonexistent/d_convert"),
+    "seq": (1, ["seq_length=999999"], "max_position_embeddings"),
+    "number": (1, ["learning_rate=fast"], "learning_rate"),
+    "unknown_key": (1, ["learning_rat=1e-5"], "did you mean 'learning_rate'"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_stops_with_one_clear_message(name, corpus, tmp_path):
+    nproc, overrides, message = BAD[name]
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
+    proc = run_train(cfg, nproc, *overrides, timeout=120)
+    assert proc.returncode != 0
+    text = proc.stderr + proc.stdout
+    assert message in text
+    # Each rank prints its one "error:" line; the only traceback allowed is torchrun's own report.
+    assert text.count("error: ") == nproc, text
+    assert text.count("Traceback") == text.count("elastic.multiprocessing.errors.ChildFailedError: "), text
+
+
+def test_unreachable_master_is_a_clear_error_not_a_hang(corpus, tmp_path):
+    """A rank launched by mpirun whose rank 0 never comes up gives up after init_timeout_s."""
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", master_addr="127.0.0.1",
+                       master_port=free_port(), init_timeout_s=3)
+    env = dict(child_env(), OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="1")
+    env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "could not reach the rendezvous" in proc.stderr
+    assert "Traceback" not in proc.stderr
