@@ -63,12 +63,19 @@ def test_matches_naive(dtype, chunk_tokens):
         torch.testing.assert_close(g, e, **TOL[dtype])
 
 
-def test_flat_and_three_dim_inputs_agree():
-    h, w, labels = make_inputs(shape=(3, 4, 5), dtype=torch.float64)
+@pytest.mark.parametrize("shape", [(18,), (3, 4, 5)])
+def test_any_leading_dims(shape):
+    h, w, labels = make_inputs(shape=shape, dtype=torch.float64)
     got = fused(h, w, labels, chunk_tokens=7)
     want = naive(h, w, labels)
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, **TOL[torch.float64])
+
+
+def test_repeated_runs_are_bit_identical():
+    h, w, labels = make_inputs(shape=(4, 16), hidden=32, vocab=500, dtype=torch.float32)
+    first, second = fused(h, w, labels, chunk_tokens=9), fused(h, w, labels, chunk_tokens=9)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_bf16_close_to_naive_bf16():
@@ -219,21 +226,28 @@ def _check_plain_tensor_shards(mesh) -> None:
     torch.testing.assert_close(gw, want_gw[start:stop], rtol=2e-2, atol=3e-2 * want_gw.abs().max().item())
 
 
-def _check_dtensor_head(mesh) -> None:
-    """ChunkedLMHead with W sharded Shard(0) and h sequence-parallel Shard(1): same loss and full grads."""
+def _check_dtensor_head(mesh, padded_vocab: int | None = None) -> None:
+    """ChunkedLMHead with W sharded Shard(0) and h sequence-parallel Shard(1): same loss and full grads.
+
+    Without ``padded_vocab`` the 37 vocab rows shard unevenly; with it, W gets padding rows up to
+    ``padded_vocab`` and the head ``valid_vocab=37``.
+    """
     h, w, labels = make_inputs(shape=(2, 8), vocab=37)
-    linear = nn.Linear(16, 37, bias=False, dtype=torch.float64)
-    linear.weight = nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
-    head = ChunkedLMHead.from_linear(linear, chunk_tokens=5)
+    rows = padded_vocab or 37
+    full_w = torch.cat([w, 50.0 * torch.ones(rows - 37, w.shape[1], dtype=w.dtype)])
+    linear = nn.Linear(16, rows, bias=False, dtype=torch.float64)
+    linear.weight = nn.Parameter(distribute_tensor(full_w, mesh, [Shard(0)]))
+    head = ChunkedLMHead.from_linear(linear, chunk_tokens=5, valid_vocab=37 if padded_vocab else None)
     h_dt = distribute_tensor(h, mesh, [Shard(1)]).requires_grad_()
     loss = head(h_dt, labels)
     (loss * 0.5).backward()
     want_loss, want_gh, want_gw = naive(h, w, labels, scale=0.5)
     torch.testing.assert_close(loss, want_loss, **TOL[torch.float64])
     torch.testing.assert_close(h_dt.grad.full_tensor(), want_gh, **TOL[torch.float64])
-    torch.testing.assert_close(head.weight.grad.full_tensor(), want_gw, **TOL[torch.float64])
+    torch.testing.assert_close(head.weight.grad.full_tensor(), F.pad(want_gw, (0, 0, 0, rows - 37)),
+                               **TOL[torch.float64])
     with torch.no_grad():
-        torch.testing.assert_close(head(h_dt).full_tensor(), F.linear(h, w), **TOL[torch.float64])
+        torch.testing.assert_close(head(h_dt).full_tensor(), F.linear(h, full_w), **TOL[torch.float64])
 
 
 def _check_tp4_and_tp2(rank: int, world_size: int) -> None:
@@ -243,6 +257,7 @@ def _check_tp4_and_tp2(rank: int, world_size: int) -> None:
     for mesh in (tp4, tp2):
         _check_plain_tensor_shards(mesh)
         _check_dtensor_head(mesh)
+        _check_dtensor_head(mesh, padded_vocab=40)
 
 
 @pytest.mark.distributed

@@ -87,19 +87,20 @@ def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int, i
         return
     backend = BACKENDS[device.type]
     timeout = datetime.timedelta(seconds=timeout_s)
-    device_id = device if device.type != "cpu" else None
-    if info.launcher == "torchrun":  # torchrun's agent already hosts the store: join it via env://
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        return
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # Under torchrun the agent hosts the store and outlives restarts: a restarted worker must not
+    # read the addresses its dead predecessors published, so every attempt gets its own key prefix.
+    agent_store = info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        store = dist.TCPStore(addr, port, info.world_size, is_master=info.rank == 0,
+        store = dist.TCPStore(addr, port, info.world_size, is_master=info.rank == 0 and not agent_store,
                               timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise UserError(f"could not reach the rendezvous at {addr}:{port} within {init_timeout_s} s ({exc}); "
                         "check master_addr/master_port and that rank 0 is running") from None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"qwen3_pretrain/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
-                            timeout=timeout, device_id=device_id)
+                            timeout=timeout, device_id=device if device.type != "cpu" else None)
 
 
 def destroy() -> None:

@@ -98,17 +98,21 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise UserError(f"layout: {name} {value!r} is not one of {', '.join(choices)}")
 
 
-def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
-    """Raise UserError when ``layout`` cannot split ``cfg`` (heads over tp, layers over pp)."""
+def check_degrees(cfg: Qwen3Config, tp: int, pp: int, stages_per_rank: int = 1) -> None:
+    """Raise UserError when ``tp`` cannot split the heads or ``pp`` the layers of ``cfg``."""
     for what, count in (("num_attention_heads", cfg.num_attention_heads),
                         ("num_key_value_heads", cfg.num_key_value_heads)):
-        if count % layout.tp:
-            raise UserError(f"tp={layout.tp} does not divide the model's {what} ({count}); "
+        if count % tp:
+            raise UserError(f"tp={tp} does not divide the model's {what} ({count}); "
                             f"choose tp among {', '.join(map(str, valid_tp_degrees(cfg)))}")
-    chunks = layout.pp * layout.stages_per_rank
-    if chunks > cfg.num_hidden_layers:
-        raise UserError(f"pp={layout.pp} x virtual_stages={layout.stages_per_rank} is more pipeline chunks than "
+    if pp * stages_per_rank > cfg.num_hidden_layers:
+        raise UserError(f"pp={pp} x virtual_stages={stages_per_rank} is more pipeline chunks than "
                         f"the model's {cfg.num_hidden_layers} layers")
+
+
+def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
+    """Raise UserError when ``layout`` cannot split ``cfg`` or feed its pipeline."""
+    check_degrees(cfg, layout.tp, layout.pp, layout.stages_per_rank)
     if layout.pp > 1 and layout.num_microbatches < layout.pp:
         raise UserError(f"pp={layout.pp} needs at least {layout.pp} pipeline micro-batches per step, got "
                         f"{layout.num_microbatches} (micro_batch_size x gradient_accumulation_steps / "
@@ -190,7 +194,8 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
     """Every layout of ``cluster``'s devices for ``cfg``, starting from ``base``'s settings.
 
     ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``micro_batch_size``,
-    ``activation_checkpointing``, ``distributed_optimizer``, ...). With a
+    ``gradient_accumulation_steps``, ``activation_checkpointing``,
+    ``distributed_optimizer``). With a
     ``global_batch_size`` the micro-batch sizes are the powers of two dividing
     each data-parallel rank's share and the rest is gradient accumulation;
     without one every micro-batch size up to ``max_micro_batch`` is tried with
@@ -212,7 +217,10 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
         if global_batch_size % layout.dp:
             return
         per_rank = global_batch_size // layout.dp
-        sizes = [b for b in _powers_of_two(per_rank) if per_rank % b == 0]
+        # Under pipeline parallelism only the samples per rank matter (they are re-cut into
+        # pipeline micro-batches), so one split of them is enough.
+        sizes = [per_rank] if layout.pp > 1 and "micro_batch_size" not in fixed \
+            else [b for b in _powers_of_two(per_rank) if per_rank % b == 0]
     else:
         per_rank = None
         sizes = _powers_of_two(max_micro_batch)
@@ -223,6 +231,8 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
     opt_choices = [fixed["distributed_optimizer"]] if "distributed_optimizer" in fixed else [True, False]
     for mbs in sizes:
         gas = per_rank // mbs if per_rank is not None else layout.gradient_accumulation_steps
+        if fixed.get("gradient_accumulation_steps", gas) != gas:
+            continue
         for ac in ac_choices:
             for dist_opt in opt_choices:
                 if dist_opt is False and layout.dp == 1 and "distributed_optimizer" not in fixed:

@@ -29,8 +29,8 @@ shard the weights: the data-parallel degree with the distributed optimizer,
 * **overhead**: allocator fragmentation (a stated fraction of the above) plus
   the runtime's own reservation (context, communicator buffers).
 
-The peak is the largest of four moments of a step: the loss, the first layer's
-backward, the end of backward and the optimizer step.
+The peak is the largest of five moments of a step: the loss, the start of
+backward, a layer's backward, the end of backward and the optimizer step.
 """
 
 from __future__ import annotations
@@ -75,13 +75,16 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class _StageParams:
-    total: float  # parameters on this rank (its tp shard)
-    units: list[float]  # FSDP units, largest first: layers, the LM head, the root (embedding, final norm)
+    """Parameter counts of one pipeline rank (its tp shard), per FSDP unit."""
+
+    total: float
+    layer: float  # one decoder layer (a unit each)
+    head: float  # the LM head (a unit), 0 off the last stage
+    root: float  # the root unit: embedding and/or final norm, whatever the stage holds
     largest_tensor: float
-    head: float  # the LM head's weight, 0 off the last stage
 
 
-def _stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> _StageParams:
+def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> _StageParams:
     t, h = layout.tp, cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
@@ -89,9 +92,8 @@ def _stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> _Stage
     # A tied head is a parameter of its own in the engine (kept equal by summing gradients).
     head = vocab if shape.has_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
-    units = sorted([layer] * shape.num_layers + [u for u in (head, root) if u], reverse=True)
     largest = max([h * cfg.intermediate_size / t] + ([vocab] if head or shape.has_embedding else []))
-    return _StageParams(shape.num_layers * layer + head + root, units, largest, head)
+    return _StageParams(shape.num_layers * layer + head + root, layer, head, root, largest)
 
 
 def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
@@ -154,28 +156,58 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
 
 
 def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, dict[str, float]]:
-    """Bytes per component at each candidate peak moment of the step."""
-    sp = _stage_params(cfg, layout, shape)
-    d = layout.dtype_bytes
+    """Bytes per component at each candidate peak moment of the step.
+
+    FSDP units are gathered one or two at a time (the head and the last layer
+    around the loss; two layers, one computing and one prefetched, in
+    backward), except the root unit: it holds the final norm, the first thing
+    backward needs, so it is gathered right after the head's backward and
+    stays gathered to the end, embedding included. Gathering a unit briefly
+    takes its all-gather input, output and the unsharded copy. A unit's
+    gradient appears in the compute dtype and, when the weights are sharded,
+    an fp32 reduce-scatter input; with one shard the reduced gradient is that
+    buffer itself (measured: ``bench/plan_validate.py``). Under pipeline
+    parallelism every unit stays gathered.
+    """
+    sp = stage_params(cfg, layout, shape)
+    d, m = layout.dtype_bytes, layout.num_microbatches
     shard = layout.dp if layout.distributed_optimizer else 1
-    working = d * (sp.total if layout.pp > 1 or not layout.reshard_after_forward else sum(sp.units[:2]))
     master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
-    m = layout.num_microbatches
+    resident = layout.pp > 1 or not layout.reshard_after_forward
+
+    def gathered(*units: float) -> float:
+        return master + d * (sp.total if resident else sum(units))
+
+    # FSDP copies weights into an all-gather input (and gradients into a reduce-scatter
+    # input) when it casts them or shards them; fp32 on one shard uses them in place.
+    cast = layout.mixed_precision == "bf16"
+    copies = cast or shard > 1
+
+    def gathering(unit: float) -> float:
+        return 0.0 if resident else d * unit * (1 + (1 / shard if copies else 0))
+
+    def unit_grad(unit: float) -> float:
+        return ((d if cast else 0) + (4 if shard > 1 else 0)) * unit
+
     inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, m, layout.stages_per_rank)
     accumulated = 4 * sp.total if m > 1 else 0.0
     # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists.
     before = accumulated if m > inflight else 0.0
-    unit_grad = (d + 4) * sp.units[0]
+    head_grad = 0.0 if before else 4 * sp.head * (1 if m > 1 else 1 / shard)
     held = _held_activations(cfg, layout, shape)
     step_temp = 4 * sp.total / shard if layout.foreach_optimizer else 2 * 4 * sp.largest_tensor / shard
-    params = master + working
     return {
-        "loss": dict(parameters=params, gradients=before, optimizer=adam, activations=held,
+        "loss": dict(parameters=gathered(sp.head, sp.layer), gradients=before, optimizer=adam, activations=held,
                      logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
-        "first layer backward": dict(parameters=params, gradients=before + unit_grad, optimizer=adam,
-                                     activations=held + _backward_working(cfg, layout), logits=0.0),
-        "end of backward": dict(parameters=params, gradients=(accumulated or sharded_grads) + unit_grad,
-                                optimizer=adam, activations=0.0, logits=0.0),
+        "backward start": dict(parameters=gathered(sp.root) + gathering(sp.root), optimizer=adam,
+                               gradients=before + head_grad + (d * sp.head if copies else 0.0), activations=held,
+                               logits=0.0),
+        "layer backward": dict(parameters=gathered(sp.root, 2 * sp.layer), optimizer=adam,
+                               gradients=before + head_grad + unit_grad(sp.layer),
+                               activations=held + _backward_working(cfg, layout), logits=0.0),
+        "end of backward": dict(parameters=gathered(sp.root or sp.layer), optimizer=adam,
+                                gradients=(accumulated or sharded_grads) + unit_grad(sp.root or sp.layer),
+                                activations=0.0, logits=0.0),
         "optimizer step": dict(parameters=master, gradients=sharded_grads, optimizer=adam + step_temp,
                                activations=0.0, logits=0.0),
     }

@@ -89,18 +89,32 @@ class _StorageCounter(TorchDispatchMode):
         self._sizes.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs)) if t.device.type == "cpu"}
-        out = func(*args, **kwargs)
-        for tensor in _plain_tensors(out):
+        out = func(*args, **(kwargs or {}))
+        outputs = [out] if isinstance(out, torch.Tensor) else _plain_tensors(out)
+        if not outputs:
+            return out
+        aliased = _aliasing_returns(func)
+        if aliased is None:  # no reliable schema: an output sharing an input's storage is not new
+            inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs)) if t.device.type == "cpu"}
+        for tensor in outputs:
             if tensor.device.type != "cpu":
                 continue
             key = tensor.untyped_storage()._cdata
-            # An output aliasing an input is a view or an in-place result: not new memory,
-            # unless it is a storage already counted (its size may have changed).
-            if key in self._sizes or key not in inputs:
+            # Views and in-place results are not new memory, unless their storage is
+            # one already counted (its size may have changed).
+            is_alias = aliased if aliased is not None else key in inputs
+            if key in self._sizes or not is_alias:
                 self.add(tensor)
         return out
+
+
+def _aliasing_returns(func: Any) -> bool | None:
+    """True when every return of an aten op aliases an input (views, in-place, ``out=``), False when
+    none does, None when mixed or not an aten op (then aliasing is checked on the storages)."""
+    if getattr(func, "namespace", None) != "aten":
+        return None
+    flags = {r.alias_info is not None for r in func._schema.returns}
+    return flags.pop() if len(flags) == 1 else None
 
 
 class MemoryTracker:

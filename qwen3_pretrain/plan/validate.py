@@ -34,7 +34,7 @@ from qwen3_pretrain.train.loss import ChunkedLMHead
 class Measurement:
     measured_peak_bytes: int
     predicted: MemoryBreakdown
-    step_time_s: float  # one step without the tracker (its bookkeeping slows every operator)
+    step_time_s: float | None  # one step without the tracker (its bookkeeping slows every operator)
 
     @property
     def error(self) -> float:
@@ -51,8 +51,8 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     """A one-process stage: fused loss head, recompute, FSDP2 with the layout's precision."""
     if layout.world_size != 1:
         raise ValueError(f"validation runs one process; got tp={layout.tp}, pp={layout.pp}, dp={layout.dp}")
-    model = Qwen3Model(cfg)
-    model.init_weights(seed=0)
+    torch.manual_seed(0)
+    model = Qwen3Model(cfg)  # torch's default initialization: the values do not matter here
     head = ChunkedLMHead(cfg.hidden_size, cfg.vocab_size, chunk_tokens=layout.loss_chunk_tokens)
     head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied, as in the engine
     model.lm_head, model.return_hidden = head, True
@@ -79,7 +79,7 @@ def train_step(model: Qwen3Model, optimizer: torch.optim.Optimizer, layout: Layo
         labels = torch.randint(0, vocab, shape, generator=generator)
         loss = model.lm_head(model(ids), labels) / labels.numel()
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -91,7 +91,7 @@ def _ensure_process_group() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 
 
-def measure(cfg: Qwen3Config, layout: Layout, steps: int = 2) -> Measurement:
+def measure(cfg: Qwen3Config, layout: Layout, steps: int = 1, time_one_step: bool = False) -> Measurement:
     """Peak bytes over ``steps`` steps after a first one, with the planner's prediction for the same layout."""
     _ensure_process_group()
     gen = torch.Generator().manual_seed(0)
@@ -103,7 +103,9 @@ def measure(cfg: Qwen3Config, layout: Layout, steps: int = 2) -> Measurement:
         mem.reset()
         for _ in range(steps):
             train_step(model, optimizer, layout, cfg.vocab_size, gen)
-    start = time.perf_counter()
-    train_step(model, optimizer, layout, cfg.vocab_size, gen)
-    elapsed = time.perf_counter() - start
+    elapsed = None
+    if time_one_step:
+        start = time.perf_counter()
+        train_step(model, optimizer, layout, cfg.vocab_size, gen)
+        elapsed = time.perf_counter() - start
     return Measurement(mem.peak_bytes, predict_memory(cfg, layout), elapsed)

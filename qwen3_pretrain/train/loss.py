@@ -5,7 +5,9 @@ Full fp32 logits for batch 4 x seq 8192 x vocab 151,936 take 20 GB per device.
 each chunk of tokens the forward pass computes the logits, the loss *and* the
 gradients (softmax - one-hot) at once, folds them into the gradients of the
 hidden states and of the head's weight, and drops the chunk. Backward then only
-scales the stored gradients by the incoming gradient of the loss.
+scales the stored gradients by the incoming gradient of the loss. What a chunk
+needs is ``chunk_tokens x V_local`` fp32 logits plus as many in the inputs'
+dtype: 3.7 GB for 4096 tokens of Qwen3's vocab in bf16, divided by tp.
 
 Under tensor parallelism each rank holds rows ``vocab_start … vocab_start +
 V_local`` of the head. Per token, the max logit (MAX), the sum of exponentials
@@ -111,13 +113,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = _zeros_if(opts.compute_grads and ctx.needs_input_grad[1], weight.shape, weight, compute)
         loss = torch.zeros((), dtype=compute, device=hidden.device)
         unmatched = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
+        scratch = _Scratch(min(opts.chunk_tokens, num_tokens), weight, compute)
         # Autocast already happened in the caller; inside, every dtype is chosen explicitly.
         with torch.autocast(hidden.device.type, enabled=False):
             # A fixed chunk order keeps the fp32 accumulations deterministic.
             for start in range(0, num_tokens, opts.chunk_tokens):
                 end = min(start + opts.chunk_tokens, num_tokens)
                 chunk_grad_hidden = None if grad_hidden is None else grad_hidden[start:end]
-                loss += _chunk(flat_hidden[start:end], weight, flat_labels[start:end], opts,
+                loss += _chunk(flat_hidden[start:end], weight, flat_labels[start:end], opts, scratch,
                                chunk_grad_hidden, grad_weight, unmatched[start:end])
         _check_labels(flat_labels, unmatched, opts)
         if grad_hidden is not None and opts.tp_group is not None:
@@ -144,20 +147,30 @@ def _zeros_if(needed: bool, shape: torch.Size, like: torch.Tensor,
     return torch.zeros(shape, dtype=dtype or like.dtype, device=like.device) if needed else None
 
 
-def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opts: _Options,
+class _Scratch:
+    """Logits buffers [chunk_tokens, V_local] that every chunk reuses.
+
+    A fresh multi-GB tensor per chunk costs as much in page faults as the
+    softmax itself on CPU; a GPU's caching allocator would not mind either way.
+    """
+
+    def __init__(self, rows: int, weight: torch.Tensor, compute: torch.dtype) -> None:
+        shape = (rows, weight.shape[0])
+        self.logits = torch.empty(shape, dtype=compute, device=weight.device)  # softmax math
+        self.same_dtype = weight.dtype == compute
+        # matmul output and gradient of the logits, in the inputs' dtype
+        self.low = self.logits if self.same_dtype else torch.empty(shape, dtype=weight.dtype, device=weight.device)
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opts: _Options, scratch: _Scratch,
            grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
            unmatched: torch.Tensor) -> torch.Tensor:
-    """Loss sum of one chunk of n tokens; writes its gradients into the two buffers.
+    """Loss sum of one chunk of n tokens; adds its gradients into the two buffers.
 
     ``unmatched`` [n] is set where a non-ignored label is owned by no rank (an
     id outside the vocabulary), for ``_check_labels``.
     """
-    compute = torch.promote_types(hidden.dtype, torch.float32)
-    logits = (hidden @ weight.T).to(compute)  # [n, V_local]; the matmul in the inputs' dtype
-    num_local = weight.shape[0]
-    if opts.valid_vocab is not None:
-        num_local = min(max(opts.valid_vocab - opts.vocab_start, 0), num_local)
-        logits[:, num_local:] = float("-inf")
+    logits, num_local = _chunk_logits(hidden, weight, opts, scratch)  # [n, V_local], fp32 or fp64
     valid = labels != opts.ignore_index  # [n]
     local_ids = labels - opts.vocab_start
     owned = valid & (local_ids >= 0) & (local_ids < num_local)
@@ -166,21 +179,35 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
     _all_reduce(row_max, dist.ReduceOp.MAX, opts.tp_group)
     target = torch.where(owned, logits.gather(1, local_ids).squeeze(1), 0.0)
     probs = logits.sub_(row_max[:, None]).exp_()  # in place: unnormalized softmax
-    stats = torch.stack([probs.sum(dim=-1), target, owned.to(compute)])  # [3, n]
+    stats = torch.stack([probs.sum(dim=-1), target, owned.to(probs.dtype)])  # [3, n]
     _all_reduce(stats, dist.ReduceOp.SUM, opts.tp_group)
     sum_exp, target, num_owners = stats
     unmatched.copy_(valid & (num_owners != 1))
-    loss = torch.where(valid, row_max + sum_exp.log() - target, 0.0).sum()
-    if grad_hidden is None and grad_weight is None:
-        return loss
-    # d loss / d logits = softmax - one-hot, zero on ignored tokens
-    probs.mul_(torch.where(valid, sum_exp.reciprocal(), 0.0)[:, None])
-    grad_logits = probs.scatter_add_(1, local_ids, -owned.to(compute)[:, None]).to(hidden.dtype)
-    if grad_hidden is not None:
-        grad_hidden.copy_(grad_logits @ weight)  # [n, H], partial over the vocab shards
-    if grad_weight is not None:
-        grad_weight += grad_logits.T @ hidden  # [V_local, H], accumulated in fp32
-    return loss
+    if grad_hidden is not None or grad_weight is not None:
+        # d loss / d logits = softmax - one-hot, zero on ignored tokens
+        probs.mul_(torch.where(valid, sum_exp.reciprocal(), 0.0)[:, None])
+        grad_logits = probs.scatter_add_(1, local_ids, -owned.to(probs.dtype)[:, None])
+        if not scratch.same_dtype:
+            grad_logits = scratch.low[: len(labels)].copy_(grad_logits)
+        if grad_hidden is not None:
+            grad_hidden.copy_(grad_logits @ weight)  # [n, H], partial over the vocab shards
+        if grad_weight is not None:
+            grad_weight += grad_logits.T @ hidden  # [V_local, H], accumulated in fp32
+    return torch.where(valid, row_max + sum_exp.log() - target, 0.0).sum()
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, opts: _Options,
+                  scratch: _Scratch) -> tuple[torch.Tensor, int]:
+    """(logits [n, V_local] in fp32 (fp64) with padding ids at -inf, number of local non-padding ids)."""
+    n = hidden.shape[0]
+    logits = torch.mm(hidden, weight.T, out=scratch.low[:n])  # the matmul in the inputs' dtype
+    if not scratch.same_dtype:
+        logits = scratch.logits[:n].copy_(logits)
+    num_local = weight.shape[0]
+    if opts.valid_vocab is not None:
+        num_local = min(max(opts.valid_vocab - opts.vocab_start, 0), num_local)
+        logits[:, num_local:] = float("-inf")
+    return logits, num_local
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
@@ -205,8 +232,8 @@ class ChunkedLMHead(nn.Linear):
 
     ``forward(h)`` returns plain logits (generation, evaluation); ``forward(h,
     labels)`` returns ``fused_linear_cross_entropy``'s loss sum. ``weight`` may
-    be a DTensor on a 1-D tensor-parallel mesh, sharded over the vocab
-    (``Shard(0)``) or replicated; ``h`` (and ``labels``) may be DTensors too,
+    be a DTensor sharded over the vocab (``Shard(0)``, even or not) on a 1-D
+    tensor-parallel mesh; ``h`` (and ``labels``) may be DTensors too,
     e.g. sequence-parallel ``Shard(1)``: they are gathered to the full tensor
     first, so without DTensors ``h`` must be the same on every tp rank.
     """
@@ -217,7 +244,7 @@ class ChunkedLMHead(nn.Linear):
         if bias:
             raise UserError("ChunkedLMHead has no bias: Qwen3's LM head has none")
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
-        self.chunk_tokens = chunk_tokens  # tokens per chunk: memory ~ chunk_tokens x V_local x 6 bytes
+        self.chunk_tokens = chunk_tokens  # tokens per chunk: its logits take chunk_tokens x V_local x 6 B in bf16
         self.valid_vocab = valid_vocab  # real vocab size when the head is padded to a multiple of tp
         self.ignore_index = ignore_index
 
@@ -255,13 +282,11 @@ def _local_vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, dist.Process
     """(local rows, tp group or None, global id of the first local row) of the head's weight."""
     if not isinstance(weight, DTensor):
         return weight, None, 0
-    mesh, placement = weight.device_mesh, weight.placements[0]
-    if mesh.ndim != 1 or not (placement.is_replicate() or placement.is_shard(0)):
-        raise UserError(f"the LM head weight must be replicated or sharded on dim 0 (vocab) over a 1-D tp mesh, "
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or not weight.placements[0].is_shard(0):
+        raise UserError(f"the LM head weight must be sharded on dim 0 (vocab) over a 1-D tp mesh, "
                         f"got placements {weight.placements} on a {mesh.ndim}-D mesh")
     local = weight.to_local()
-    if placement.is_replicate():
-        return local, None, 0
     # Shard(0) splits like torch.chunk: ceil(vocab / tp) rows per rank, the last ranks shorter.
     vocab = weight.shape[0]
     rows_per_rank = -(-vocab // mesh.size())

@@ -59,6 +59,7 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
             raise ConfigError("model_overrides cannot be combined with model_path: the checkpoint's config.json "
                               "defines the model")
         reader = HFCheckpointReader(cfg.model_path)
+        reader.validate()  # a broken checkpoint fails here, naming the tensor and file, not mid-load
         _check_name_matches(cfg.model_name, reader.config, cfg.model_path)
         return ModelSource(reader.config, reader, f"{cfg.model_path} (continued pre-training)")
     model_cfg = get_preset(cfg.model_name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from qwen3_pretrain.config.loader import load_config, save_config
+from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest
+from qwen3_pretrain.config.loader import load_config, save_config, to_dict
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 from qwen3_pretrain.data.reader_manifest import validate_manifest
 from qwen3_pretrain.errors import ConfigError, UserError
@@ -59,10 +61,14 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_in_a_row = 0
+        self.stop_requested = self.stop_agreed = False
         coord = self.mesh.get_coordinate()
         self.is_log_rank = coord[0] == self.dims.pp - 1 and not any(coord[1:])
         Path(cfg.output_path).mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
+        self.checkpointer = Checkpointer(cfg.output_path, self.parts, self.optimizers, cfg.keep_last_n,
+                                         cfg.async_save)
+        self.resumed_from = self._maybe_resume()
 
     # --- set-up ------------------------------------------------------------------
 
@@ -88,7 +94,7 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg, model_cfg, dims = self.cfg, self.source.config, self.dims
-        padded = padded_vocab_size(model_cfg.vocab_size, dims.tp)
+        padded = self.padded_vocab = padded_vocab_size(model_cfg.vocab_size, dims.tp)
         stage_cfg = type(model_cfg)(**{**model_cfg.__dict__, "vocab_size": padded})
         num_stages = dims.pp * self.stages_per_rank
         ranges = stage_layer_ranges(model_cfg.num_hidden_layers, num_stages)
@@ -108,7 +114,8 @@ class Trainer:
         # The tied head's gradient equals the embedding's: count it once in the global norm.
         skip = {id(self.tied.head)} if self.tied is not None and self.tied.head is not None else set()
         self.norm_params = [p for p in self.params if id(p) not in skip]
-        self.optimizer = build_optimizer(self.parts, cfg, tied=model_cfg.tie_word_embeddings)
+        # One optimizer per part, so optimizer state is saved and resharded by parameter name.
+        self.optimizers = [build_optimizer([part], cfg, tied=model_cfg.tie_word_embeddings) for part in self.parts]
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
@@ -127,6 +134,53 @@ class Trainer:
         # Each rank's loss is its token sum over the global batch's token count, times dp because
         # FSDP averages gradients over the dp ranks: together they give the global token mean.
         self.loss_scale = dims.dp / self.global_tokens
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def _maybe_resume(self) -> Path | None:
+        """Continue from ``output_path``'s newest complete checkpoint, whatever layout wrote it."""
+        path = find_latest(self.cfg.output_path)
+        # Every rank must see the same checkpoint (checkpoints live on a filesystem all nodes share).
+        found = torch.tensor([int(path.name.split("_")[1]) if path else -1] * 2, device=self.device)
+        found[1].neg_()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found[0].item() != -found[1].item():
+            raise UserError(f"ranks see different checkpoints in {self.cfg.output_path}; output_path must be on "
+                            "a filesystem shared by all nodes (e.g. NFS)")
+        if path is None:
+            return None
+        meta = self.checkpointer.load(path)
+        self._check_checkpoint_model(meta, path)
+        self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
+        self.loader.load_state_dict(meta["data"])
+        return path
+
+    def _check_checkpoint_model(self, meta: dict, path: Path) -> None:
+        saved, current = meta["model_config"], self.source.config.to_hf_dict()
+        diffs = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                             "head_dim", "intermediate_size", "vocab_size") if saved.get(k) != current.get(k)]
+        if diffs:
+            raise UserError(f"{path} holds a different model ({', '.join(f'{k} {saved.get(k)} vs {current.get(k)}' for k in diffs)}); "
+                            "use another output_path or the matching model config")
+
+    def save_checkpoint(self) -> None:
+        cfg, dims = self.cfg, self.dims
+        meta = {
+            "tokens_seen": self.tokens_seen, "model_name": cfg.model_name,
+            "model_config": self.source.config.to_hf_dict(), "padded_vocab_size": self.padded_vocab,
+            "tied": self.source.config.tie_word_embeddings, "tokenizer_path": cfg.tokenizer_path,
+            "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
+                       "distributed_optimizer": dims.distributed_optimizer, "pp_schedule": cfg.pp_schedule},
+            "data": self.loader.state_dict(), "config": to_dict(cfg), "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        self.checkpointer.save(self.step, meta)
+
+    def _request_stop(self, signum, frame) -> None:
+        if not self.stop_requested:
+            log.warning("received %s: finishing step %d, saving a checkpoint, then exiting",
+                        signal.Signals(signum).name, self.step + 1)
+        self.stop_requested = True
 
     # --- one step -------------------------------------------------------------------
 
@@ -167,16 +221,21 @@ class Trainer:
         if self.tied is not None:
             self.tied.sync_grads()
         grad_norm = global_grad_norm(self.norm_params, self.pp_group).item()
-        # Every last-stage rank holds its dp share of the loss, replicated over tp.
-        dist.all_reduce(local_loss)
-        loss = local_loss.item() / (self.dims.tp * self.dims.dp)
+        # Every last-stage rank holds its dp share of the loss, replicated over tp. The same reduction
+        # tells every rank whether any of them was asked to stop (SIGTERM/SIGINT).
+        reduced = torch.stack([local_loss.float(), torch.tensor(float(self.stop_requested), device=self.device)])
+        dist.all_reduce(reduced)
+        loss = reduced[0].item() / (self.dims.tp * self.dims.dp)
+        self.stop_agreed = reduced[1].item() > 0
         lr = lr_at(self.step, cfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not skipped:
             clip_grads(self.params, cfg.clip_grad, grad_norm)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            for opt in self.optimizers:
+                set_lr(opt, lr)
+                opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step += 1
@@ -187,21 +246,38 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------
 
     def fit(self) -> list[dict]:
+        """Train until ``total_steps`` (or a stop signal), saving every ``save_steps`` and at the end."""
         cfg = self.cfg
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._request_stop)
         self._log_start()
         history: list[dict] = []
         peak, _ = device_peak_tflops(self.device, cfg.peak_tflops)
         flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
         avg_step = None
+        saved_at = self.step
         while self.step < cfg.total_steps:
             rec = self.train_step()
             history.append(rec)
             self._check_finite(rec)
-            if rec["step"] > 1 or cfg.total_steps == 1:  # the first step pays for warm-up
+            if avg_step is None or rec["step"] > 1:  # the first step pays for warm-up
                 avg_step = rec["step_time_s"] if avg_step is None else 0.9 * avg_step + 0.1 * rec["step_time_s"]
             if self.is_log_rank and (rec["step"] % cfg.log_steps == 0 or rec["step"] == cfg.total_steps
-                                     or rec["skipped"]):
-                self._log_step(rec, peak, flops_per_token, avg_step or rec["step_time_s"])
+                                     or rec["skipped"] or self.stop_agreed):
+                self._log_step(rec, peak, flops_per_token, avg_step)
+            due = self.step == cfg.total_steps or (cfg.save_steps and self.step % cfg.save_steps == 0)
+            # A step skipped for a non-finite loss is not saved: 'latest' keeps naming the last good state.
+            if (due or self.stop_agreed) and not rec["skipped"]:
+                self.save_checkpoint()
+                saved_at = self.step
+            if self.stop_agreed:
+                if self.is_log_rank:
+                    log.info("stopped on request after step %d; checkpoint saved, resume by running the same command",
+                             self.step)
+                break
+        if saved_at != self.step and self.nonfinite_in_a_row == 0:
+            self.save_checkpoint()
+        self.checkpointer.wait()
         return history
 
     def _check_finite(self, rec: dict) -> None:
@@ -245,6 +321,9 @@ class Trainer:
                      self.launch.world_size, dims.tp, dims.pp, dims.dp, self.global_batch, cfg.batch_size, dims.dp,
                      cfg.gradient_accumulation_steps, cfg.seq_length, cfg.model_name, m.num_params() / 1e9,
                      self.source.description, self.device, self.launch.launcher)
+            if self.resumed_from is not None:
+                log.info("resumed from %s at step %d", self.resumed_from, self.step)
+                self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
                                 "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "global_batch": self.global_batch})
 

@@ -133,7 +133,10 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Passing the weight skips nn.Embedding's random init, which on the meta device costs seconds
+        # (it imports the compiler stack); init_weights below or a checkpoint sets the values.
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -145,6 +148,8 @@ class Qwen3Model(nn.Module):
         self.return_hidden = False
         self.document_mask = False
         self.sequence_shards = 1
+        if self.embed_tokens.weight.device.type != "meta":
+            self.init_weights()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.embed_tokens is not None:

@@ -1,0 +1,160 @@
+"""Benchmark of the data conversion: the project's parquet -> shards against plain tokenizers and tiktoken.
+
+    python bench/data_convert.py [--mb 20] [--workers N] [--chunk-size 200]
+
+Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
+dump, writes it as parquet in a temporary folder, then prints, on that same
+text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
+plain ``tokenizers`` ``encode_batch`` (all threads), and ``tiktoken`` alone
+(same ranks and regex, all threads), each in MB/s of raw UTF-8 text, with the
+peak resident memory of the whole process tree (this process and its
+workers) during each. When the training reader exists, also its samples/s at
+seq_length 8192 on the converted shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import tiktoken
+from tokenizers import Tokenizer
+
+from qwen3_pretrain.data import bpe
+from qwen3_pretrain.data.convert import DataConvertConfig, convert
+from qwen3_pretrain.data.pool import available_cores
+from qwen3_pretrain.data.wiki import WikiStats, iter_dump_articles
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "assets" / "qwen3-tokenizer"
+DUMP = REPO / "assets" / "enwiki-sample" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+class TreeRss:
+    """Samples the summed RSS of this process and all its descendants (Linux /proc) in a thread."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.peak, self._interval, self._stop = 0, interval, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        found = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                found += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return found
+
+    @staticmethod
+    def _rss(pid: int) -> int:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def _sample(self) -> int:
+        total, todo = 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            total += self._rss(pid)
+            todo += self._children(pid)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> "TreeRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def build_corpus(folder: Path, megabytes: float) -> tuple[Path, list[str]]:
+    """Repeat the dump's articles until ``megabytes`` MB of text; write them as parquet."""
+    articles = [text for *_, text in iter_dump_articles(DUMP, WikiStats(), workers=available_cores())]
+    texts, size = [], 0
+    while size < megabytes * 1e6:
+        for text in articles:
+            texts.append(text)
+            size += len(text.encode("utf-8"))
+            if size >= megabytes * 1e6:
+                break
+    path = folder / "corpus.parquet"
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), path, row_group_size=2000)
+    return path, texts
+
+
+def measure(label: str, megabytes: float, work: Callable[[], Any]) -> tuple[Any, float]:
+    with TreeRss() as rss:
+        start = time.perf_counter()
+        result = work()
+        seconds = time.perf_counter() - start
+    print(f"{label:<44} {megabytes / seconds:8.1f} MB/s  {seconds:7.1f} s  peak RSS {rss.peak / 2**30:5.2f} GiB")
+    return result, megabytes / seconds
+
+
+def bench_reader(data_path: Path, seq_length: int = 8192, samples: int = 200) -> None:
+    if importlib.util.find_spec("qwen3_pretrain.data.reader") is None:
+        print("training reader: qwen3_pretrain.data.reader not present, skipped")
+        return
+    from qwen3_pretrain.data.reader import PackedDataset
+
+    dataset = PackedDataset(data_path, seq_length, seed=1234)
+    count = min(samples, len(dataset))
+    start = time.perf_counter()
+    for i in range(count):
+        dataset[i]
+    rate = count / (time.perf_counter() - start)
+    print(f"training reader PackedDataset, seq_length {seq_length}: {rate:,.0f} samples/s "
+          f"({rate * seq_length / 1e6:.1f} M tokens/s, {count} samples of {len(dataset)})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=20, help="MB of text to convert (default 20)")
+    parser.add_argument("--workers", type=int, default=0, help="conversion processes (default: all cores)")
+    parser.add_argument("--chunk-size", type=int, default=200,
+                        help="documents per chunk; the sample's articles are long (27 KB on average)")
+    args = parser.parse_args()
+    cores = available_cores()
+    with tempfile.TemporaryDirectory() as tmp:
+        source, texts = build_corpus(Path(tmp), args.mb)
+        megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        print(f"{megabytes:.1f} MB of text, {len(texts)} documents, {cores} cores")
+        cfg = DataConvertConfig(input_path=str(source), tokenizer_path=str(TOKENIZER), output_path=f"{tmp}/out",
+                                workers=args.workers, chunk_size=args.chunk_size)
+        manifest, project = measure(f"project convert (parquet -> 16 shards)", megabytes, lambda: convert(cfg))
+        reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+        _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
+                           lambda: reference.encode_batch(texts, add_special_tokens=False))
+        spec = json.loads((TOKENIZER / "tokenizer.json").read_text(encoding="utf-8"))
+        encoding = tiktoken.Encoding("qwen3", pat_str=bpe.split_pattern(spec["pre_tokenizer"]),
+                                     mergeable_ranks=bpe.mergeable_ranks(spec["model"]), special_tokens={})
+        _, alone = measure(f"tiktoken alone ({cores} threads)", megabytes,
+                           lambda: encoding.encode_ordinary_batch(texts, num_threads=cores))
+        print(f"project / tokenizers: {project / plain:.1f}x; project / tiktoken alone: {project / alone:.2f}; "
+              f"{manifest['num_tokens']:,} tokens")
+        bench_reader(Path(tmp) / "out")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training checkpoints: sharded save/resume (manager) and merging into one HuggingFace model (merge)."""

@@ -1,0 +1,228 @@
+"""Sharded training checkpoints: the one module that writes and reads ``output_path/step_<N>/``.
+
+Layout of ``output_path``::
+
+    latest                 name of the newest complete checkpoint ("step_0000100")
+    step_0000100/          .metadata + __<rank>_<n>.distcp (torch.distributed.checkpoint),
+                           meta.json (step, model, layout, data position, config), rng/rank_<r>.pt
+    .tmp-step_0000200-save a checkpoint being written (ignored; removed by the next save)
+
+A checkpoint is written under its temporary name by every rank, then rank 0
+adds ``meta.json`` and publishes it with one atomic rename, and only then
+replaces ``latest``. A run killed at any moment therefore leaves ``latest``
+naming a complete checkpoint. Model and optimizer states are saved by
+parameter name (DCP), so a checkpoint resumes under any other (tp, pp, dp).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from qwen3_pretrain.errors import UserError
+
+log = logging.getLogger("qwen3_pretrain.checkpoint")
+
+FORMAT = "qwen3-pretrain-checkpoint"
+LATEST = "latest"
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / "meta.json").is_file()
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path / 'meta.json'}: unreadable checkpoint metadata ({exc})") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path / 'meta.json'}: not a {FORMAT} checkpoint")
+    return meta
+
+
+def find_latest(output_path: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from: the one ``latest`` names if complete, else the newest complete one."""
+    root = Path(output_path)
+    if not root.is_dir():
+        return None
+    for tmp in root.glob(".tmp-step_*"):
+        log.warning("ignoring %s: a checkpoint that was being written when a run stopped", tmp)
+    named = None
+    if (root / LATEST).is_file():
+        named = root / (root / LATEST).read_text(encoding="utf-8").strip()
+        if is_complete(named):
+            return named
+        log.warning("%s names %s, which is missing or incomplete; using the newest complete checkpoint",
+                    root / LATEST, named.name)
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+    return complete[-1] if complete else None
+
+
+class Checkpointer:
+    """Saves and restores model parts + optimizers + trainer metadata with torch.distributed.checkpoint."""
+
+    def __init__(self, output_path: str | os.PathLike, parts: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer], keep_last_n: int = 3, async_save: bool = False) -> None:
+        self.root = Path(output_path)
+        self.parts, self.optimizers = parts, optimizers
+        self.keep_last_n = keep_last_n
+        self.async_save = async_save
+        self._pending: tuple[Any, Path, Path, dict] | None = None
+
+    # --- state ----------------------------------------------------------------------
+
+    def _part_state_dicts(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        return [(get_model_state_dict(part), get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
+                for part, opt in zip(self.parts, self.optimizers)]
+
+    @staticmethod
+    def _merge(per_part: list[tuple[dict, dict]]) -> dict[str, Any]:
+        """One state dict for DCP; parameter names are unique across the parts of a rank."""
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for m, o in per_part:
+            model.update(m)
+            optim.update(o)
+        return {"model": model, "optim": optim}
+
+    def _state_dict(self) -> dict[str, Any]:
+        return self._merge(self._part_state_dicts())
+
+    # --- save -----------------------------------------------------------------------
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        """Write checkpoint ``step`` (collective: every rank calls it)."""
+        self.wait()
+        rank = dist.get_rank()
+        tmp = self.root / f".tmp-{step_dir_name(step)}-save"
+        final = self.root / step_dir_name(step)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier()
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   tmp / "rng" / f"rank_{rank:05d}.pt")
+        start = time.perf_counter()
+        meta = dict(meta, format=FORMAT, format_version=1, step=step,
+                    created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if self.async_save:
+            future = dcp.async_save(self._state_dict(), checkpoint_id=str(tmp))
+            self._pending = (future, tmp, final, dict(meta, _start=start))
+            return
+        self._run_collective_io(lambda: dcp.save(self._state_dict(), checkpoint_id=str(tmp)), tmp)
+        self._publish(tmp, final, meta, start)
+
+    def wait(self) -> None:
+        """Finish a pending asynchronous save (collective)."""
+        if self._pending is None:
+            return
+        future, tmp, final, meta = self._pending
+        self._pending = None
+        self._run_collective_io(future.result, tmp)
+        self._publish(tmp, final, meta, meta.pop("_start"))
+
+    def _run_collective_io(self, fn, tmp: Path) -> None:
+        try:
+            fn()
+        except Exception as exc:  # DCP raises on every rank when any rank's write failed
+            raise UserError(f"saving checkpoint {tmp} failed: {_root_cause(exc)}; the previous checkpoint "
+                            f"is intact ({self.root / LATEST})") from None
+
+    def _publish(self, tmp: Path, final: Path, meta: dict, start: float) -> None:
+        """Rank 0 renames the finished temp dir into place and updates ``latest``; all ranks agree on success."""
+        error = ""
+        if dist.get_rank() == 0:
+            try:
+                _write_json(tmp / "meta.json", meta)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _write_text(self.root / LATEST, final.name + "\n")
+                self._prune()
+            except OSError as exc:
+                error = f"publishing checkpoint {final} failed: {exc}"
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32)
+        dist.broadcast(ok, src=0)
+        if not ok.item():
+            raise UserError(error or f"publishing checkpoint {final} failed on rank 0 (see its log)")
+        if dist.get_rank() == 0:
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            secs = time.perf_counter() - start
+            log.info("saved checkpoint %s (%.1f MB in %.1f s, %.0f MB/s)", final, size / 1e6, secs,
+                     size / 1e6 / max(secs, 1e-9))
+
+    def _prune(self) -> None:
+        if self.keep_last_n <= 0:
+            return
+        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and is_complete(p))
+        for old in done[: -self.keep_last_n]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # --- load -----------------------------------------------------------------------
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore model and optimizer from ``path`` (any layout); return its meta.json."""
+        meta = read_meta(path)
+        per_part = self._part_state_dicts()
+        state = self._merge(per_part)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as exc:
+            raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
+        # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
+        # merged dict: give each part its own keys back from there.
+        for part, opt, (m, o) in zip(self.parts, self.optimizers, per_part):
+            set_model_state_dict(part, {k: state["model"][k] for k in m})
+            set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in o}, options=_OPTIM_OPTIONS)
+        rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        if rng.is_file() and meta.get("layout", {}).get("world") == dist.get_world_size():
+            saved = torch.load(rng, weights_only=False)
+            torch.set_rng_state(saved["cpu"])
+            if saved.get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(saved["cuda"])
+        return meta
+
+
+def _root_cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    for line in reversed(text):
+        if "Error" in line or "error" in line:
+            return line.strip()
+    return text[-1] if text else type(exc).__name__
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    _write_text(path, json.dumps(data, indent=1, default=str) + "\n")

@@ -1,0 +1,357 @@
+"""parquet -> tokenized Megatron indexed-dataset shards: the ``convert`` stage.
+
+``qwen3-pretrain convert --config pretain_data_config.yaml [key=value ...]``
+writes ``shard_00000.bin/.idx`` ... and, last, ``manifest.json`` into
+``output_path``. Documents are read in record batches of ``chunk_size``,
+tokenized by ``workers`` processes (ordered, at most two chunks per worker in
+flight, so memory stays bounded), and each document (its tokens, then
+``<|endoftext|>``) goes to the shard holding the fewest tokens so far (the
+lowest shard index on ties). The rule depends only on the documents and their
+order, so the shards are byte-identical whatever the number of workers or the
+chunk size.
+
+``manifest.json`` is the commit marker: it is removed before anything else is
+touched and written only once every shard is complete, so a run that dies
+leaves no manifest (and only ``*.tmp`` files, cleaned by the next run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import dataclasses
+import glob
+import heapq
+import json
+import os
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from qwen3_pretrain.config.loader import field_help, load_config, to_dict
+from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
+from qwen3_pretrain.data.pool import available_cores, ordered_map
+from qwen3_pretrain.data.tokenizer import load_tokenizer
+from qwen3_pretrain.errors import ConfigError, UserError
+
+MANIFEST = "manifest.json"
+FORMAT = "megatron-indexed-dataset"
+FORMAT_VERSION = 1
+_SHARD_FILE = re.compile(r"^shard_\d{5}\.(?:bin|idx)(?:\.tmp)?$")
+assert array.array("i").itemsize == 4, "token buffers are built as C int and read as int32"
+
+
+@dataclasses.dataclass
+class DataConvertConfig:
+    """The data conversion config (``pretain_data_config.yaml``)."""
+
+    input_path: str = field_help(help="parquet file, folder of parquet files (searched recursively) or glob")
+    tokenizer_path: str = field_help(help="folder holding tokenizer.json (a HuggingFace model folder) or the file")
+    output_path: str = field_help(help="folder for shard_NNNNN.bin/.idx and manifest.json (created if missing)")
+    seq_length: int = field_help(8192, help="training sequence length the data is meant for (recorded in "
+                                            "the manifest; training checks it)")
+    shards: int = field_help(16, help="number of output shards; documents are spread so tokens balance")
+    do_lower_case: bool = field_help(False, help="lower-case the text before tokenizing")
+    max_doc_length: int = field_help(100000, help="longest sequence, in tokens (end-of-document token not "
+                                                  "counted); a longer document is split into consecutive "
+                                                  "sequences of at most this many tokens, none dropped")
+    chunk_size: int = field_help(5000, help="documents per unit of parallel work (and per parquet read)")
+    workers: int = field_help(0, help="tokenizing processes; 0 = all available cores")
+    text_column: str = field_help("text", help="parquet column holding the document text")
+    append_eod: bool = field_help(True, help="end every document with the end-of-document token "
+                                             "(<|endoftext|>, id 151643 for Qwen3)")
+    tokenizer_backend: Literal["auto", "fast", "reference"] = field_help(
+        "auto", help="fast (tiktoken, exact), reference (the tokenizers library) or auto (fast when it "
+                     "can be exact for this tokenizer, else reference)")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first key whose value cannot work."""
+        minimums = {"seq_length": (2, "a training sample needs at least 2 tokens"),
+                    "shards": (1, "at least one shard is needed"),
+                    "chunk_size": (1, "a chunk holds at least one document"),
+                    "max_doc_length": (1, "a sequence holds at least one token"),
+                    "workers": (0, "0 means all cores")}
+        for key, (minimum, why) in minimums.items():
+            value = getattr(self, key)
+            if value < minimum:
+                raise ConfigError(f"{key}: {value} is too small; give at least {minimum} ({why})")
+        for key in ("input_path", "tokenizer_path", "output_path", "text_column"):
+            if not str(getattr(self, key)).strip():
+                raise ConfigError(f"{key}: is empty; give a value")
+
+
+# ---------------------------------------------------------------- input
+
+def input_files(input_path: str) -> list[Path]:
+    """The parquet files ``input_path`` names: a file, a folder (recursive) or a glob; sorted."""
+    path = Path(input_path).expanduser()
+    if any(ch in input_path for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"input_path {input_path!r} does not exist; give a parquet file "
+                                "(e.g. from 'qwen3-pretrain wiki2parquet'), a folder of them or a glob")
+    if not files:
+        raise FileNotFoundError(f"input_path {input_path!r}: no parquet files there")
+    return files
+
+
+def open_parquet(path: Path, column: str) -> pq.ParquetFile:
+    """``path`` opened, with ``column`` checked to exist and hold strings."""
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"{path}: not a readable parquet file ({exc}); check the file or re-create it") from None
+    schema = parquet.schema_arrow
+    if column not in schema.names:
+        raise UserError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)}); "
+                        "set text_column to the one holding the text")
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise UserError(f"{path}: column {column!r} holds {kind}, not text; set text_column to a string column")
+    return parquet
+
+
+def _chunks(files: list[Path], column: str, chunk_size: int) -> Iterator[tuple[list[str | None], int]]:
+    """(texts, UTF-8 bytes) per record batch, file after file."""
+    for path in files:
+        parquet = open_parquet(path, column)
+        try:
+            for batch in parquet.iter_batches(batch_size=chunk_size, columns=[column]):
+                texts = batch.column(0)
+                yield texts.to_pylist(), int(pc.sum(pc.binary_length(texts)).as_py() or 0)
+        except (pa.ArrowException, OSError) as exc:
+            raise UserError(f"{path}: cannot be read past a corrupt part ({exc}); re-create the file") from None
+
+
+# ---------------------------------------------------------------- tokenizing workers
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, lower: bool, eod_id: int | None, in_pool: bool) -> None:
+    if in_pool:  # one process per core already: keep the reference tokenizer from adding threads
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tokenizer=tokenizer, lower=lower, eod_id=eod_id)
+
+
+def _encode_chunk(chunk: tuple[list[str | None], int]) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(tokens of all non-empty documents back to back, their lengths, empty count, text bytes)."""
+    texts, num_bytes = chunk
+    docs = [text for text in texts if text]
+    if _WORKER["lower"]:
+        docs = [text.lower() for text in docs]
+    eod_id = _WORKER["eod_id"]
+    tokens = array.array("i")
+    lengths = np.empty(len(docs), dtype=np.int64)
+    for i, ids in enumerate(_WORKER["tokenizer"].encode_batch(docs)):
+        tokens.extend(ids)
+        if eod_id is not None:
+            tokens.append(eod_id)
+        lengths[i] = len(ids) + (eod_id is not None)
+    return np.frombuffer(tokens, dtype=np.int32), lengths, len(texts) - len(docs), num_bytes
+
+
+# ---------------------------------------------------------------- output
+
+@dataclasses.dataclass
+class _ShardCounts:
+    num_documents: int = 0
+    num_sequences: int = 0
+    num_tokens: int = 0
+
+
+class _Shards:
+    """The open shard writers and the least-loaded (by tokens) document assignment."""
+
+    def __init__(self, output: Path, num_shards: int, dtype: type, max_doc_length: int, eod: bool) -> None:
+        self.writers: list[IndexedDatasetWriter] = []
+        try:
+            for index in range(num_shards):
+                self.writers.append(IndexedDatasetWriter(output / f"shard_{index:05d}", dtype))
+        except BaseException:
+            self.abort()
+            raise
+        self.counts = [_ShardCounts() for _ in range(num_shards)]
+        self._load = [(0, index) for index in range(num_shards)]  # heap of (tokens, shard index)
+        self._max, self._eod = max_doc_length, int(eod)
+
+    def add(self, doc: np.ndarray) -> None:
+        """Write one document (EOD included when enabled) to the shard with the fewest tokens."""
+        tokens, index = self._load[0]
+        body = len(doc) - self._eod
+        for start in range(0, body, self._max):
+            end = start + self._max if start + self._max < body else len(doc)  # EOD rides on the last piece
+            self.writers[index].add_document(doc[start:end])
+            self.counts[index].num_sequences += 1
+        self.counts[index].num_documents += 1
+        self.counts[index].num_tokens += len(doc)
+        heapq.heapreplace(self._load, (tokens + len(doc), index))
+
+    def finalize(self) -> None:
+        for writer in self.writers:
+            writer.finalize()
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.abort()
+
+
+def _prepare_output(output: Path, sha256: str) -> None:
+    """Check ``output`` may be (re)written with this tokenizer, then clear our previous files from it."""
+    if output.exists() and not output.is_dir():
+        raise UserError(f"output_path {str(output)!r} is a file; give a folder")
+    manifest = output / MANIFEST
+    if manifest.is_file():
+        try:
+            previous = json.loads(manifest.read_text(encoding="utf-8"))["tokenizer"]["sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{manifest}: unreadable; delete output_path {str(output)!r} "
+                            "or choose another one") from None
+        if previous != sha256:
+            raise UserError(f"output_path {str(output)!r} holds shards made with another tokenizer "
+                            f"(tokenizer.json sha256 {previous[:12]}..., this one {sha256[:12]}...); "
+                            "choose another output_path or delete that folder")
+    output.mkdir(parents=True, exist_ok=True)
+    manifest.unlink(missing_ok=True)  # first: from here on the folder is incomplete
+    for path in output.iterdir():
+        if _SHARD_FILE.match(path.name):
+            path.unlink()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclasses.dataclass
+class _Progress:
+    empty: int = 0
+    text_bytes: int = 0
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def rate(self) -> float:
+        return self.text_bytes / 1e6 / max(time.perf_counter() - self.start, 1e-9)
+
+
+def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], tokenizer: Any,
+                   workers: int, total_docs: int) -> _Progress:
+    progress = _Progress()
+    eod_id = tokenizer.eod_id if cfg.append_eod else None
+    encoded = ordered_map(_encode_chunk, _chunks(files, cfg.text_column, cfg.chunk_size), workers,
+                          _init_worker, (tokenizer, cfg.do_lower_case, eod_id, workers > 1))
+    with tqdm(total=total_docs, unit="doc", unit_scale=True, file=sys.stderr, desc="convert",
+              mininterval=1.0, dynamic_ncols=True) as bar:
+        for tokens, lengths, empty, num_bytes in encoded:
+            ends = np.cumsum(lengths)
+            for start, end in zip(ends - lengths, ends):
+                shards.add(tokens[start:end])
+            progress.empty += empty
+            progress.text_bytes += num_bytes
+            bar.update(len(lengths) + empty)
+            bar.set_postfix_str(f"{progress.rate():.1f} MB/s", refresh=False)
+    return progress
+
+
+def _manifest(cfg: DataConvertConfig, tokenizer: Any, dtype: type, shards: _Shards, files: list[Path],
+              workers: int, elapsed: float) -> dict[str, Any]:
+    totals = {key: sum(getattr(c, key) for c in shards.counts)
+              for key in ("num_documents", "num_sequences", "num_tokens")}
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+        "tokenizer": {"path": str(Path(cfg.tokenizer_path).resolve()), "sha256": tokenizer.sha256,
+                      "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id, "backend": tokenizer.backend},
+        "seq_length": cfg.seq_length, **totals,
+        "shards": [{"prefix": f"shard_{i:05d}", **dataclasses.asdict(c)} for i, c in enumerate(shards.counts)],
+        "source": {"path": str(Path(cfg.input_path).resolve()), "size_bytes": sum(f.stat().st_size for f in files)},
+        "config": {**to_dict(cfg), "workers": workers},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(elapsed, 3),
+    }
+
+
+def _count_rows(files: list[Path], column: str) -> int:
+    total = 0
+    for path in files:  # every file checked before any output is touched
+        parquet = open_parquet(path, column)
+        total += parquet.metadata.num_rows
+        parquet.close()
+    return total
+
+
+def convert(cfg: DataConvertConfig) -> dict[str, Any]:
+    """Run the conversion described by ``cfg``; returns the manifest it wrote."""
+    start = time.perf_counter()
+    cfg.validate()
+    files = input_files(cfg.input_path)
+    total_docs = _count_rows(files, cfg.text_column)
+    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_backend)
+    print(_backend_line(tokenizer), file=sys.stderr)
+    output, workers = Path(cfg.output_path), cfg.workers or available_cores()
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    _prepare_output(output, tokenizer.sha256)
+    shards = _Shards(output, cfg.shards, dtype, cfg.max_doc_length, cfg.append_eod)
+    try:
+        progress = _tokenize_into(shards, cfg, files, tokenizer, workers, total_docs)
+        if not any(c.num_documents for c in shards.counts):
+            raise UserError(f"input_path {cfg.input_path!r}: no document has any text; nothing to write")
+        shards.finalize()
+    except BaseException:
+        shards.abort()
+        raise
+    manifest = _manifest(cfg, tokenizer, dtype, shards, files, workers, time.perf_counter() - start)
+    _write_json(output / MANIFEST, manifest)
+    print(_summary(manifest, progress, output))
+    return manifest
+
+
+def _backend_line(tokenizer: Any) -> str:
+    if tokenizer.backend == "fast":
+        return f"tokenizer: fast (tiktoken, same ids as the tokenizers library) from {tokenizer.path}"
+    why = f"; the fast path would not be exact: {tokenizer.fallback_reason}" if tokenizer.fallback_reason else ""
+    return f"tokenizer: reference (the tokenizers library) from {tokenizer.path}{why}"
+
+
+def _summary(manifest: dict[str, Any], progress: _Progress, output: Path) -> str:
+    empty_shards = sum(1 for s in manifest["shards"] if not s["num_documents"])
+    warning = f" ({empty_shards} shards empty: fewer documents than shards)" if empty_shards else ""
+    return (f"convert: {manifest['num_documents']} documents ({progress.empty} empty skipped), "
+            f"{manifest['num_sequences']} sequences, {manifest['num_tokens']} tokens in "
+            f"{len(manifest['shards'])} shards{warning}; {progress.text_bytes / 1e6:.1f} MB of text in "
+            f"{manifest['elapsed_s']:.1f} s ({progress.rate():.1f} MB/s) -> {output}")
+
+
+def _config_help() -> str:
+    lines = ["config keys (YAML or key=value):"]
+    lines += [f"  {f.name}: {f.metadata['help']}" for f in dataclasses.fields(DataConvertConfig)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``convert --config FILE.yaml [key=value ...]``."""
+    parser = argparse.ArgumentParser(prog="convert", description=__doc__.split("\n\n")[0],
+                                     epilog=_config_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (e.g. examples/pretain_data_config.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override a config key")
+    args = parser.parse_args(argv)
+    convert(load_config(DataConvertConfig, args.config, args.overrides))
+    return 0

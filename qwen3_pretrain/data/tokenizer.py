@@ -1,0 +1,301 @@
+"""Tokenizers for data conversion: an exact fast path on tiktoken, and the reference (``tokenizers``).
+
+``load_tokenizer(path)`` reads ``tokenizer.json`` and returns an object with
+``encode_batch(texts) -> list[list[int]]``, ``vocab_size``, ``eod_id``,
+``sha256`` and ``backend`` (``"fast"`` or ``"reference"``). Both backends give
+the ids of ``tokenizers.Tokenizer.encode(text, add_special_tokens=False)``,
+which is what Megatron's preprocessing feeds to training:
+
+* added/special tokens written in the text (``"<|endoftext|>"``) are matched
+  in the raw text, leftmost-longest, and become their ids;
+* the text between them is normalized (NFC), split by the pre-tokenizer regex
+  and byte-level BPE encoded. The fast path does the last step with tiktoken,
+  whose rank-order merging equals the ``merges`` list order for the
+  vocabularies ``bpe.py`` accepts (see its proof).
+
+Python's ``unicodedata`` and the Rust normalizer inside ``tokenizers`` ship
+different Unicode versions, so a handful of rare combining marks normalize
+differently; they are found by probing both at load time, and a document that
+contains one is encoded by the reference tokenizer instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import unicodedata
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import tiktoken
+import tokenizers
+
+from qwen3_pretrain.data import bpe
+from qwen3_pretrain.errors import UserError
+
+Backend = Literal["auto", "fast", "reference"]
+EOD_TOKEN = "<|endoftext|>"
+# sha256 of tokenizer.json files for which tests/test_tokenizer.py runs the full
+# rank-vs-merges proof (bpe.rank_merge_violations); others are proven at load.
+PROVEN_TOKENIZERS = {
+    "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",  # Qwen3 (all sizes)
+}
+
+
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """``path/tokenizer.json`` (a HF model folder) or ``path`` itself when it is that file."""
+    path = Path(path)
+    candidate = path / "tokenizer.json" if path.is_dir() else path
+    if not candidate.is_file():
+        raise FileNotFoundError(f"tokenizer_path {str(path)!r}: no tokenizer.json there; give the folder of a "
+                                "HuggingFace model (it holds tokenizer.json) or the tokenizer.json file")
+    return candidate
+
+
+class _Tokenizer:
+    """What both backends share: identity (path, sha256), vocabulary facts, pickling by path."""
+
+    backend: str = ""
+
+    def __init__(self, path: Path, raw: bytes, spec: dict[str, Any]) -> None:
+        self.path = path
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        self.added_tokens = {tok["content"]: int(tok["id"]) for tok in spec.get("added_tokens", [])}
+        self.vocab_size = 0  # all ids, added tokens included (Tokenizer.get_vocab_size(True))
+        self.eod_id = 0
+        self.fallback_reason: str | None = None
+
+    def __reduce__(self) -> tuple:
+        # Spawned workers rebuild the tokenizer from its file instead of pickling Rust objects.
+        return load_tokenizer, (self.path, self.backend)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one text (no BOS/EOS added)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text (no BOS/EOS added)."""
+        raise NotImplementedError
+
+
+class ReferenceTokenizer(_Tokenizer):
+    """The HuggingFace ``tokenizers`` library itself: slow, exact by definition, any tokenizer.json."""
+
+    backend = "reference"
+
+    def __init__(self, path: Path, raw: bytes, spec: dict[str, Any]) -> None:
+        super().__init__(path, raw, spec)
+        self._tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eod_id = _eod_id(path, self._tokenizer.token_to_id)
+        # encode_batch_fast skips offsets, which conversion does not need; same ids.
+        self._encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [enc.ids for enc in self._encode(texts, add_special_tokens=False)]
+
+
+class FastTokenizer(_Tokenizer):
+    """tiktoken with the tokenizer's own ranks, regex and added tokens: same ids as the reference."""
+
+    backend = "fast"
+
+    def __init__(self, path: Path, raw: bytes, spec: dict[str, Any]) -> None:
+        super().__init__(path, raw, spec)
+        pattern, ranks = _tiktoken_parts(spec, self.sha256)
+        vocab = spec["model"]["vocab"]
+        self.vocab_size = len(set(vocab.values()) | set(self.added_tokens.values()))
+        self.eod_id = _eod_id(path, lambda token: self.added_tokens.get(token, vocab.get(token)))
+        self._encoding = tiktoken.Encoding(f"bpe-{self.sha256[:12]}", pat_str=pattern,
+                                           mergeable_ranks=ranks, special_tokens={})
+        self._nfc = spec.get("normalizer") is not None
+        self._added = _alternation(self.added_tokens)
+        self._guard = _nfc_disagreements() if self._nfc else None
+        self._raw = raw
+        self._reference: ReferenceTokenizer | None = None
+
+    def _segment(self, text: str) -> list[int]:
+        if self._nfc and not text.isascii():  # ASCII is NFC in every Unicode version
+            text = unicodedata.normalize("NFC", text)
+        return self._encoding.encode_ordinary(text)
+
+    def encode(self, text: str) -> list[int]:
+        if self._guard is not None and not text.isascii() and self._guard.found_in(text):
+            return self._reference_tokenizer().encode(text)
+        if self._added is None or self._added.search(text) is None:
+            return self._segment(text)
+        ids: list[int] = []
+        start = 0
+        for match in self._added.finditer(text):
+            ids += self._segment(text[start:match.start()])
+            ids.append(self.added_tokens[match.group()])
+            start = match.end()
+        return ids + self._segment(text[start:])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def _reference_tokenizer(self) -> ReferenceTokenizer:
+        if self._reference is None:
+            self._reference = ReferenceTokenizer(self.path, self._raw, json.loads(self._raw))
+        return self._reference
+
+
+class _CharGuard:
+    """Finds any of a set of characters in a text quickly.
+
+    ``re`` checks a class of BMP characters with a lookup table but a class
+    holding astral characters one by one, so astral members are checked
+    only when the text has an astral character at all (rare in prose).
+    """
+
+    def __init__(self, chars: set[str]) -> None:
+        bmp = "".join(re.escape(c) for c in sorted(chars) if ord(c) < 0x10000)
+        self._candidates = re.compile(f"[{bmp}\U00010000-\U0010ffff]")
+        self._astral = frozenset(c for c in chars if ord(c) >= 0x10000)
+
+    def found_in(self, text: str) -> bool:
+        for match in self._candidates.finditer(text):
+            char = match.group()
+            if ord(char) < 0x10000 or char in self._astral:
+                return True
+        return False
+
+
+def _eod_id(path: Path, token_id: Callable[[str], int | None]) -> int:
+    """``<|endoftext|>``'s id, else that of the ``eos_token`` in tokenizer_config.json beside tokenizer.json."""
+    candidates = [EOD_TOKEN]
+    config = path.with_name("tokenizer_config.json")
+    if config.is_file():
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        candidates.append(eos.get("content") if isinstance(eos, dict) else eos)
+    for token in candidates:
+        if isinstance(token, str) and token_id(token) is not None:
+            return int(token_id(token))
+    raise UserError(f"{path}: no end-of-document token: neither {EOD_TOKEN!r} nor an eos_token of "
+                    "tokenizer_config.json is in the vocabulary")
+
+
+def _alternation(tokens: dict[str, int]) -> re.Pattern[str] | None:
+    """Leftmost-longest matcher of the added tokens, as ``tokenizers`` matches them."""
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def unsupported_reason(spec: dict[str, Any]) -> str | None:
+    """Why ``spec`` (a parsed tokenizer.json) cannot take the fast path, or None when it can."""
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and normalizer != {"type": "NFC"}:
+        return f"normalizer {normalizer.get('type')!r} is not NFC"
+    for token in spec.get("added_tokens", []):
+        flags = [flag for flag in ("lstrip", "rstrip", "single_word") if token.get(flag)]
+        if flags or (token.get("normalized") and normalizer is not None):
+            return f"added token {token['content']!r} uses {', '.join(flags) or 'normalized'} matching"
+    try:
+        bpe.check_model(spec["model"])
+        bpe.split_pattern(spec.get("pre_tokenizer"))
+    except bpe.NotConvertible as exc:
+        return str(exc)
+    return None
+
+
+def _tiktoken_parts(spec: dict[str, Any], sha256: str) -> tuple[str, dict[bytes, int]]:
+    """tiktoken's regex and ranks for ``spec``, after proving rank order equals merge order."""
+    pattern = bpe.split_pattern(spec.get("pre_tokenizer"))
+    ranks = bpe.mergeable_ranks(spec["model"])
+    if sha256 not in PROVEN_TOKENIZERS:
+        pairs = bpe.merge_pairs(spec["model"], ranks)
+        if not spec["model"].get("ignore_merges"):
+            # Entries no merge builds (e.g. special tokens a trainer put in the vocab) never come out
+            # of the reference's BPE, so tiktoken must not produce them either.
+            ranks = {token: rank for token, rank in ranks.items() if len(token) == 1 or token in pairs}
+        violations = bpe.rank_merge_violations(ranks, pairs)
+        if violations:
+            raise bpe.NotConvertible(f"{len(violations)} tokens (e.g. {violations[0]!r}) are built "
+                                     "differently by rank order than by the merges list")
+    return pattern, ranks
+
+
+def _nfc_candidates() -> list[str]:
+    """Characters whose NFC behaviour can depend on the Unicode version: marks, decomposables, unassigned."""
+    planes = [*range(0xD800), *range(0xE000, 0x30000), *range(0xE0000, 0xE1000)]  # no surrogates
+    out = []
+    for char in map(chr, planes):
+        decomposition = unicodedata.decomposition(char)
+        if (unicodedata.combining(char) or (decomposition and not decomposition.startswith("<"))
+                or unicodedata.category(char) == "Cn"):
+            out.append(char)
+    return out
+
+
+def _differing(probes: list[str], reference: tokenizers.normalizers.Normalizer) -> list[bool]:
+    # One joined call each; "\n" never composes or reorders, so probes stay independent.
+    joined = "\n".join(probes)
+    ours = unicodedata.normalize("NFC", joined).split("\n")
+    theirs = reference.normalize_str(joined).split("\n")
+    return [a != b for a, b in zip(ours, theirs)]
+
+
+@functools.lru_cache(maxsize=1)
+def _nfc_disagreements() -> _CharGuard | None:
+    """Matcher of the characters whose NFC differs between Python and ``tokenizers`` (None if none)."""
+    chars = _nfc_candidates()
+    reference_nfd = tokenizers.normalizers.NFD().normalize_str("\n".join(chars)).split("\n")
+    python_nfd = [unicodedata.normalize("NFD", c) for c in chars]
+    # The char alone; after a ccc-240 mark (reordered iff its ccc is known and below 240);
+    # each library's decomposition (recomposed iff that composition is known).
+    probe_sets = [chars, ["x\u0345" + c for c in chars], python_nfd, reference_nfd]
+    flags = [_differing(probes, tokenizers.normalizers.NFC()) for probes in probe_sets]
+    guard: set[str] = set()
+    for i, char in enumerate(chars):
+        if any(f[i] for f in flags):
+            # A composition is triggered by its non-first parts, so those go on the list too.
+            guard.update(char, python_nfd[i][1:], reference_nfd[i][1:])
+    return _CharGuard(guard) if guard else None
+
+
+def load_tokenizer(path: str | os.PathLike, backend: Backend = "auto") -> _Tokenizer:
+    """The tokenizer in ``path`` (folder or tokenizer.json): fast when exact, else the reference.
+
+    ``backend="fast"`` raises UserError when the fast path cannot be exact;
+    ``"auto"`` then falls back and records why in ``fallback_reason``.
+    """
+    if backend not in ("auto", "fast", "reference"):
+        raise UserError(f"tokenizer_backend {backend!r}: choose auto, fast or reference")
+    file = tokenizer_file(path)
+    raw = file.read_bytes()
+    return _load(file, raw, hashlib.sha256(raw).hexdigest(), backend)
+
+
+# Keyed by content hash: a tokenizer is immutable once built, and building one takes about a second.
+@functools.lru_cache(maxsize=8)
+def _load(file: Path, raw: bytes, sha256: str, backend: Backend) -> _Tokenizer:
+    try:
+        spec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{file}: not a valid tokenizer.json ({exc})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise UserError(f"{file}: not a tokenizer.json (no 'model' section)")
+    reason = "tokenizer_backend: reference was asked for" if backend == "reference" else unsupported_reason(spec)
+    if reason is None:
+        try:
+            return FastTokenizer(file, raw, spec)
+        except bpe.NotConvertible as exc:
+            reason = str(exc)
+    if backend == "fast":
+        raise UserError(f"tokenizer_backend: fast: {file} cannot be reproduced exactly by tiktoken "
+                        f"({reason}); use tokenizer_backend: auto or reference")
+    tokenizer = _reference(file, raw, spec)
+    tokenizer.fallback_reason = None if backend == "reference" else reason
+    return tokenizer
+
+
+def _reference(file: Path, raw: bytes, spec: dict[str, Any]) -> ReferenceTokenizer:
+    try:
+        return ReferenceTokenizer(file, raw, spec)
+    except Exception as exc:  # tokenizers raises plain Exception for a spec it cannot read
+        raise UserError(f"{file}: the tokenizers library cannot load it ({exc})") from None

@@ -1,0 +1,126 @@
+"""Wikitext (MediaWiki markup) -> plain text, without expanding templates.
+
+Good enough for language-model pre-training, in the spirit of
+``wikiextractor --no-templates``: the prose of an article survives, the
+machinery around it (templates, tables, references, files, categories,
+comments) does not. The passes run in a fixed order because later ones rely on
+earlier ones: comments can hide any markup, references and templates may hold
+links and tables, and links must be resolved before stray tags are stripped.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+# Elements whose content is not prose: dropped together with their content.
+_DISCARDED_ELEMENTS = (
+    "ref", "references", "gallery", "timeline", "imagemap", "math", "chem", "ce", "score", "graph",
+    "mapframe", "maplink", "templatedata", "indicator", "includeonly", "table", "caption", "img",
+)
+_ELEMENTS = "|".join(_DISCARDED_ELEMENTS)
+_COMMENT = re.compile(r"<!--.*?(?:-->|\Z)", re.S)
+_SELF_CLOSING = re.compile(rf"<(?:{_ELEMENTS})\b[^>]*/>", re.I)
+_PAIRED = re.compile(rf"<({_ELEMENTS})\b[^>]*>.*?</\1\s*>", re.I | re.S)
+_BREAK = re.compile(r"<br\s*/?>", re.I)
+_TAG = re.compile(r"</?[a-zA-Z][a-zA-Z0-9]*(?:\s[^<>]*)?/?>")
+
+# [url label] -> label; a bare [url] carries no text.
+_EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:|mailto:|//)[^\s\[\]]*(?:\s+([^\[\]]*))?\]", re.I)
+# Innermost [[...]] first, so a caption's links resolve before the file link around them is dropped.
+# A caption may hold single brackets ("[above]", "Bicyclo[1.1.0]butane"), so only "[[" and "]]" end a link.
+_INTERNAL_LINK = re.compile(r"\[\[((?:(?!\[\[|\]\]).)*)\]\]", re.S)
+_DROPPED_NAMESPACES = {"file", "image", "category", "media"}
+_INTERLANGUAGE = re.compile(r"^[a-z]{2,3}(?:-[a-z0-9]+)*:")
+
+_EMPHASIS = re.compile(r"'{2,5}")
+_HEADING = re.compile(r"^(={1,6})[ \t]*(.+?)[ \t]*\1[ \t]*$", re.M)
+_LIST_MARKER = re.compile(r"^[*#:;]+[ \t]*", re.M)
+_RULE = re.compile(r"^-{4,}[ \t]*$", re.M)
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+# "( )" or "(; )" left behind where a template (pronunciation, dates) stood.
+_EMPTY_PARENS = re.compile(r"[ \t]?\(\s*(?:[,;]\s*)*\)")
+_SPACES = re.compile(r"[ \t\u00a0]{2,}")
+_BLANK_LINES = re.compile(r"\n{3,}")
+_REDIRECT = re.compile(r"^\s*#redirect", re.I)
+
+
+def is_redirect_text(wikitext: str) -> bool:
+    """True for ``#REDIRECT [[...]]`` pages (dumps without a ``<redirect>`` element)."""
+    return bool(_REDIRECT.match(wikitext))
+
+
+def remove_nested(text: str, opener: str, closer: str) -> str:
+    """Remove every balanced ``opener ... closer`` span, nesting included.
+
+    An opener that is never closed is left in place with the rest of the text:
+    one stray ``{{`` must not swallow the remainder of an article.
+    """
+    pattern = re.compile(f"{re.escape(opener)}|{re.escape(closer)}")
+    out: list[str] = []
+    depth, kept_from, opened_at = 0, 0, 0
+    for match in pattern.finditer(text):
+        if match.group() == opener:
+            if depth == 0:
+                out.append(text[kept_from:match.start()])
+                opened_at = match.start()
+            depth += 1
+        elif depth > 0:
+            depth -= 1
+            if depth == 0:
+                kept_from = match.end()
+    out.append(text[opened_at if depth else kept_from:])
+    return "".join(out)
+
+
+def _link_text(match: re.Match[str]) -> str:
+    inner = match.group(1)
+    target, pipe, label = inner.partition("|")
+    target = target.strip()
+    if target.startswith(":"):  # [[:Category:X]] is a visible link, not a categorization
+        return label.strip() if pipe else target[1:]
+    namespace = target.split(":", 1)[0].strip().lower() if ":" in target else ""
+    if namespace in _DROPPED_NAMESPACES:
+        return ""
+    if not pipe and _INTERLANGUAGE.match(target):
+        return ""
+    return label.strip() if pipe and label.strip() else target
+
+
+def _resolve_links(text: str) -> str:
+    text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
+    while True:
+        resolved = _INTERNAL_LINK.sub(_link_text, text)
+        if resolved == text:
+            return resolved
+        text = resolved
+
+
+def _drop_elements(text: str) -> str:
+    text = _COMMENT.sub("", text)
+    text = _SELF_CLOSING.sub("", text)
+    return _PAIRED.sub("", text)
+
+
+def _tidy(text: str) -> str:
+    text = _EMPHASIS.sub("", text)
+    text = _HEADING.sub(r"\2", text)
+    text = _LIST_MARKER.sub("", text)
+    text = _RULE.sub("", text)
+    text = _MAGIC_WORD.sub("", text)
+    text = _EMPTY_PARENS.sub("", text)
+    text = html.unescape(text)
+    text = _SPACES.sub(" ", text)
+    lines = [line.strip() for line in text.split("\n")]
+    return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+def wikitext_to_text(wikitext: str) -> str:
+    """Plain text of an article's wikitext: prose, link labels and headings; no markup."""
+    text = _drop_elements(wikitext)
+    text = remove_nested(text, "{{", "}}")
+    text = remove_nested(text, "{|", "|}")
+    text = _resolve_links(text)
+    text = _BREAK.sub("\n", text)
+    text = _TAG.sub("", text)
+    return _tidy(text)

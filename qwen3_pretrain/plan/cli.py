@@ -1,0 +1,306 @@
+"""``qwen3-pretrain plan``: predicted memory and throughput of every parallel layout of a cluster.
+
+Layouts that fit in device memory come first, fastest first. Fix any degree
+(``--tp``, ``--pp``, ``--micro-batch-size`` ...) to narrow the search; read
+them from the training config with ``--config``. When nothing fits, the
+smallest change that would is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
+from qwen3_pretrain.plan.hardware import Hardware, get_device, with_overrides
+from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
+                                        check_degrees, enumerate_layouts)
+from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
+from qwen3_pretrain.plan.step import StepEstimate, predict_step
+
+# Training-config keys the planner reads, with their types; every other key is ignored.
+CONFIG_KEYS: dict[str, Any] = {
+    "model_name": str, "model_path": str | None, "model_overrides": dict, "rank_size": int | None,
+    "tp": int, "pp": int, "seq_length": int, "batch_size": int, "gradient_accumulation_steps": int,
+    "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
+    "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
+    "pp_microbatch_size": int, "loss_chunk_tokens": int, "document_mask": bool,
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryBreakdown
+    step: StepEstimate
+    fits: bool
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+            "gradient_accumulation_steps": lay.gradient_accumulation_steps,
+            "activation_checkpointing": lay.activation_checkpointing,
+            "distributed_optimizer": lay.distributed_optimizer, "memory_gib": self.memory.gib(),
+            "bubble_fraction": round(self.step.bubble_fraction, 4), "step_time_s": round(self.step.step_time_s, 4),
+            "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
+            "mfu": round(self.step.mfu, 4), "fits": self.fits,
+            "global_batch_size": lay.global_batch_size, "peak_stage": self.memory.stage,
+            "peak_moment": self.memory.moment,
+            "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.comm_bytes_per_axis.items()},
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen3-pretrain plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_argument_group("model and training config")
+    src.add_argument("--model", help="preset name (qwen3-0.6b ... qwen3-32b) or a HuggingFace model directory")
+    src.add_argument("--config", help="training config YAML (pretrain_config.yaml): its model and layout keys")
+    cl = p.add_argument_group("cluster")
+    cl.add_argument("--nodes", type=int, help="number of nodes (default 1)")
+    cl.add_argument("--devices-per-node", type=int, help="devices per node (default: the config's rank_size, or 8)")
+    cl.add_argument("--device", default="h100", help="device kind: h100, h200, a100, 910b, cpu")
+    cl.add_argument("--device-memory-gib", type=float, help="override the device's memory")
+    cl.add_argument("--peak-tflops", type=float, help="override the dense bf16 peak")
+    cl.add_argument("--efficiency", type=float, help="override the achieved share of peak (0-1]")
+    cl.add_argument("--intra-node-gbps", type=float, help="override the intra-node bus bandwidth, GB/s")
+    cl.add_argument("--inter-node-gbps", type=float, help="override the per-device inter-node bus bandwidth, GB/s")
+    cl.add_argument("--commbench", help="JSON from 'qwen3-pretrain commbench --json': measured bandwidths and "
+                                        "latencies replace the device table's")
+    lay = p.add_argument_group("layout (fixed when given; searched otherwise)")
+    lay.add_argument("--seq-length", type=int, help="tokens per sample (default: config, else 4096)")
+    lay.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: micro-batch x dp "
+                                                           "x gradient accumulation of each layout)")
+    for name in ("tp", "pp", "dp", "micro-batch-size", "gradient-accumulation-steps"):
+        lay.add_argument(f"--{name}", type=int)
+    lay.add_argument("--activation-checkpointing", choices=CHECKPOINTING)
+    lay.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    lay.add_argument("--mixed-precision", choices=PRECISIONS)
+    lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
+    lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
+    lay.add_argument("--pp-microbatch-size", type=int, help="samples per pipeline micro-batch")
+    lay.add_argument("--loss-chunk-tokens", type=int, help="tokens per chunk of the fused LM head + loss")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print a JSON list, best first")
+    out.add_argument("--top", type=int, default=10, help="rows to show")
+    return p
+
+
+# --- inputs -------------------------------------------------------------------------
+
+
+def read_train_config(path: str) -> dict[str, Any]:
+    """The planner's keys of a training config, coerced to their types (other keys are ignored)."""
+    data = read_yaml(path)
+    return {key: coerce(value, CONFIG_KEYS[key], f"{path}: {key}") for key, value in data.items()
+            if key in CONFIG_KEYS}
+
+
+def resolve_model(name: str | None, conf: dict[str, Any]) -> Qwen3Config:
+    """``--model`` (preset or HF directory), else the config's model_name / model_path (+ model_overrides)."""
+    name = name or conf.get("model_name")
+    if name and (is_preset_name(name) or not Path(name).exists()):
+        model = get_preset(name)
+    elif name:
+        model = Qwen3Config.from_json_file(name)
+    elif conf.get("model_path"):
+        model = Qwen3Config.from_json_file(conf["model_path"])
+    else:
+        raise UserError("no model: give --model (e.g. qwen3-8b) or --config with a model_name")
+    overrides = conf.get("model_overrides") or {}
+    names = {f.name for f in dataclasses.fields(Qwen3Config)}
+    for key in overrides:
+        if key not in names:
+            hint = nearest(key, names)
+            raise UserError(f"model_overrides: unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else ""))
+    return dataclasses.replace(model, **overrides)
+
+
+def resolve_hardware(args: argparse.Namespace) -> Hardware:
+    hw = with_overrides(get_device(args.device), memory_gib=args.device_memory_gib, peak_tflops=args.peak_tflops,
+                        intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                        compute_efficiency=args.efficiency)
+    if hw.compute_efficiency > 1:
+        raise UserError(f"--efficiency is a share of the peak, at most 1; got {hw.compute_efficiency}")
+    if args.commbench:
+        hw = with_overrides(hw, **read_commbench(args.commbench))
+    return hw
+
+
+def read_commbench(path: str) -> dict[str, float]:
+    """Measured link figures from a commbench JSON: its ``summary`` (GB/s and microseconds)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--commbench file {path!r} does not exist; write one with "
+                                "'qwen3-pretrain commbench --json FILE'")
+    try:
+        summary = json.loads(Path(path).read_text(encoding="utf-8"))["summary"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise UserError(f"{path}: not a commbench JSON (expected an object with a 'summary'); write one with "
+                        "'qwen3-pretrain commbench --json FILE'") from None
+    keys = ("intra_node_gbps", "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us")
+    return {k: float(summary[k]) for k in keys if summary.get(k) is not None}
+
+
+def resolve_cluster(args: argparse.Namespace, conf: dict[str, Any]) -> Cluster:
+    rank_size = conf.get("rank_size")
+    nodes = args.nodes or (1 if args.devices_per_node or not rank_size else None)
+    per_node = args.devices_per_node
+    if per_node is None:
+        per_node = rank_size // nodes if rank_size and nodes and rank_size % nodes == 0 else (rank_size or 8)
+    nodes = nodes or max(1, (rank_size or per_node) // per_node)
+    cluster = Cluster(nodes, per_node)
+    if rank_size and rank_size != cluster.devices:
+        raise UserError(f"the config's rank_size is {rank_size} but --nodes {nodes} x --devices-per-node "
+                        f"{per_node} = {cluster.devices}; make them agree")
+    return cluster
+
+
+def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layout, dict[str, Any]]:
+    """The base layout (settings that are not searched) and the fixed degrees, flags over config."""
+    ac = conf.get("activation_checkpointing") or (
+        ("full" if conf["gradient_checkpointing"] else "none") if "gradient_checkpointing" in conf else None)
+    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "micro_batch_size": conf.get("batch_size"),
+             "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer")}
+    fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp),
+                                    ("micro_batch_size", args.micro_batch_size),
+                                    ("activation_checkpointing", args.activation_checkpointing),
+                                    ("distributed_optimizer", args.distributed_optimizer)) if v is not None})
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    pick = lambda flag, key, default: flag if flag is not None else conf.get(key, default)  # noqa: E731
+    base = Layout(
+        seq_length=pick(args.seq_length, "seq_length", 4096),
+        gradient_accumulation_steps=pick(args.gradient_accumulation_steps, "gradient_accumulation_steps", 1),
+        mixed_precision=pick(args.mixed_precision, "mixed_precision", "bf16"),
+        pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"),
+        virtual_stages=pick(args.virtual_stages, "pp_virtual_stages", 1),
+        pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
+        loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", 4096),
+        document_mask=conf.get("document_mask", False),
+        activation_checkpointing=fixed.get("activation_checkpointing", "full"))
+    return base, fixed
+
+
+def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any]) -> None:
+    """Refuse fixed degrees the cluster or the model cannot take, saying why."""
+    tp, pp, dp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("dp", 1)
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    needed = tp * pp * dp
+    if needed > cluster.devices or cluster.devices % needed:
+        raise UserError(f"tp x pp x dp = {tp} x {pp} x {dp} = {needed} does not divide the cluster's "
+                        f"{cluster.devices} devices ({cluster.nodes} node(s) x {cluster.devices_per_node}); "
+                        "change the degrees or the cluster")
+    if "dp" in fixed and "tp" in fixed and "pp" in fixed and needed != cluster.devices:
+        raise UserError(f"tp x pp x dp = {needed} but the cluster has {cluster.devices} devices")
+    check_degrees(cfg, tp, pp)
+
+
+def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Cluster) -> list[Candidate]:
+    """Predictions for every layout, fitting ones first, then by throughput (then by memory)."""
+    limit = hw.memory_gib * GiB
+    out = []
+    for layout in layouts:
+        memory = predict_memory(cfg, layout, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB)
+        out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), memory.total <= limit))
+    return sorted(out, key=lambda c: (not c.fits, -c.step.tokens_per_sec_per_device, c.memory.total))
+
+
+def search(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
+           global_batch_size: int | None) -> list[Candidate]:
+    layouts = list(enumerate_layouts(cfg, cluster, base, global_batch_size, fixed))
+    return evaluate(cfg, layouts, hw, cluster)
+
+
+def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
+            global_batch_size: int | None) -> str:
+    """The smallest change that makes some layout fit: relax one fixed setting, else add nodes."""
+    relaxations = [("activation_checkpointing", "full recompute (--activation-checkpointing full)"),
+                   ("micro_batch_size", "a smaller micro-batch (drop --micro-batch-size)"),
+                   ("distributed_optimizer", "the distributed optimizer (--distributed-optimizer)"),
+                   ("tp", "another tp (drop --tp)"), ("pp", "another pp (drop --pp)"), ("dp", "drop --dp")]
+    for key, words in relaxations:
+        if key not in fixed:
+            continue
+        relaxed = {k: v for k, v in fixed.items() if k != key}
+        fitting = [c for c in search(cfg, cluster, base, relaxed, hw, global_batch_size) if c.fits]
+        if fitting:
+            return f"with {words} it fits, e.g. {_describe(fitting[0])}"
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = Cluster(cluster.nodes * factor, cluster.devices_per_node)
+        free = {k: v for k, v in fixed.items() if k not in ("dp",)}
+        fitting = [c for c in search(cfg, bigger, base, free, hw, global_batch_size) if c.fits]
+        if fitting:
+            return f"with {bigger.nodes} nodes it fits, e.g. {_describe(fitting[0])}"
+    return "no layout fits even on 64x the nodes; choose a smaller model or a device with more memory"
+
+
+def _describe(c: Candidate) -> str:
+    lay = c.layout
+    return (f"tp {lay.tp} pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+            f"recompute {lay.activation_checkpointing} at {c.memory.total / GiB:.1f} GiB")
+
+
+def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: list[Candidate], top: int) -> str:
+    lines = [
+        f"model: {cfg.num_params() / 1e9:.2f}B parameters, {cfg.num_hidden_layers} layers, hidden "
+        f"{cfg.hidden_size}, vocab {cfg.vocab_size}; seq {candidates[0].layout.seq_length}, "
+        f"{candidates[0].layout.mixed_precision}",
+        f"cluster: {cluster.nodes} node(s) x {cluster.devices_per_node} {hw.name}: {hw.memory_gib:.1f} GiB, "
+        f"{hw.peak_tflops:g} TFLOP/s peak x {hw.compute_efficiency:.2f} efficiency, links {hw.intra_node_gbps:g} GB/s "
+        f"intra / {hw.inter_node_gbps:g} GB/s inter node",
+        f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
+        f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
+        "",
+        " #  tp pp dp  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
+        "| bubble  step s tok/s/dev   MFU | comm GB tp/pp/dp",
+    ]
+    for i, c in enumerate(candidates[:top], 1):
+        lay, gib, step = c.layout, c.memory.gib(), c.step
+        comm = "/".join(f"{v / 1e9:.1f}" for v in step.comm_bytes_per_axis.values())
+        lines.append(
+            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.dp:2d} {lay.micro_batch_size:4d} {lay.gradient_accumulation_steps:3d} "
+            f"{lay.activation_checkpointing:9s} {'yes' if lay.distributed_optimizer else 'no':8s} |"
+            + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
+                                                   "overhead"))
+            + f" | {gib['total']:6.2f} {'yes' if c.fits else 'NO':4s} | {step.bubble_fraction:6.1%} "
+            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} | {comm}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``qwen3-pretrain plan``: print the ranked layouts (or ``--json``); exit 2 on impossible requests."""
+    args = build_parser().parse_args(argv)
+    if args.top < 1:
+        raise UserError(f"--top must be at least 1, got {args.top}")
+    conf = read_train_config(args.config) if args.config else {}
+    cfg = resolve_model(args.model, conf)
+    hw = resolve_hardware(args)
+    cluster = resolve_cluster(args, conf)
+    base, fixed = fixed_settings(args, conf)
+    base = base.replace(foreach_optimizer=hw.foreach_optimizer)
+    if args.gradient_accumulation_steps is not None or "gradient_accumulation_steps" in conf:
+        fixed["gradient_accumulation_steps"] = base.gradient_accumulation_steps
+    check_fixed(cfg, cluster, fixed)
+    candidates = search(cfg, cluster, base, fixed, hw, args.global_batch_size)
+    if not candidates:
+        raise UserError(f"no layout of {cluster.devices} devices matches: check that --global-batch-size "
+                        f"({args.global_batch_size}) is divisible by dp and gives pp enough micro-batches")
+    if args.json:
+        print(json.dumps([c.to_json() for c in candidates[:args.top]], indent=1))
+    else:
+        print(format_table(cfg, cluster, hw, candidates, args.top))
+    if not candidates[0].fits:
+        message = (f"nothing fits in {hw.memory_gib:.1f} GiB per device; "
+                   + suggest(cfg, cluster, base, fixed, hw, args.global_batch_size))
+        print(message, file=sys.stderr if args.json else sys.stdout)
+    return 0

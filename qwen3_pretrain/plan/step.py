@@ -1,0 +1,162 @@
+"""Predicted step time, throughput and MFU of a layout: a roofline-style model.
+
+Per micro-batch on the slowest pipeline stage:
+
+* compute = hardware FLOPs (model FLOPs + recomputation) / (tp x peak x
+  efficiency); the FLOPs are the PaLM count of ``formulas``;
+* tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
+  ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
+  layer 2 + 2 in forward, 2 + 2 in backward, 2 + 2 more for full recompute and
+  1 for selective; the embedding's reduce-scatter, the loss's gather of the
+  hidden states and all-reduce of its gradient, and the loss's per-chunk
+  statistics all-reduces;
+* pipeline = one activation received and one gradient sent per micro-batch
+  (``[tokens / tp, hidden]``), not overlapped.
+
+A step runs ``m + (p - 1)/v`` micro-batch times (the last ``(p - 1)/v`` are
+the bubble). Data parallelism (FSDP) all-gathers the stage's compute-dtype
+weights for each micro-batch's forward and backward (once per micro-batch
+under pipeline parallelism, which keeps them gathered in between) and
+reduce-scatters fp32 gradients once per step (all-reduces them without the
+distributed optimizer); it overlaps with compute, so only what exceeds the
+step's compute time is exposed, plus one unit's gather and one's reduction at
+the ends. The optimizer step is bound by memory bandwidth (AdamW reads and
+writes 28 bytes per local parameter). Every collective costs
+``bytes x factor / bus bandwidth + latency`` (``formulas.collective_seconds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.hardware import GB, Hardware
+from qwen3_pretrain.plan.layout import Cluster, Layout, StageShape, check_model_fits_layout, stage_shapes
+from qwen3_pretrain.plan.memory import stage_params
+
+ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, two moments (16); writes param and moments (12)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_time_s: float
+    tokens_per_sec_per_device: float
+    mfu: float
+    bubble_fraction: float
+    compute_time_s: float  # busy compute time of the slowest stage per step
+    comm_time_s: dict[str, float]  # exposed communication seconds per step, per mesh axis
+    comm_bytes_per_axis: dict[str, float]  # bytes each device moves per step, per mesh axis (bus bytes)
+
+
+@dataclass(frozen=True)
+class _Link:
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+
+def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
+    intra = _Link(hw.intra_node_gbps * GB, hw.intra_node_latency_us * 1e-6)
+    inter = _Link(hw.inter_node_gbps * GB, hw.inter_node_latency_us * 1e-6)
+    return {axis: intra if cluster.axis_is_intra_node(layout, axis) else inter for axis in ("tp", "dp", "pp")}
+
+
+def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together."""
+    h, seq = cfg.hidden_size, layout.seq_length
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_token = shape.num_layers * (6.0 * F.layer_matmul_params(h, q, kv, cfg.intermediate_size) + 12.0 * q * seq)
+    per_token += F.recompute_flops_per_token(shape.num_layers, h, q, kv, cfg.intermediate_size, seq,
+                                             layout.activation_checkpointing)
+    if shape.has_head:
+        per_token += 6.0 * cfg.vocab_size * h
+    return per_token * layout.samples_per_microbatch * seq
+
+
+def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
+    """(bus bytes, seconds) of one micro-batch's tensor-parallel collectives on this stage."""
+    t = layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    tokens = layout.samples_per_microbatch * layout.seq_length
+    act = layout.dtype_bytes * tokens * cfg.hidden_size  # one [tokens, hidden] activation
+    # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
+    gathers = 4 + {"full": 2, "selective": 1, "none": 0}[layout.activation_checkpointing]
+    scatters = 4 + (2 if layout.activation_checkpointing == "full" else 0)
+    calls: list[tuple[F.Collective, float]] = \
+        ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.num_layers
+    if shape.has_embedding:
+        calls += [("reduce_scatter", act), ("all_gather", act)]
+    if shape.has_head:
+        chunks = -(-tokens // layout.loss_chunk_tokens)
+        calls += [("all_gather", act), ("all_reduce", act), ("reduce_scatter", act)]
+        calls += [("all_reduce", 4.0 * min(tokens, layout.loss_chunk_tokens) * 2)] * (2 * chunks)
+    nbytes = sum(b * F.bus_bandwidth_factor(kind, t) for kind, b in calls)
+    seconds = sum(F.collective_seconds(kind, b, t, link.bandwidth, link.latency) for kind, b in calls)
+    return nbytes, seconds
+
+
+def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, link: _Link) -> tuple[float, float]:
+    if layout.pp == 1:
+        return 0.0, 0.0
+    tokens = layout.samples_per_microbatch * layout.seq_length
+    msg = layout.dtype_bytes * tokens * cfg.hidden_size / layout.tp
+    return 2 * msg, 2 * F.collective_seconds("p2p", msg, 2, link.bandwidth, link.latency)
+
+
+def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float, float]:
+    """(bus bytes per step, total seconds, seconds that cannot overlap) of FSDP's collectives."""
+    n = layout.dp
+    if n == 1:
+        return 0.0, 0.0, 0.0
+    sp = stage_params(cfg, layout, shape)
+    m = layout.num_microbatches
+    units = shape.num_layers + 2
+    grads = 4.0 * sp.total
+    if not layout.distributed_optimizer:
+        calls: list[tuple[F.Collective, float]] = [("all_reduce", grads)]
+    else:
+        weights = layout.dtype_bytes * sp.total
+        gathers = 2 * m if layout.pp == 1 else m + layout.pp - shape.stage
+        calls = [("all_gather", weights)] * gathers + [("reduce_scatter", grads)]
+    nbytes = sum(b * F.bus_bandwidth_factor(kind, n) for kind, b in calls)
+    # Each of these runs as one collective per FSDP unit: the latency is paid per unit.
+    seconds = sum(F.collective_seconds(kind, b, n, link.bandwidth, link.latency * units) for kind, b in calls)
+    edges = sum(F.collective_seconds(kind, b / units, n, link.bandwidth, link.latency) for kind, b in calls[-2:])
+    return nbytes, seconds, edges
+
+
+def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: Cluster | None = None) -> StepEstimate:
+    """Step time, tokens/s per device and MFU of ``layout`` on ``hardware`` (see the module docstring)."""
+    check_model_fits_layout(cfg, layout)
+    cluster = cluster or Cluster(1, layout.world_size)
+    links = _links(layout, cluster, hardware)
+    speed = hardware.peak_flops * hardware.compute_efficiency * layout.tp
+    m, v = layout.num_microbatches, layout.stages_per_rank
+    per_stage = []
+    for shape in stage_shapes(cfg, layout):
+        compute = _stage_flops_per_microbatch(cfg, layout, shape) / speed
+        tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
+        pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, links["pp"])
+        dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links["dp"])
+        per_stage.append((compute, tp_time, pp_time, dp_time, dp_edges, tp_bytes, pp_bytes, dp_bytes, shape))
+    # The slowest stage paces the pipeline; its numbers describe the step.
+    compute, tp_time, pp_time, dp_time, dp_edges, tp_bytes, pp_bytes, dp_bytes, shape = max(
+        per_stage, key=lambda x: x[0] + x[1] + x[2])
+    slots = m + (layout.pp - 1) / v
+    busy = m * compute
+    dp_exposed = max(0.0, dp_time - busy) + dp_edges
+    total_params = stage_params(cfg, layout, shape).total
+    shard = layout.dp if layout.distributed_optimizer else 1
+    optimizer = ADAMW_BYTES_PER_PARAM * total_params / shard / (hardware.memory_bandwidth_gbps * GB)
+    step = slots * (compute + tp_time + pp_time) + dp_exposed + optimizer
+    tokens_per_device = layout.tokens_per_step / step / layout.world_size
+    return StepEstimate(
+        step_time_s=step,
+        tokens_per_sec_per_device=tokens_per_device,
+        mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / hardware.peak_flops,
+        bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
+        compute_time_s=busy,
+        comm_time_s={"tp": m * tp_time, "pp": m * pp_time, "dp": dp_exposed},
+        comm_bytes_per_axis={"tp": m * tp_bytes, "pp": m * pp_bytes, "dp": dp_bytes},
+    )

@@ -1,0 +1,193 @@
+"""Checkpoints: bit-exact resume (also after kill -9), half-written checkpoints ignored, resharding
+across layouts, graceful stop on SIGTERM, elastic restart under torchrun, non-finite steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests._train_helpers import check_ok, child_env, free_port, losses, make_corpus, run_train, write_config
+
+TOTAL = 6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """One process, 6 steps, a checkpoint every 3 (global batch 4 = 2 x accumulation 2)."""
+    out = tmp_path_factory.mktemp("full") / "out"
+    cfg = write_config(out.parent / "c.yaml", corpus, out, total_steps=TOTAL, save_steps=3,
+                       gradient_accumulation_steps=2)
+    check_ok(run_train(cfg, 1))
+    return out
+
+
+def model_tensors(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(step_dir, tmp / "flat.pt")
+    return torch.load(tmp / "flat.pt", weights_only=False)["model"]
+
+
+def resume_from(src: Path, step: int, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    shutil.copytree(src / f"step_{step:07d}", dst / f"step_{step:07d}")
+    (dst / "latest").write_text(f"step_{step:07d}\n")
+
+
+def test_resume_is_bit_exact(uninterrupted, corpus, tmp_path):
+    out = tmp_path / "out"
+    resume_from(uninterrupted, 3, out)
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=TOTAL, save_steps=3, gradient_accumulation_steps=2)
+    proc = run_train(cfg, 1)
+    check_ok(proc)
+    assert f"resumed from {out / 'step_0000003'} at step 3" in proc.stdout
+    assert losses(out) == losses(uninterrupted)[3:]  # exact float equality
+    want, got = model_tensors(uninterrupted / "step_0000006", tmp_path), model_tensors(out / "step_0000006", tmp_path)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.is_file() and any(json.loads(l).get("step", 0) >= step and "loss" in json.loads(l)
+                                     for l in metrics.read_text().splitlines() if l.strip()):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} never logged")
+
+
+def _train_cmd(cfg: Path) -> list[str]:
+    return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
+
+
+def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path):
+    total = 12
+    ref = tmp_path / "ref"
+    cfg_ref = write_config(tmp_path / "r.yaml", corpus, ref, total_steps=total, save_steps=2)
+    check_ok(run_train(cfg_ref, 1))
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=total, save_steps=2)
+    proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    _wait_for_step(out / "metrics.jsonl", 5, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(losses(out)) < total, "the run finished before it could be killed"
+    check_ok(run_train(cfg, 1))
+    assert losses(out) == losses(ref)
+    assert all(torch.equal(a, b) for a, b in zip(model_tensors(ref / f"step_{total:07d}", tmp_path).values(),
+                                                  model_tensors(out / f"step_{total:07d}", tmp_path).values()))
+
+
+def test_half_written_checkpoint_is_ignored(uninterrupted, corpus, tmp_path):
+    """A save killed before its rename leaves a temp dir; a 'latest' naming an incomplete dir falls back."""
+    out = tmp_path / "out"
+    resume_from(uninterrupted, 3, out)
+    partial = out / ".tmp-step_0000005-save"
+    shutil.copytree(uninterrupted / "step_0000006", partial)
+    (partial / "meta.json").unlink()
+    broken = out / "step_0000004"
+    broken.mkdir()
+    (broken / "__0_0.distcp").write_bytes(b"truncated")
+    (out / "latest").write_text("step_0000004\n")
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=TOTAL, save_steps=3, gradient_accumulation_steps=2)
+    proc = run_train(cfg, 1)
+    check_ok(proc)
+    assert "resumed from" in proc.stdout and "step_0000003 at step 3" in proc.stdout
+    assert "missing or incomplete" in proc.stdout and "being written when a run stopped" in proc.stdout
+    assert losses(out) == losses(uninterrupted)[3:]
+
+
+RESHARD = {
+    "tp2->dp2": ((2, ["tp=2", "gradient_accumulation_steps=2"]), (2, ["batch_size=2"])),
+    "pp2->tp2": ((2, ["pp=2", "gradient_accumulation_steps=2"]), (2, ["tp=2", "gradient_accumulation_steps=2"])),
+    "dp2->single": ((2, ["batch_size=2"]), (1, ["gradient_accumulation_steps=2"])),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_resume_under_another_layout(name, uninterrupted, corpus, tmp_path):
+    (n1, first), (n2, second) = RESHARD[name]
+    a = tmp_path / "a"
+    cfg = write_config(tmp_path / "c.yaml", corpus, a, total_steps=TOTAL, save_steps=3)
+    check_ok(run_train(cfg, n1, *first))
+    b = tmp_path / "b"
+    resume_from(a, 3, b)
+    check_ok(run_train(cfg, n2, f"output_path={b}", *second))
+    want = losses(uninterrupted)[3:]
+    got = losses(b)
+    assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-4, (got, want)
+
+
+def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=10_000, save_steps=0)
+    proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env())
+    _wait_for_step(out / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout
+    last = len(losses(out))
+    assert (out / "latest").read_text().strip() == f"step_{last:07d}"
+    assert "stopped on request" in stdout
+
+
+@pytest.mark.distributed
+def test_elastic_restart_after_a_rank_is_killed(corpus, tmp_path):
+    """torchrun --max-restarts restarts the job when one rank dies; it resumes from 'latest' by itself."""
+    total = 10
+    ref = tmp_path / "ref"
+    check_ok(run_train(write_config(tmp_path / "r.yaml", corpus, ref, total_steps=total), 2, "batch_size=2"))
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=total, save_steps=2, batch_size=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "3",
+           "--master_port", str(free_port()), "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
+    log = open(tmp_path / "train.log", "w")  # a file, not a pipe nobody reads while waiting
+    agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=child_env())
+    _wait_for_step(out / "metrics.jsonl", 3, agent)
+    workers = _children(agent.pid)
+    assert workers, "no worker processes found"
+    subprocess.run(["kill", "-9", str(workers[-1])])
+    agent.wait(timeout=300)
+    stdout = (tmp_path / "train.log").read_text()
+    assert agent.returncode == 0, stdout[-3000:]
+    assert "resumed from" in stdout
+    assert losses(out) == losses(ref)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(corpus, tmp_path):
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=50, learning_rate=1e30, warmup_steps=0,
+                       clip_grad=0, max_nonfinite_steps=3, save_steps=1)
+    proc = run_train(cfg, 1)
+    assert proc.returncode == 2
+    assert "consecutive steps with a non-finite" in proc.stderr
+    assert "optimizer step skipped" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert (out / "latest").read_text().strip() == "step_0000001"

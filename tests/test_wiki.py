@@ -1,0 +1,224 @@
+"""Wikipedia -> parquet: the wikitext cleaner, both input routes, and bad input."""
+
+from __future__ import annotations
+
+import bz2
+import html
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from qwen3_pretrain.data import wiki
+from qwen3_pretrain.data.wikitext import is_redirect_text, remove_nested, wikitext_to_text
+from qwen3_pretrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+DUMP = REPO / "assets" / "enwiki-sample" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+# ---------------------------------------------------------------- cleaner
+
+@pytest.mark.parametrize("wikitext, expected", [
+    ("a {{x|{{y|z}}|w}} b", "a b"),
+    ("keep {{ unclosed", "keep {{ unclosed"),
+    ("x\n{| class=wikitable\n|-\n| a || {{b}}\n{|\n|inner\n|}\n|}\ny", "x\n\ny"),
+    ('A<ref name="a">cite {{c}} [[d]]</ref> B<ref name="a"/>.', "A B."),
+    ("a<!-- hidden [[x]] -->b", "ab"),
+    ("[[a|b]] [[c]]s [[File:x.jpg|thumb|cap [[d]]]] [[:Category:Y|cat]] end", "b cs cat end"),
+    ("text [[Category:Z]] [[de:Anarchismus]]", "text"),
+    ("a [[File:x.png|thumb|Bicyclo[1.1.0]butane [above] [[d|e]]]] b", "a b"),
+    ("[http://x.org some text] and [https://y.org]", "some text and"),
+    ("'''bold''' and ''italic'' and '''''both'''''", "bold and italic and both"),
+    ("== Head ==\nbody\n=== Sub ===", "Head\nbody\nSub"),
+    ("a<br/>b <span style='x'>c</span> <math>x^2</math>d", "a\nb c d"),
+    ("&amp; &lt;b&gt; caf&eacute;", "& <b> café"),
+    ("* one\n# two\n: three", "one\ntwo\nthree"),
+    ("Name ({{IPA|x}}) is", "Name is"),
+    ("p1\n\n\n\np2 __NOTOC__\n----", "p1\n\np2"),
+])
+def test_wikitext_to_text(wikitext: str, expected: str) -> None:
+    assert wikitext_to_text(wikitext) == expected
+
+
+def test_remove_nested_keeps_text_around_spans() -> None:
+    assert remove_nested("a{{b{{c}}d}}e{{f}}g", "{{", "}}") == "aeg"
+
+
+def test_redirect_text() -> None:
+    assert is_redirect_text("  #REDIRECT [[Foo]]") and is_redirect_text("#redirect[[Foo]]")
+    assert not is_redirect_text("A #REDIRECT in prose")
+
+
+# ---------------------------------------------------------------- the bundled dump
+
+@pytest.fixture(scope="module")
+def dump_parquet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, wiki.WikiStats]:
+    out = tmp_path_factory.mktemp("dump") / "wiki.parquet"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wiki, "ROW_GROUP_ROWS", 10)  # several row groups even from a small dump
+        patch.setattr(wiki, "CLEAN_BATCH_BYTES", 256 << 10)  # several batches for the two workers
+        stats = wiki.wiki_to_parquet(DUMP, out, workers=2)
+    return out, stats
+
+
+def test_dump_route_counts_and_schema(dump_parquet: tuple[Path, wiki.WikiStats]) -> None:
+    path, stats = dump_parquet
+    # 206 pages: 100 redirects (one outside the article namespace), 106 articles, none empty once cleaned.
+    assert (stats.articles, stats.empty, stats.skipped) == (106, 0, 100)
+    parquet = pq.ParquetFile(path)
+    assert parquet.schema_arrow.names == ["id", "title", "url", "text"]
+    assert all(str(t) == "string" for t in parquet.schema_arrow.types)
+    assert parquet.metadata.num_row_groups == 11
+    rows = parquet.read().to_pylist()
+    assert rows[0]["id"] == "12" and rows[0]["title"] == "Anarchism"
+    assert rows[0]["url"] == "https://en.wikipedia.org/wiki?curid=12"
+    assert rows[0]["text"].startswith("Anarchism is a political philosophy")
+    assert stats.text_bytes == sum(len(r["text"].encode()) for r in rows)
+    for marker in ("{{", "[[", "<ref", "'''", "&amp;", "&nbsp;"):
+        assert not any(marker in r["text"] for r in rows), marker
+
+
+def test_dump_route_is_worker_count_independent(dump_parquet: tuple[Path, wiki.WikiStats], tmp_path: Path) -> None:
+    single = tmp_path / "one.parquet"
+    wiki.wiki_to_parquet(DUMP, single, workers=1)
+    assert pq.read_table(single).equals(pq.read_table(dump_parquet[0]))
+
+
+def _page(page_id: int, title: str, text: str, ns: int = 0, redirect: bool = False) -> str:
+    redirect_tag = f'<redirect title="{title}x" />' if redirect else ""
+    return (f"<page><title>{html.escape(title)}</title><ns>{ns}</ns><id>{page_id}</id>{redirect_tag}"
+            f"<revision><id>1</id><text xml:space=\"preserve\">{html.escape(text)}</text></revision></page>")
+
+
+def _dump_xml(pages: list[str]) -> str:
+    return ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/" version="0.10">'
+            "<siteinfo><base>https://de.wikipedia.org/wiki/Hauptseite</base></siteinfo>"
+            + "".join(pages) + "</mediawiki>")
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_dump_route_skips_redirects_namespaces_and_empty(tmp_path: Path, compress: bool) -> None:
+    xml = _dump_xml([
+        _page(1, "Kept", "'''Kept''' is [[kept|an article]]."),
+        _page(2, "Wikipedia:About", "project page", ns=4),
+        _page(3, "Moved", "#REDIRECT [[Kept]]", redirect=True),
+        _page(4, "Old", "#REDIRECT [[Kept]]"),  # a redirect written only in the text
+        _page(5, "Stub", "{{stub}}\n[[Category:Empty]]"),
+    ]).encode()
+    source = tmp_path / ("dump.xml.bz2" if compress else "dump.xml")
+    source.write_bytes(bz2.compress(xml) if compress else xml)
+    stats = wiki.wiki_to_parquet(source, tmp_path / "out.parquet", workers=1)
+    assert (stats.articles, stats.empty, stats.skipped) == (1, 1, 3)
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == [
+        {"id": "1", "title": "Kept", "url": "https://de.wikipedia.org/wiki?curid=1", "text": "Kept is an article."}]
+
+
+# ---------------------------------------------------------------- wikiextractor route
+
+def write_extracted(folder: Path, rows: list[dict[str, str]], fmt: str, per_file: int = 40) -> None:
+    """Write ``rows`` the way wikiextractor 3 does: AA/wiki_00 ..., HTML-escaped text, last file bz2."""
+    files = [rows[i:i + per_file] for i in range(0, len(rows), per_file)]
+    for number, chunk in enumerate(files):
+        if fmt == "json":
+            content = "".join(json.dumps({"id": r["id"], "revid": "1", "url": r["url"], "title": r["title"],
+                                          "text": html.escape(r["text"], quote=False)}) + "\n" for r in chunk)
+        else:
+            content = "".join(f'<doc id="{r["id"]}" url="{r["url"]}" title="{r["title"]}">\n{r["title"]}\n\n'
+                              f'{html.escape(r["text"], quote=False)}\n</doc>\n' for r in chunk)
+        path = folder / f"A{'AB'[number // 2]}" / f"wiki_{number % 2:02d}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if number == len(files) - 1:
+            path.with_name(path.name + ".bz2").write_bytes(bz2.compress(content.encode()))
+        else:
+            path.write_text(content, encoding="utf-8")
+
+
+@pytest.mark.parametrize("fmt", ["doc", "json"])
+def test_extracted_route_reads_what_the_dump_route_wrote(dump_parquet: tuple[Path, wiki.WikiStats],
+                                                         tmp_path: Path, fmt: str) -> None:
+    rows = pq.read_table(dump_parquet[0]).to_pylist()
+    rows.append({"id": "999", "title": 'Empty "quoted" & odd', "url": "u", "text": ""})
+    write_extracted(tmp_path / "wiki_text", rows, fmt)
+    stats = wiki.wiki_to_parquet(tmp_path / "wiki_text", tmp_path / "out.parquet")
+    assert (stats.articles, stats.empty, stats.skipped) == (106, 1, 0)
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == rows[:-1]
+
+
+def test_extracted_text_is_unescaped_and_title_line_dropped(tmp_path: Path) -> None:
+    row = {"id": "7", "url": "https://en.wikipedia.org/wiki?curid=7", "title": "AT&T <x>",
+           "text": "AT&T said 1 < 2 &amp; 3 > 2.\nSecond line."}
+    write_extracted(tmp_path / "a", [row], "doc")
+    write_extracted(tmp_path / "b", [row], "json")
+    for folder in ("a", "b"):
+        wiki.wiki_to_parquet(tmp_path / folder, tmp_path / f"{folder}.parquet")
+        assert pq.read_table(tmp_path / f"{folder}.parquet").to_pylist() == [row]
+
+
+# ---------------------------------------------------------------- bad input
+
+def _no_leftovers(folder: Path) -> None:
+    assert [p.name for p in folder.iterdir() if p.suffix in (".parquet", ".tmp")] == []
+
+
+def test_non_utf8_extracted_file_names_file_and_offset(tmp_path: Path) -> None:
+    bad = tmp_path / "wiki_text" / "AA" / "wiki_00"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b'<doc id="1" url="u" title="T">\nT\n\nok \xff bad\n</doc>\n')
+    with pytest.raises(UserError, match=r"wiki_00: not UTF-8 text: invalid byte 0xff at byte offset 37"):
+        wiki.wiki_to_parquet(tmp_path / "wiki_text", tmp_path / "out.parquet")
+    _no_leftovers(tmp_path)
+
+
+def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "AA" / "wiki_00"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"id": "1", "url": "u", "title": "T", "text": "x"}\n{"id": "2", "title": "T"}\n')
+    with pytest.raises(UserError, match=r"wiki_00:2: .*keys id, url, title and text"):
+        wiki.wiki_to_parquet(tmp_path, tmp_path / "out.parquet")
+    _no_leftovers(tmp_path)
+
+
+def test_truncated_dump_is_reported_and_nothing_written(tmp_path: Path) -> None:
+    cut = tmp_path / "cut.xml.bz2"
+    cut.write_bytes(DUMP.read_bytes()[: len(DUMP.read_bytes()) // 2])
+    with pytest.raises(UserError, match="cut.xml.bz2: compressed data ends too early"):
+        wiki.wiki_to_parquet(cut, tmp_path / "out.parquet", workers=1)
+    _no_leftovers(tmp_path)
+
+
+def test_malformed_xml_is_reported(tmp_path: Path) -> None:
+    source = tmp_path / "dump.xml"
+    source.write_text(_dump_xml([_page(1, "A", "text")])[:-40])
+    with pytest.raises(UserError, match="dump.xml: not a valid MediaWiki XML dump"):
+        wiki.wiki_to_parquet(source, tmp_path / "out.parquet", workers=1)
+    _no_leftovers(tmp_path)
+
+
+def test_unknown_inputs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        wiki.wiki_to_parquet(tmp_path / "missing", tmp_path / "out.parquet")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(UserError, match="neither a MediaWiki XML dump"):
+        wiki.wiki_to_parquet(tmp_path / "notes.txt", tmp_path / "out.parquet")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no wikiextractor files"):
+        wiki.wiki_to_parquet(tmp_path / "empty", tmp_path / "out.parquet")
+    with pytest.raises(UserError, match="ending in .parquet"):
+        wiki.wiki_to_parquet(DUMP, tmp_path / "out.csv")
+
+
+def test_cli_script_summary_and_error(tmp_path: Path) -> None:
+    source = tmp_path / "dump.xml"
+    source.write_text(_dump_xml([_page(1, "A", "Some text."), _page(2, "B", "#REDIRECT [[A]]")]))
+    script = REPO / "tools" / "convert_wiki_to_parquet.py"
+    ok = subprocess.run([sys.executable, script, "--input", source, "--output", tmp_path / "w.parquet"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "1 articles, 0 empty dropped, 1 redirects/non-article pages skipped" in ok.stdout
+    bad = subprocess.run([sys.executable, script, "--input", tmp_path / "nope", "--output", tmp_path / "x.parquet"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: input") and "Traceback" not in bad.stderr
