@@ -8,8 +8,9 @@ text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
 plain ``tokenizers`` ``encode_batch`` (all threads), and ``tiktoken`` alone
 (same ranks and regex, all threads), each in MB/s of raw UTF-8 text, with the
 peak resident memory of the whole process tree (this process and its
-workers) during each. When the training reader exists, also its samples/s at
-seq_length 8192 on the converted shards.
+workers) during each, and the CPU time they took (on a machine shared with
+other jobs, MB per CPU second is the steadier figure). When the training
+reader exists, also its samples/s at seq_length 8192 on the converted shards.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import tempfile
 import threading
 import time
@@ -103,12 +105,20 @@ def build_corpus(folder: Path, megabytes: float) -> tuple[Path, list[str]]:
     return path, texts
 
 
+def _cpu_seconds() -> float:
+    # Children count once reaped, which the conversion's worker pool is when it returns.
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def measure(label: str, megabytes: float, work: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``work``; print MB/s of wall time, MB per CPU second (steadier on a shared machine), peak RSS."""
     with TreeRss() as rss:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         result = work()
-        seconds = time.perf_counter() - start
-    print(f"{label:<44} {megabytes / seconds:8.1f} MB/s  {seconds:7.1f} s  peak RSS {rss.peak / 2**30:5.2f} GiB")
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    print(f"{label:<40} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  {megabytes / cpu:5.1f} MB per CPU s  "
+          f"peak RSS {rss.peak / 2**30:4.2f} GiB")
     return result, megabytes / seconds
 
 
@@ -142,7 +152,7 @@ def main() -> None:
         print(f"{megabytes:.1f} MB of text, {len(texts)} documents, {cores} cores")
         cfg = DataConvertConfig(input_path=str(source), tokenizer_path=str(TOKENIZER), output_path=f"{tmp}/out",
                                 workers=args.workers, chunk_size=args.chunk_size)
-        manifest, project = measure(f"project convert (parquet -> 16 shards)", megabytes, lambda: convert(cfg))
+        manifest, project = measure("project convert (parquet -> 16 shards)", megabytes, lambda: convert(cfg))
         reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
         _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
                            lambda: reference.encode_batch(texts, add_special_tokens=False))

@@ -191,3 +191,15 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(corpus, tmp_path):
     assert "optimizer step skipped" in proc.stdout
     assert "Traceback" not in proc.stderr
     assert (out / "latest").read_text().strip() == "step_0000001"
+
+
+def test_async_save_gives_the_same_checkpoints(uninterrupted, corpus, tmp_path):
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=TOTAL, save_steps=3, gradient_accumulation_steps=2,
+                       async_save=True)
+    check_ok(run_train(cfg, 1))
+    assert losses(out) == losses(uninterrupted)
+    for step in (3, 6):
+        want = model_tensors(uninterrupted / f"step_{step:07d}", tmp_path)
+        got = model_tensors(out / f"step_{step:07d}", tmp_path)
+        assert all(torch.equal(want[k], got[k]) for k in want)

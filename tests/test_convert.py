@@ -9,7 +9,6 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest

@@ -3,6 +3,8 @@ and one process matches an independent plain-PyTorch training loop."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,3 +90,17 @@ def test_layout_matches_single_process(name, reference, corpus, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
     check_ok(run_train(cfg, nproc, *overrides))
     assert_close(losses(tmp_path / "out"), reference)
+
+
+@pytest.mark.distributed
+def test_held_out_evaluation_is_the_same_under_a_pipeline(corpus, tmp_path):
+    evals = []
+    for name, nproc, extra in (("single", 1, []), ("pp2", 2, ["pp=2"])):
+        out = tmp_path / name
+        cfg = write_config(tmp_path / f"{name}.yaml", corpus, out, total_steps=2, eval_steps=1, valid_fraction=0.1,
+                           eval_iters=2)
+        check_ok(run_train(cfg, nproc, *extra))
+        records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        evals.append([r["eval_loss"] for r in records if r.get("event") == "eval"])
+    assert len(evals[0]) == 2
+    assert_close(evals[1], evals[0])

@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import time
+from contextlib import closing
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -115,25 +116,34 @@ def open_parquet(path: Path, column: str) -> pq.ParquetFile:
     except (pa.ArrowException, OSError) as exc:
         raise UserError(f"{path}: not a readable parquet file ({exc}); check the file or re-create it") from None
     schema = parquet.schema_arrow
+    problem = None
     if column not in schema.names:
-        raise UserError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)}); "
-                        "set text_column to the one holding the text")
-    kind = schema.field(column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise UserError(f"{path}: column {column!r} holds {kind}, not text; set text_column to a string column")
+        problem = (f"no column {column!r} (columns: {', '.join(schema.names)}); "
+                   "set text_column to the one holding the text")
+    elif not (pa.types.is_string(schema.field(column).type) or pa.types.is_large_string(schema.field(column).type)):
+        problem = f"column {column!r} holds {schema.field(column).type}, not text; set text_column to a string column"
+    if problem:
+        parquet.close()
+        raise UserError(f"{path}: {problem}")
     return parquet
 
 
-def _chunks(files: list[Path], column: str, chunk_size: int) -> Iterator[tuple[list[str | None], int]]:
-    """(texts, UTF-8 bytes) per record batch, file after file."""
+def _chunks(files: list[Path], column: str, chunk_size: int) -> Iterator[tuple[pa.Array, int]]:
+    """(texts, UTF-8 bytes) per record batch, file after file.
+
+    The texts stay an Arrow array: it pickles as raw buffers, and the workers,
+    not this process, pay for turning it into Python strings.
+    """
     for path in files:
         parquet = open_parquet(path, column)
         try:
             for batch in parquet.iter_batches(batch_size=chunk_size, columns=[column]):
                 texts = batch.column(0)
-                yield texts.to_pylist(), int(pc.sum(pc.binary_length(texts)).as_py() or 0)
+                yield texts, int(pc.sum(pc.binary_length(texts)).as_py() or 0)
         except (pa.ArrowException, OSError) as exc:
             raise UserError(f"{path}: cannot be read past a corrupt part ({exc}); re-create the file") from None
+        finally:
+            parquet.close()
 
 
 # ---------------------------------------------------------------- tokenizing workers
@@ -147,10 +157,10 @@ def _init_worker(tokenizer: Any, lower: bool, eod_id: int | None, in_pool: bool)
     _WORKER.update(tokenizer=tokenizer, lower=lower, eod_id=eod_id)
 
 
-def _encode_chunk(chunk: tuple[list[str | None], int]) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _encode_chunk(chunk: tuple[pa.Array, int]) -> tuple[np.ndarray, np.ndarray, int, int]:
     """(tokens of all non-empty documents back to back, their lengths, empty count, text bytes)."""
     texts, num_bytes = chunk
-    docs = [text for text in texts if text]
+    docs = [text for text in texts.to_pylist() if text]
     if _WORKER["lower"]:
         docs = [text.lower() for text in docs]
     eod_id = _WORKER["eod_id"]
@@ -259,8 +269,9 @@ def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], t
     eod_id = tokenizer.eod_id if cfg.append_eod else None
     encoded = ordered_map(_encode_chunk, _chunks(files, cfg.text_column, cfg.chunk_size), workers,
                           _init_worker, (tokenizer, cfg.do_lower_case, eod_id, workers > 1))
-    with tqdm(total=total_docs, unit="doc", unit_scale=True, file=sys.stderr, desc="convert",
-              mininterval=1.0, dynamic_ncols=True) as bar:
+    # closing(): on an error the workers stop now, not when the traceback is garbage collected.
+    with closing(encoded), tqdm(total=total_docs, unit="doc", unit_scale=True, file=sys.stderr,
+                                desc="convert", mininterval=1.0, dynamic_ncols=True) as bar:
         for tokens, lengths, empty, num_bytes in encoded:
             ends = np.cumsum(lengths)
             for start, end in zip(ends - lengths, ends):

@@ -117,23 +117,29 @@ class FastTokenizer(_Tokenizer):
         self._raw = raw
         self._reference: ReferenceTokenizer | None = None
 
-    def _segment(self, text: str) -> list[int]:
-        if self._nfc and not text.isascii():  # ASCII is NFC in every Unicode version
+    def _segment(self, text: str, normalize: bool) -> list[int]:
+        if normalize:
             text = unicodedata.normalize("NFC", text)
         return self._encoding.encode_ordinary(text)
 
+    def _needs_reference(self, text: str, normalize: bool) -> bool:
+        guard = self._guard
+        return guard is not None and (normalize or guard.checks_every_text) and guard.found_in(text)
+
     def encode(self, text: str) -> list[int]:
-        if self._guard is not None and not text.isascii() and self._guard.found_in(text):
+        # ASCII is NFC in every Unicode version, and most prose is NFC already (MediaWiki stores NFC).
+        normalize = self._nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text)
+        if self._needs_reference(text, normalize):
             return self._reference_tokenizer().encode(text)
         if self._added is None or self._added.search(text) is None:
-            return self._segment(text)
+            return self._segment(text, normalize)
         ids: list[int] = []
         start = 0
         for match in self._added.finditer(text):
-            ids += self._segment(text[start:match.start()])
+            ids += self._segment(text[start:match.start()], normalize)
             ids.append(self.added_tokens[match.group()])
             start = match.end()
-        return ids + self._segment(text[start:])
+        return ids + self._segment(text[start:], normalize)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
@@ -156,6 +162,9 @@ class _CharGuard:
         bmp = "".join(re.escape(c) for c in sorted(chars) if ord(c) < 0x10000)
         self._candidates = re.compile(f"[{bmp}\U00010000-\U0010ffff]")
         self._astral = frozenset(c for c in chars if ord(c) >= 0x10000)
+        # When Python knows every differing character (the reference's tables are the older ones),
+        # a text Python finds NFC is left alone by both, so only texts NFC changes need a look.
+        self.checks_every_text = any(unicodedata.category(c) == "Cn" for c in chars)
 
     def found_in(self, text: str) -> bool:
         for match in self._candidates.finditer(text):

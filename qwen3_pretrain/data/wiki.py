@@ -26,6 +26,7 @@ import os
 import re
 import time
 import xml.etree.ElementTree as ET
+from contextlib import closing
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -163,8 +164,9 @@ def _clean_batch(batch: list[tuple[str, str, str, str]]) -> list[Article]:
 def iter_dump_articles(path: Path, stats: WikiStats, workers: int) -> Iterator[Article]:
     """Articles of a MediaWiki XML dump, cleaned to plain text by ``workers`` processes."""
     try:
-        for batch in ordered_map(_clean_batch, _batches(_iter_pages(path, stats)), workers):
-            yield from batch
+        with closing(ordered_map(_clean_batch, _batches(_iter_pages(path, stats)), workers)) as cleaned:
+            for batch in cleaned:
+                yield from batch
     except ET.ParseError as exc:
         raise UserError(f"{path}: not a valid MediaWiki XML dump ({exc}); "
                         "the file is corrupt or truncated: download it again") from None

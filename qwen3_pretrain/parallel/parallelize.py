@@ -69,9 +69,8 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
         # A tied head gets a parameter of its own, kept equal to the embedding by summing the two
         # gradients (see TiedWeights), so the same code serves one stage and many.
         head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-        model.lm_head = ChunkedLMHead.from_linear(head)
-        model.lm_head.chunk_tokens = loss_chunk_tokens
-        model.lm_head.valid_vocab = valid_vocab if valid_vocab < cfg.vocab_size else None
+        model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens,
+                                                  valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size else None)
     model.return_hidden = True
     return model
 

@@ -144,10 +144,13 @@ def bench_axis(mesh: DeviceMesh, axis: str, ops: list[str], sizes: list[int], it
             real = max(n, nbytes // 4 // n * n) * 4
             seconds = _time(_operation(op, nbytes, group, device), iters, device)
             algbw = real / seconds / 1e9
-            kind = "p2p" if op == "p2p" else op
-            rows.append({"op": op, "bytes": real, "time_us": round(seconds * 1e6, 2),
-                         "algbw_gbps": round(algbw, 4), "busbw_gbps": round(algbw * bus_bandwidth_factor(kind, n), 4)})
+            rows.append({"op": op, "bytes": real, "time_us": _sig(seconds * 1e6), "algbw_gbps": _sig(algbw),
+                         "busbw_gbps": _sig(algbw * bus_bandwidth_factor(op, n))})
     return rows
+
+
+def _sig(value: float) -> float:
+    return float(f"{value:.6g}")
 
 
 def summarize(axes: dict[str, dict[str, Any]]) -> dict[str, float | None]:

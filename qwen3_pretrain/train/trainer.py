@@ -88,6 +88,8 @@ class Trainer:
         self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
         if cfg.pp > 1 and (cfg.reset_position_ids or cfg.document_mask):
             raise ConfigError("reset_position_ids/document_mask are not supported with pp > 1 yet; set them false")
+        if cfg.eval_steps and not cfg.valid_fraction:
+            raise ConfigError("eval_steps needs a held-out split: set valid_fraction (e.g. 0.01)")
         self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
         self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
         self.manifest = validate_manifest(cfg.data_path, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
@@ -130,6 +132,11 @@ class Trainer:
         dp_rank = self.mesh.get_local_rank("dp_replicate") * dims.dp_shard + self.mesh.get_local_rank("dp_shard")
         micro = cfg.batch_size
         self.loader = GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro)
+        self.eval_loader_args = None
+        if cfg.eval_steps:
+            valid = PackedDataset(cfg.data_path, cfg.seq_length, seed=cfg.seed, split="valid",
+                                  valid_fraction=cfg.valid_fraction)
+            self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
         self.global_tokens = self.global_batch * cfg.seq_length
         # Each rank's loss is its token sum over the global batch's token count, times dp because
         # FSDP averages gradients over the dp ranks: together they give the global token mean.
@@ -213,6 +220,35 @@ class Trainer:
             total += loss.detach()
         return total
 
+    def _global_mean_loss(self, local: torch.Tensor) -> float:
+        reduced = local.detach().float().clone()
+        dist.all_reduce(reduced)
+        return reduced.item() / (self.dims.tp * self.dims.dp)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over ``eval_iters`` global batches of the held-out split (the same ones each time)."""
+        loader = GlobalBatchLoader(*self.eval_loader_args)
+        total = 0.0
+        for _ in range(self.cfg.eval_iters):
+            batches = next(loader)
+            local = torch.zeros((), device=self.device)
+            if self.dims.pp == 1:
+                for mb in batches:
+                    hidden = self.parts[0](mb["input_ids"].to(self.device))
+                    local += self._loss_fn(hidden, mb["labels"].to(self.device))
+            else:
+                losses: list[torch.Tensor] = []
+                inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
+                labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
+                args = (inputs,) if self.has_first else ()
+                kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+                self.schedule.eval(*args, return_outputs=False, **kwargs)
+                for loss in losses:
+                    local += loss
+            total += self._global_mean_loss(local)
+        return total / self.cfg.eval_iters
+
     def train_step(self) -> dict:
         cfg = self.cfg
         start = time.perf_counter()
@@ -270,6 +306,8 @@ class Trainer:
             if (due or self.stop_agreed) and not rec["skipped"]:
                 self.save_checkpoint()
                 saved_at = self.step
+            if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.total_steps):
+                self._log_eval(self.evaluate())
             if self.stop_agreed:
                 if self.is_log_rank:
                     log.info("stopped on request after step %d; checkpoint saved, resume by running the same command",
@@ -307,6 +345,12 @@ class Trainer:
             record["skipped"] = True
         log.info(format_line(record))
         self.metrics.write(record)
+
+    def _log_eval(self, loss: float) -> None:
+        if self.is_log_rank:
+            ppl = math.exp(loss) if loss < 50 else float("inf")
+            log.info("eval at step %d | loss %.4f | ppl %.2f", self.step, loss, ppl)
+            self.metrics.write({"event": "eval", "step": self.step, "eval_loss": loss, "eval_ppl": ppl})
 
     def _log_start(self) -> None:
         cfg, dims, m = self.cfg, self.dims, self.source.config

@@ -1,0 +1,249 @@
+"""The planner: formulas against hand computations, the memory model against measured steps, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen3_pretrain.cli import run_command
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, get_preset
+from qwen3_pretrain.models.qwen3.model import rope_cos_sin
+from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.cli import main as plan_main
+from qwen3_pretrain.plan.hardware import get_device
+from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
+from qwen3_pretrain.plan.memory import GiB, predict_memory, stage_params
+from qwen3_pretrain.plan.step import predict_step
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ["--model", "qwen3-8b", "--nodes", "2", "--devices-per-node", "4", "--device", "910b", "--tp", "4",
+             "--pp", "2", "--micro-batch-size", "4", "--seq-length", "8192", "--activation-checkpointing", "full",
+             "--distributed-optimizer"]
+
+
+# --- formulas ------------------------------------------------------------------------
+
+
+def test_bytes_per_param_follow_megatron_and_zero():
+    assert F.megatron_bytes_per_param(1, False) == 18
+    assert F.megatron_bytes_per_param(4, True) == 6 + 12 / 4
+    # ZeRO over 4 ranks, mixed precision: 2 + 4 + 12 sharded progressively
+    assert [F.zero_bytes_per_param(s, 4) for s in range(4)] == [18, 2 + 4 + 3, 2 + 1 + 3, 0 + 1 + 3]
+    assert F.zero_bytes_per_param(0, 4, mixed=False) == 16
+    with pytest.raises(ValueError):
+        F.zero_bytes_per_param(4, 2)
+
+
+def test_megatron_activation_formula_by_hand():
+    # s=2048, b=1, h=4096, a=32: sbh = 8,388,608 and 5as/h = 80
+    args = dict(seq=2048, batch=1, hidden=4096, heads=32, t=8)
+    assert F.megatron_activation_bytes_per_layer(seq=2048, batch=1, hidden=4096, heads=32) == 8388608 * 114
+    assert F.megatron_activation_bytes_per_layer(**args) == 8388608 * (10 + 104 / 8)
+    assert F.megatron_activation_bytes_per_layer(**args, sequence_parallel=True) == 8388608 * 114 / 8
+    assert F.megatron_activation_bytes_per_layer(**args, sequence_parallel=True, recompute="selective") \
+        == 8388608 * 34 / 8
+    assert F.megatron_activation_bytes_per_layer(**args, recompute="full") == 2 * 8388608
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qwen3_layer_formula_matches_what_autograd_saves(dtype):
+    """Count the bytes of every storage one real decoder layer saves for backward (parameters and the
+    inputs excluded) and compare with the per-token formula."""
+    cfg = Qwen3Config(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=768, vocab_size=128)
+    layer = Qwen3Model(cfg).to(dtype).layers["0"]
+    seq = 128
+    x = torch.randn(1, seq, 256, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(seq)[None], 64, cfg.rope_theta, dtype)
+    outside = {t.untyped_storage()._cdata for t in [*layer.parameters(), cos, sin]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in outside:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos, sin)
+    per_token = F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 768, t=1, dtype_bytes=dtype.itemsize)
+    assert sum(saved.values()) / seq == per_token
+
+
+def test_pipeline_bubble_and_inflight():
+    assert F.pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert F.pipeline_bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
+    r = F.megatron_bubble_ratio(4, 8, 2)
+    assert r == pytest.approx(3 / 16) and F.pipeline_bubble_fraction(4, 8, 2) == pytest.approx(r / (1 + r))
+    assert F.pipeline_bubble_fraction(1, 5) == 0
+    assert [F.inflight_microbatches("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert F.inflight_microbatches("1f1b", 4, 0, 2) == 2
+    assert F.inflight_microbatches("gpipe", 4, 3, 8) == 8
+    # interleaved, first rank: p + (p - 1) / v stage-loads
+    assert F.inflight_microbatches("interleaved", 4, 0, 8, v=2) == 4 + 3 / 2
+    assert F.inflight_microbatches("interleaved", 4, 3, 8, v=2) == (4 + 1) / 2
+
+
+def test_flops_per_token_by_hand_and_against_the_model_config():
+    # Qwen3-8B: per layer 2*4096^2 + 2*4096*1024 + 3*4096*12288 = 192,937,984 weights
+    n_matmul = 36 * 192937984 + 151936 * 4096
+    by_hand = 6 * n_matmul + 12 * 36 * 4096 * 8192
+    assert by_hand == 59904098304
+    assert F.training_flops_per_token(36, 4096, 4096, 1024, 12288, 151936, 8192) == by_hand
+    for name in ("qwen3-0.6b", "qwen3-14b", "qwen3-32b"):
+        cfg = get_preset(name)
+        q, kv = cfg.num_attention_heads * 128, cfg.num_key_value_heads * 128
+        ours = F.training_flops_per_token(cfg.num_hidden_layers, cfg.hidden_size, q, kv, cfg.intermediate_size,
+                                          cfg.vocab_size, 4096)
+        assert ours == cfg.flops_per_token(4096)
+
+
+def test_collective_costs_follow_nccl_tests_conventions():
+    assert F.bus_bandwidth_factor("all_reduce", 4) == 1.5
+    assert F.bus_bandwidth_factor("all_gather", 4) == 0.75
+    assert F.bus_bandwidth_factor("p2p", 2) == 1
+    assert F.collective_seconds("all_reduce", 1e9, 4, 100e9, 1e-5) == pytest.approx(0.015 + 1e-5)
+    assert F.collective_seconds("all_gather", 1e9, 1, 100e9, 1e-5) == 0
+
+
+# --- memory and step model -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b"])
+def test_stage_parameters_add_up_to_the_real_model(name):
+    """One rank, no parallelism: the planner's count equals the model's parameters, with the engine's
+    untied copy of a tied head."""
+    cfg = get_preset(name)
+    with torch.device("meta"):
+        real = sum(p.numel() for p in Qwen3Model(cfg).parameters())
+    extra_head = cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0
+    (shape,) = stage_shapes(cfg, Layout())
+    assert stage_params(cfg, Layout(), shape).total == real + extra_head
+    # pp=2, tp=4: the two ranks hold everything once, matrices split four ways
+    lay = Layout(tp=4, pp=2)
+    parts = [stage_params(cfg, lay, s).total for s in stage_shapes(cfg, lay)]
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    norms = L * (2 * h + 2 * cfg.head_dim) + h
+    assert sum(parts) == pytest.approx((real + extra_head - norms) / 4 + norms)
+
+
+def test_memory_reacts_to_the_layout_as_expected():
+    cfg = get_preset("qwen3-8b")
+    base = Layout(tp=4, pp=2, micro_batch_size=4, seq_length=8192)
+    acts = {ac: predict_memory(cfg, base.replace(activation_checkpointing=ac), stage=0).activations
+            for ac in ("none", "selective", "full")}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    sharded = predict_memory(cfg, Layout(dp=8, seq_length=2048), stage=0)
+    replicated = predict_memory(cfg, Layout(dp=8, seq_length=2048, distributed_optimizer=False), stage=0)
+    assert sharded.optimizer < replicated.optimizer / 4 and sharded.total < replicated.total / 2
+    # the first pipeline stage holds p micro-batches in flight, the last one
+    heavy = base.replace(activation_checkpointing="none")
+    first, last = predict_memory(cfg, heavy, stage=0), predict_memory(cfg, heavy, stage=1)
+    assert first.activations > 1.5 * last.activations
+    assert predict_memory(cfg, heavy).total == max(first.total, last.total)
+
+
+def test_predicted_memory_matches_a_measured_training_step():
+    """The 'tiny' validation case (real 151,936 vocabulary) within 15% of MemoryTracker's measurement."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_validate.py"), "--cases", "tiny"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    row = out.stdout.strip().splitlines()[-1].split()
+    measured, predicted = float(row[1]), float(row[2])
+    assert measured > 100  # MiB: the optimizer state of a 151,936-token vocabulary alone is more
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_step_estimate_is_consistent():
+    cfg = get_preset("qwen3-8b")
+    lay = Layout(tp=4, pp=2, micro_batch_size=4, seq_length=8192)
+    est = predict_step(cfg, lay, get_device("910b"), Cluster(2, 4))
+    assert est.bubble_fraction == pytest.approx(1 / 5)
+    assert est.tokens_per_sec_per_device == pytest.approx(4 * 8192 / est.step_time_s / 8)
+    assert est.mfu == pytest.approx(est.tokens_per_sec_per_device * cfg.flops_per_token(8192) / 313e12)
+    assert 0 < est.mfu < 0.4  # never above the stated efficiency
+    assert est.comm_bytes_per_axis["tp"] > 0 and est.comm_bytes_per_axis["dp"] == 0
+    # tp across nodes is slower than inside one
+    wide = predict_step(cfg, Layout(tp=8, seq_length=8192, micro_batch_size=1), get_device("h100"), Cluster(2, 4))
+    narrow = predict_step(cfg, Layout(tp=8, seq_length=8192, micro_batch_size=1), get_device("h100"), Cluster(1, 8))
+    assert wide.step_time_s > narrow.step_time_s
+
+
+def test_enumeration_respects_heads_devices_and_batch():
+    cfg = get_preset("qwen3-8b")
+    layouts = list(enumerate_layouts(cfg, Cluster(2, 4), Layout(seq_length=4096), global_batch_size=32))
+    assert layouts and all(lay.world_size == 8 and lay.global_batch_size == 32 for lay in layouts)
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
+    assert all(lay.pp == 1 or lay.num_microbatches >= lay.pp for lay in layouts)
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+
+def test_plan_reference_layout_table(capsys):
+    assert plan_main(REFERENCE) == 0
+    out = capsys.readouterr().out
+    assert "1 layout(s), 1 fit" in out
+    row = [line for line in out.splitlines() if line.startswith(" 1 ")][0]
+    assert row.split()[1:6] == ["4", "2", "1", "4", "1"] and "yes" in row
+
+
+def test_plan_json_keys_and_order(capsys):
+    assert plan_main(["--model", "qwen3-1.7b", "--devices-per-node", "8", "--seq-length", "4096",
+                      "--global-batch-size", "64", "--json", "--top", "5"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 5
+    keys = {"tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing",
+            "distributed_optimizer", "memory_gib", "bubble_fraction", "step_time_s", "tokens_per_sec_per_device",
+            "mfu", "fits"}
+    assert keys <= set(rows[0])
+    assert set(rows[0]["memory_gib"]) == {"parameters", "gradients", "optimizer", "activations", "logits",
+                                          "overhead", "total"}
+    speeds = [r["tokens_per_sec_per_device"] for r in rows if r["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_plan_reads_the_training_config(tmp_path, capsys):
+    conf = tmp_path / "pretrain_config.yaml"
+    conf.write_text("model_name: qwen3-8b\nmodel_path: /nowhere\nrank_size: 8\ntp: 4\npp: 2\nseq_length: 8192\n"
+                    "batch_size: 4\nlearning_rate: 1e-5\nmixed_precision: bf16\ndistributed_optimizer: True\n"
+                    "gradient_checkpointing: True\nsome_future_key: 3\n")
+    assert plan_main(["--config", str(conf), "--nodes", "2", "--devices-per-node", "4", "--device", "910b",
+                      "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["tp"], row["pp"], row["dp"], row["micro_batch_size"]) == (4, 2, 1, 4)
+    assert row["activation_checkpointing"] == "full" and row["fits"]
+
+
+def test_plan_says_what_would_make_it_fit(capsys):
+    assert plan_main(["--model", "qwen3-32b", "--devices-per-node", "2", "--device", "a100", "--tp", "2",
+                      "--seq-length", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits in 80.0 GiB per device" in out and "nodes it fits" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "qwen3-8b", "--tp", "3"], "does not divide"),
+    (["--model", "qwen3-8b", "--devices-per-node", "8", "--tp", "4", "--pp", "4"], "does not divide the cluster"),
+    (["--model", "qwen3-8b", "--device", "h10"], "did you mean 'h100'"),
+    (["--model", "qwen3-9b"], "unknown model preset"),
+    (["--model", "qwen3-8b", "--commbench", "/nonexistent.json"], "does not exist"),
+])
+def test_plan_impossible_requests_are_one_line_errors(argv, words, capsys):
+    assert run_command("qwen3_pretrain.plan.cli:main", argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and "Traceback" not in err
+
+
+def test_user_errors_are_value_errors():
+    with pytest.raises(UserError):
+        Layout(tp=0)
+    with pytest.raises(UserError, match="pp=2 needs at least 2"):
+        predict_memory(get_preset("qwen3-8b"), Layout(pp=2))
+    assert predict_memory(get_preset("qwen3-0.6b"), Layout()).total / GiB > 1
