@@ -76,23 +76,38 @@ BAD = {
     "tp_heads": (2, ["tp=2", "model_overrides={num_attention_heads: 3, num_key_value_heads: 3}"],
                  "does not divide num_attention_heads"),
     "layout": (2, ["tp=4"], "does not divide the 2 launched processes"),
+    "layers": (2, ["pp=2", "model_overrides={num_hidden_layers: 1}"], "need at least as many layers"),
     "data": (1, ["data_path=/nonexistent/d_convert"], "/nonexistent/d_convert"),
     "seq": (1, ["seq_length=999999"], "max_position_embeddings"),
     "number": (1, ["learning_rate=fast"], "learning_rate"),
     "unknown_key": (1, ["learning_rat=1e-5"], "did you mean 'learning_rate'"),
+    "vocab": (1, ["model_overrides={vocab_size: 256}"], "tokenized with a tokenizer"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_stops_with_one_clear_message(name, corpus, tmp_path):
-    nproc, overrides, message = BAD[name]
+def test_bad_input_stops_before_any_heavy_work(name, corpus, tmp_path):
+    """Checked before the process group exists, so one process posing as rank 0 of a launch of N
+    shows what every rank prints: one line, no traceback, exit 2 (and no hang)."""
+    world, overrides, message = BAD[name]
     cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
-    proc = run_train(cfg, nproc, *overrides, timeout=120)
-    assert proc.returncode != 0
+    env = dict(child_env(), RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg), *overrides],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.distributed
+def test_bad_input_under_torchrun_stops_every_rank(corpus, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
+    proc = run_train(cfg, 2, "rank_size=4", timeout=120)
     text = proc.stderr + proc.stdout
-    assert message in text
-    # Each rank prints its one "error:" line; the only traceback allowed is torchrun's own report.
-    assert text.count("error: ") == nproc, text
+    assert proc.returncode != 0
+    # Each rank prints its one "error:" line; the only traceback is torchrun's own report.
+    assert text.count("error: rank_size is 4 but 2 processes were launched") == 2, text
     assert text.count("Traceback") == text.count("elastic.multiprocessing.errors.ChildFailedError: "), text
 
 

@@ -3,8 +3,8 @@
 The record is the data (``metrics.jsonl``); the human log line is a view of it.
 MFU = achieved model FLOP/s / peak FLOP/s, with FLOPs per token from
 ``Qwen3Config.flops_per_token`` (6 x matmul weights + attention, PaLM's
-convention) and the peak from the table below, ``peak_tflops`` in the config,
-or, on a CPU, a bf16 matmul measured at start-up.
+convention) and the peak from the planner's device table, ``peak_tflops`` in
+the config, or, on a CPU, a bf16 matmul measured at start-up.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device (vendor figures). Ascend 910B SKUs differ (roughly 280-376);
-# 313 is the 910B3's figure: set peak_tflops in the config for yours.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "910B": 313.0}
-
+from qwen3_pretrain.plan.hardware import DEVICES
 
 def device_peak_tflops(device: torch.device, configured: float | None) -> tuple[float, str]:
     """(peak TFLOP/s per device, where the figure comes from)."""
@@ -30,9 +27,9 @@ def device_peak_tflops(device: torch.device, configured: float | None) -> tuple[
         return configured, "config"
     if device.type in ("cuda", "npu"):
         name = getattr(torch, device.type).get_device_name(device)
-        for key, peak in PEAK_BF16_TFLOPS.items():
-            if key in name.upper().replace(" ", ""):
-                return peak, f"table ({name})"
+        for key, hw in DEVICES.items():
+            if key != "cpu" and key.upper() in name.upper().replace(" ", ""):
+                return hw.peak_tflops, f"device table ({name})"
         return float("nan"), f"unknown device {name!r}: set peak_tflops"
     return measure_cpu_tflops(), "measured bf16 matmul"
 

@@ -35,6 +35,8 @@ from qwen3_pretrain.parallel.parallelize import (
     stage_layer_ranges,
 )
 from qwen3_pretrain.parallel.pipeline import build_schedule
+from qwen3_pretrain.plan.layout import Layout
+from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
 from qwen3_pretrain.train.model_source import resolve_model
@@ -291,7 +293,7 @@ class Trainer:
         peak, _ = device_peak_tflops(self.device, cfg.peak_tflops)
         flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
         avg_step = None
-        saved_at = self.step
+        saved_at = started_at = self.step
         while self.step < cfg.total_steps:
             rec = self.train_step()
             history.append(rec)
@@ -306,6 +308,8 @@ class Trainer:
             if (due or self.stop_agreed) and not rec["skipped"]:
                 self.save_checkpoint()
                 saved_at = self.step
+            if self.is_log_rank and rec["step"] == started_at + 3:
+                self._log_measured_memory()
             if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.total_steps):
                 self._log_eval(self.evaluate())
             if self.stop_agreed:
@@ -368,8 +372,40 @@ class Trainer:
             if self.resumed_from is not None:
                 log.info("resumed from %s at step %d", self.resumed_from, self.step)
                 self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
+            self._log_predicted_memory()
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
                                 "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "global_batch": self.global_batch})
+
+    def _layout(self) -> Layout:
+        cfg, dims = self.cfg, self.dims
+        return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=cfg.batch_size,
+                      gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
+                      activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
+                      mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
+                      virtual_stages=self.stages_per_rank, loss_chunk_tokens=cfg.loss_chunk_tokens,
+                      pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
+                      foreach_optimizer=self.device.type != "cpu")
+
+    def _log_predicted_memory(self) -> None:
+        """The planner's prediction for this very layout, and a warning when it exceeds the device."""
+        self.predicted_memory = mem = predict_memory(self.source.config, self._layout())
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.gib().items() if k != "total")
+        log.info("predicted peak memory per device: %.2f GiB (%s GiB; worst pipeline stage %d)",
+                 mem.total / 2**30, parts, mem.stage)
+        if self.device.type in ("cuda", "npu"):
+            capacity = getattr(torch, self.device.type).get_device_properties(self.device).total_memory
+            if mem.total > capacity:
+                log.warning("the predicted %.1f GiB exceed this device's %.1f GiB: expect out-of-memory; "
+                            "see 'qwen3-pretrain plan' for layouts that fit", mem.total / 2**30, capacity / 2**30)
+
+    def _log_measured_memory(self) -> None:
+        if self.device.type in ("cuda", "npu"):
+            measured = getattr(torch, self.device.type).max_memory_allocated(self.device) / 2**30
+            log.info("peak memory after %d steps: measured %.2f GiB allocated vs predicted %.2f GiB (this stage's "
+                     "rank; prediction is the worst stage)", self.step, measured, self.predicted_memory.allocated / 2**30)
+        else:
+            log.info("peak memory after %d steps: %.2f GiB RSS (the whole process) vs predicted %.2f GiB of tensors",
+                     self.step, memory_gib(self.device), self.predicted_memory.allocated / 2**30)
 
     def close(self) -> None:
         if self.metrics is not None:
