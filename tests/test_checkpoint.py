@@ -106,7 +106,7 @@ def test_half_written_checkpoint_is_ignored(uninterrupted, corpus, tmp_path):
     proc = run_train(cfg, 1)
     check_ok(proc)
     assert "resumed from" in proc.stdout and "step_0000003 at step 3" in proc.stdout
-    assert "missing or incomplete" in proc.stdout and "being written when a run stopped" in proc.stdout
+    assert "which is unusable" in proc.stdout and "being written when a run stopped" in proc.stdout
     assert losses(out) == losses(uninterrupted)[3:]
 
 

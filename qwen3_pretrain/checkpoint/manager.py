@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -42,15 +45,14 @@ log = logging.getLogger("qwen3_pretrain.checkpoint")
 
 FORMAT = "qwen3-pretrain-checkpoint"
 LATEST = "latest"
+DCP_METADATA = ".metadata"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "meta.json").is_file()
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -63,22 +65,112 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def list_checkpoints(root: Path) -> dict[int, Path]:
+    """Step -> directory of each ``step_<N>`` directory, complete or not; unfinished saves' temp dirs are skipped."""
+    found = {}
+    for path in root.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def find_checkpoint(input_path: str | os.PathLike, step: int | None = None) -> Path:
+    """The checkpoint to merge: ``step_<step>``, else the one ``latest`` names, else the newest complete one."""
+    root = Path(input_path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"input_path {root}: no such directory; pass the training run's output_path "
+                                f"(the directory holding {LATEST} and step_*/)")
+    steps = list_checkpoints(root)
+    if step is not None:
+        if step not in steps:
+            available = ", ".join(map(str, steps)) or "none"
+            raise UserError(f"{root}: no checkpoint {step_dir_name(step)} for --step {step}; "
+                            f"available steps: {available}")
+        return steps[step]
+    if not steps:
+        raise UserError(f"{root}: no checkpoint in this directory (no step_* directory); is it the training "
+                        "run's output_path, and did the run save (save_steps)?")
+    named = _named_by_latest(root)
+    if named is not None:
+        return named
+    for path in reversed(steps.values()):
+        if _problem(path) is None:
+            return path
+    newest = list(steps.values())[-1]
+    raise UserError(f"{root}: no complete checkpoint; the newest, {newest.name}, is incomplete: {_problem(newest)}")
+
+
+def _named_by_latest(root: Path) -> Path | None:
+    """The checkpoint ``latest`` names when it is complete; otherwise warn and return None."""
+    latest = root / LATEST
+    if not latest.is_file():
+        log.warning("%s is missing; using the newest complete checkpoint", latest)
+        return None
+    named = root / latest.read_text(encoding="utf-8").strip()
+    problem = _problem(named) if named.is_dir() else "no such directory"
+    if problem is None:
+        return named
+    log.warning("%s names %s, which is unusable (%s); using the newest complete checkpoint",
+                latest, named.name, problem)
+    return None
+
+
+def _problem(path: Path) -> str | None:
+    """Why checkpoint ``path`` cannot be merged, or None when it is complete."""
+    try:
+        check_complete(path)
+    except (UserError, FileNotFoundError) as exc:
+        return str(exc)
+    return None
+
+
+def check_complete(path: Path) -> Metadata:
+    """The DCP metadata of checkpoint ``path`` after checking every file it needs is there in full."""
+    for name in (DCP_METADATA, META_FILE):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path / name} is missing: checkpoint {path} is incomplete "
+                                    "(interrupted save or copy); copy it again or choose another --step")
+    metadata = read_dcp_metadata(path)
+    for relative_path, needed in _bytes_needed(metadata).items():
+        data_file = path / relative_path
+        if not data_file.is_file():
+            raise FileNotFoundError(f"{data_file} is missing: {path / DCP_METADATA} lists it; checkpoint {path} "
+                                    "is incomplete; copy it again or choose another --step")
+        size = data_file.stat().st_size
+        if size < needed:
+            raise UserError(f"{data_file} is truncated ({size} bytes, {path / DCP_METADATA} needs {needed}); "
+                            f"checkpoint {path} is incomplete; copy it again or choose another --step")
+    return metadata
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """The ``.metadata`` of a DCP checkpoint directory (tensor shapes, chunks and where their bytes are)."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # unpickling a damaged file can raise almost any exception type
+        raise UserError(f"{path / DCP_METADATA}: not a readable checkpoint metadata file ({exc!r})") from None
+    if not isinstance(metadata, Metadata) or metadata.storage_data is None:
+        raise UserError(f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file")
+    return metadata
+
+
+def _bytes_needed(metadata: Metadata) -> dict[str, int]:
+    """Data file -> the size it must have at least: the end of the last item stored in it."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    return needed
+
+
 def find_latest(output_path: str | os.PathLike) -> Path | None:
-    """The checkpoint to resume from: the one ``latest`` names if complete, else the newest complete one."""
+    """The checkpoint a run in ``output_path`` resumes from, or None when it has none yet."""
     root = Path(output_path)
     if not root.is_dir():
         return None
     for tmp in root.glob(".tmp-step_*"):
         log.warning("ignoring %s: a checkpoint that was being written when a run stopped", tmp)
-    named = None
-    if (root / LATEST).is_file():
-        named = root / (root / LATEST).read_text(encoding="utf-8").strip()
-        if is_complete(named):
-            return named
-        log.warning("%s names %s, which is missing or incomplete; using the newest complete checkpoint",
-                    root / LATEST, named.name)
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
-    return complete[-1] if complete else None
+    return find_checkpoint(root) if list_checkpoints(root) else None
 
 
 class Checkpointer:
@@ -178,7 +270,7 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.keep_last_n <= 0:
             return
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and is_complete(p))
+        done = [p for p in list_checkpoints(self.root).values() if _problem(p) is None]
         for old in done[: -self.keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
 

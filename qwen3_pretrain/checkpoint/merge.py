@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
+
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from tqdm import tqdm
 
-from qwen3_pretrain.checkpoint.manager import LATEST, read_meta, step_dir_name
+from qwen3_pretrain.checkpoint.manager import DCP_METADATA, META_FILE, check_complete, find_checkpoint, read_meta
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shapes, parse_size
@@ -43,14 +43,11 @@ from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shape
 log = logging.getLogger("qwen3_pretrain.checkpoint")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DCP_METADATA = ".metadata"
-META_FILE = "meta.json"
 # What a HF tokenizer directory may hold; tokenizer.json alone is enough for transformers' fast tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json", "tokenizer.model")
 _VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # [padded_vocab_size, hidden] in the checkpoint
 _MODEL_PREFIX = "model."  # training saves {"model": ..., "optim": ...}; DCP flattens the keys with a dot
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 @dataclass
@@ -72,104 +69,6 @@ class MergeResult:
 
 
 # --- choosing and checking the checkpoint -------------------------------------------------
-
-
-def list_checkpoints(root: Path) -> dict[int, Path]:
-    """Step -> directory of each ``step_<N>`` directory, complete or not; unfinished saves' temp dirs are skipped."""
-    found = {}
-    for path in root.iterdir():
-        match = _STEP_DIR.fullmatch(path.name)
-        if match and path.is_dir():
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
-
-
-def find_checkpoint(input_path: str | os.PathLike, step: int | None = None) -> Path:
-    """The checkpoint to merge: ``step_<step>``, else the one ``latest`` names, else the newest complete one."""
-    root = Path(input_path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"input_path {root}: no such directory; pass the training run's output_path "
-                                f"(the directory holding {LATEST} and step_*/)")
-    steps = list_checkpoints(root)
-    if step is not None:
-        if step not in steps:
-            available = ", ".join(map(str, steps)) or "none"
-            raise UserError(f"{root}: no checkpoint {step_dir_name(step)} for --step {step}; "
-                            f"available steps: {available}")
-        return steps[step]
-    if not steps:
-        raise UserError(f"{root}: no checkpoint in this directory (no step_* directory); is it the training "
-                        "run's output_path, and did the run save (save_steps)?")
-    named = _named_by_latest(root)
-    if named is not None:
-        return named
-    for path in reversed(steps.values()):
-        if _problem(path) is None:
-            return path
-    newest = list(steps.values())[-1]
-    raise UserError(f"{root}: no complete checkpoint; the newest, {newest.name}, is incomplete: {_problem(newest)}")
-
-
-def _named_by_latest(root: Path) -> Path | None:
-    """The checkpoint ``latest`` names when it is complete; otherwise warn and return None."""
-    latest = root / LATEST
-    if not latest.is_file():
-        log.warning("%s is missing; merging the newest complete checkpoint", latest)
-        return None
-    named = root / latest.read_text(encoding="utf-8").strip()
-    problem = _problem(named) if named.is_dir() else "no such directory"
-    if problem is None:
-        return named
-    log.warning("%s names %s, which is unusable (%s); merging the newest complete checkpoint",
-                latest, named.name, problem)
-    return None
-
-
-def _problem(path: Path) -> str | None:
-    """Why checkpoint ``path`` cannot be merged, or None when it is complete."""
-    try:
-        check_complete(path)
-    except (UserError, FileNotFoundError) as exc:
-        return str(exc)
-    return None
-
-
-def check_complete(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint ``path`` after checking every file it needs is there in full."""
-    for name in (DCP_METADATA, META_FILE):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{path / name} is missing: checkpoint {path} is incomplete "
-                                    "(interrupted save or copy); copy it again or choose another --step")
-    metadata = read_dcp_metadata(path)
-    for relative_path, needed in _bytes_needed(metadata).items():
-        data_file = path / relative_path
-        if not data_file.is_file():
-            raise FileNotFoundError(f"{data_file} is missing: {path / DCP_METADATA} lists it; checkpoint {path} "
-                                    "is incomplete; copy it again or choose another --step")
-        size = data_file.stat().st_size
-        if size < needed:
-            raise UserError(f"{data_file} is truncated ({size} bytes, {path / DCP_METADATA} needs {needed}); "
-                            f"checkpoint {path} is incomplete; copy it again or choose another --step")
-    return metadata
-
-
-def read_dcp_metadata(path: Path) -> Metadata:
-    """The ``.metadata`` of a DCP checkpoint directory (tensor shapes, chunks and where their bytes are)."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # unpickling a damaged file can raise almost any exception type
-        raise UserError(f"{path / DCP_METADATA}: not a readable checkpoint metadata file ({exc!r})") from None
-    if not isinstance(metadata, Metadata) or metadata.storage_data is None:
-        raise UserError(f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file")
-    return metadata
-
-
-def _bytes_needed(metadata: Metadata) -> dict[str, int]:
-    """Data file -> the size it must have at least: the end of the last item stored in it."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    return needed
 
 
 # --- what the checkpoint holds --------------------------------------------------------------
