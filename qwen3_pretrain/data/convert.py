@@ -270,7 +270,7 @@ def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], t
     encoded = ordered_map(_encode_chunk, _chunks(files, cfg.text_column, cfg.chunk_size), workers,
                           _init_worker, (tokenizer, cfg.do_lower_case, eod_id, workers > 1))
     # closing(): on an error the workers stop now, not when the traceback is garbage collected.
-    with closing(encoded), tqdm(total=total_docs, unit="doc", unit_scale=True, file=sys.stderr,
+    with closing(encoded), tqdm(total=total_docs, unit="doc", unit_scale=total_docs >= 10_000, file=sys.stderr,
                                 desc="convert", mininterval=1.0, dynamic_ncols=True) as bar:
         for tokens, lengths, empty, num_bytes in encoded:
             ends = np.cumsum(lengths)

@@ -67,21 +67,19 @@ class WikiStats:
 
 # ---------------------------------------------------------------- opening files
 
+def _compression(path: Path) -> str | None:
+    """``"bz2"``, ``"gzip"`` or None, from the file's first bytes (not its name)."""
+    with open(path, "rb") as f:
+        magic = f.read(3)
+    return "bz2" if magic == b"BZh" else "gzip" if magic[:2] == b"\x1f\x8b" else None
+
+
 def _open_binary(path: Path) -> IO[bytes]:
-    """``path`` opened for reading, decompressed when it is bzip2 or gzip (sniffed, not by name)."""
-    with open(path, "rb") as f:
-        magic = f.read(3)
-    if magic == b"BZh":
+    """``path`` opened for reading, decompressed when it is bzip2 or gzip."""
+    kind = _compression(path)
+    if kind == "bz2":
         return bz2.open(path, "rb")
-    if magic[:2] == b"\x1f\x8b":
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
-def _is_compressed(path: Path) -> bool:
-    with open(path, "rb") as f:
-        magic = f.read(3)
-    return magic == b"BZh" or magic[:2] == b"\x1f\x8b"
+    return gzip.open(path, "rb") if kind == "gzip" else open(path, "rb")
 
 
 def _read_head(path: Path, size: int = 4096) -> bytes:
@@ -211,7 +209,7 @@ def _read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        where = " of the decompressed data" if _is_compressed(path) else ""
+        where = " of the decompressed data" if _compression(path) else ""
         raise UserError(f"{path}: not UTF-8 text: invalid byte 0x{data[exc.start]:02x} at byte offset "
                         f"{exc.start}{where}; fix or re-extract this file") from None
 

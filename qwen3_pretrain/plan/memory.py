@@ -74,7 +74,7 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
-class _StageParams:
+class StageParams:
     """Parameter counts of one pipeline rank (its tp shard), per FSDP unit."""
 
     total: float
@@ -84,7 +84,7 @@ class _StageParams:
     largest_tensor: float
 
 
-def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> _StageParams:
+def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StageParams:
     t, h = layout.tp, cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
@@ -93,7 +93,7 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> _StageP
     head = vocab if shape.has_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
     largest = max([h * cfg.intermediate_size / t] + ([vocab] if head or shape.has_embedding else []))
-    return _StageParams(shape.num_layers * layer + head + root, layer, head, root, largest)
+    return StageParams(shape.num_layers * layer + head + root, layer, head, root, largest)
 
 
 def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
@@ -145,14 +145,17 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
 
     One chunk of ``c`` tokens: its logits in fp32 (4) and, in bf16, the matmul's
     output before the upcast or the gradient after the downcast (d), per local
-    vocab entry; plus the head's weight gradient accumulated in fp32 and one
-    chunk's contribution in the compute dtype.
+    vocab entry; the head's weight gradient accumulated in fp32 and one chunk's
+    contribution in the compute dtype; and its input, the final norm's output
+    (plus its gathered copy under tp).
     """
-    chunk = min(_microbatch_tokens(layout), layout.loss_chunk_tokens)
-    vocab, d = cfg.vocab_size / layout.tp, layout.dtype_bytes
+    tokens, t = _microbatch_tokens(layout), layout.tp
+    chunk = min(tokens, layout.loss_chunk_tokens)
+    vocab, d = cfg.vocab_size / t, layout.dtype_bytes
     logits = chunk * vocab * (4 + (d if d != 4 else 0))
     weight_grad = vocab * cfg.hidden_size * (4 + d)
-    return logits + weight_grad
+    hidden = d * tokens * cfg.hidden_size * (1 + (1 / t if t > 1 else 0))
+    return logits + weight_grad + hidden
 
 
 def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, dict[str, float]]:

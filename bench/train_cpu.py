@@ -1,0 +1,301 @@
+"""Training throughput and peak memory on CPU: this engine vs a plain ``transformers`` loop.
+
+    python bench/train_cpu.py                                   # every variant (~15 min on 2 idle cores)
+    python bench/train_cpu.py --variants hf-bf16,bf16 --steps 3
+    python bench/train_cpu.py --profile bf16                    # where one engine step spends its time
+
+Model: Qwen3 with hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64,
+intermediate 768, the full 151,936 vocabulary, tied embeddings; seq 512, batch
+4 (2,048 tokens per optimizer step); the bundled Wikipedia sample converted by
+the project (``runs/data/d_convert``, built in a temporary folder when absent).
+Each variant runs in a fresh process (or ``torchrun`` group), so its peak
+resident memory (``ru_maxrss``, the largest rank's) is its own. Steps after
+the warm-up ones are timed in wall and CPU seconds (user + system over all
+threads and ranks); the table shows medians. On a shared machine the CPU time
+is the steadier figure: the load average is printed before and after.
+
+``hf-*`` is the plain loop: ``Qwen3ForCausalLM`` in fp32, AdamW, full logits
+and ``F.cross_entropy``, gradient clipping, under ``torch.autocast("cpu",
+bfloat16)`` for ``hf-bf16``. The other variants are the engine's
+``Trainer.train_step`` with the config keys shown. DP scaling efficiency is
+tokens/s of ``dp2`` (2 processes x 1 thread, batch 2 each) over twice that of
+``dp1-1t`` (1 process, 1 thread, batch 4): the same global batch of 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "intermediate_size": 768, "vocab_size": 151936, "tie_word_embeddings": True}
+SEQ, BATCH = 512, 4
+# name -> (kind, processes, threads per process, engine config keys)
+VARIANTS = {
+    "hf-bf16": ("hf", 1, 2, {"mixed_precision": "bf16"}),
+    "hf-fp32": ("hf", 1, 2, {"mixed_precision": "fp32"}),
+    "bf16": ("engine", 1, 2, {"mixed_precision": "bf16"}),
+    "fp32": ("engine", 1, 2, {"mixed_precision": "fp32"}),
+    "bf16-ac": ("engine", 1, 2, {"mixed_precision": "bf16", "activation_checkpointing": "full"}),
+    "fp32-ac": ("engine", 1, 2, {"mixed_precision": "fp32", "activation_checkpointing": "full"}),
+    "bf16-c1024": ("engine", 1, 2, {"mixed_precision": "bf16", "loss_chunk_tokens": 1024}),
+    "fp32-c1024": ("engine", 1, 2, {"mixed_precision": "fp32", "loss_chunk_tokens": 1024}),
+    "dp1-1t": ("engine", 1, 1, {"mixed_precision": "bf16"}),
+    "dp2": ("engine", 2, 1, {"mixed_precision": "bf16"}),
+}
+DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c1024,fp32-c1024,dp1-1t,dp2"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--data", default=str(REPO / "runs/data/d_convert"),
+                        help="converted data folder; built from the bundled dump when absent")
+    parser.add_argument("--profile", metavar="VARIANT", help="profile one step of this engine variant instead")
+    parser.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# --- measuring -----------------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def timed_steps(step, warmup: int, steps: int) -> dict:
+    """Run ``step()`` warmup + steps times; per-step wall and CPU seconds of the timed ones."""
+    walls, cpus, losses = [], [], []
+    for i in range(warmup + steps):
+        wall, cpu = time.perf_counter(), cpu_seconds()
+        losses.append(step())
+        if i >= warmup:
+            walls.append(time.perf_counter() - wall)
+            cpus.append(cpu_seconds() - cpu)
+    return {"wall_s": walls, "cpu_s": cpus, "loss": losses[-1], "peak_gib": peak_rss_gib()}
+
+
+def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 4) -> tuple[float, float]:
+    """(TFLOP/s of an n^3 matmul by wall time, the same by CPU time x threads: what idle cores would give)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    for _ in range(reps):
+        a @ b
+    flops = 2 * n**3 * reps
+    return flops / (time.perf_counter() - wall) / 1e12, flops * torch.get_num_threads() / (cpu_seconds() - cpu) / 1e12
+
+
+# --- the two training loops (run in a worker process) ---------------------------------------
+
+
+def engine_config(name: str, data: str, out: str):
+    from qwen3_pretrain.config.loader import from_dict
+    from qwen3_pretrain.train.config import TrainConfig
+
+    _, nproc, _, keys = VARIANTS[name]
+    cfg = {"model_name": "qwen3-0.6b", "model_overrides": dict(MODEL), "data_path": data, "output_path": out,
+           "seq_length": SEQ, "batch_size": BATCH // nproc, "total_steps": 1000, "log_steps": 1000,
+           "save_steps": 0, "learning_rate": 3e-4, **keys}
+    return from_dict(TrainConfig, cfg, source=f"variant {name}")
+
+
+def engine_step_fn(name: str, data: str, out: str):
+    from qwen3_pretrain.train.trainer import Trainer
+
+    trainer = Trainer(engine_config(name, data, out))
+    return lambda: trainer.train_step()["loss"], trainer
+
+
+def hf_step_fn(name: str, data: str):
+    """The plain loop on the same samples the engine's loader yields."""
+    import torch.nn.functional as F
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
+
+    torch.manual_seed(1234)
+    model = Qwen3ForCausalLM(Qwen3Config(**MODEL, rope_theta=1e6, max_position_embeddings=40960))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+    loader = GlobalBatchLoader(PackedDataset(data, SEQ, seed=1234), BATCH, 0, 1, BATCH)
+    autocast = VARIANTS[name][3]["mixed_precision"] == "bf16"
+
+    def step() -> float:
+        mb = next(loader)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=mb["input_ids"]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), mb["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def worker(args: argparse.Namespace) -> None:
+    kind, _, threads, _ = VARIANTS[args.worker]
+    torch.set_num_threads(threads)
+    rank = int(os.environ.get("RANK", 0))
+    trainer = None
+    if kind == "hf":
+        step = hf_step_fn(args.worker, args.data)
+    else:
+        step, trainer = engine_step_fn(args.worker, args.data, str(Path(args.out) / "run"))
+    before = peak_rss_gib()
+    if args.profile:
+        profile(step, args.warmup)
+    result = timed_steps(step, args.warmup, args.steps)
+    result["before_gib"] = before
+    if trainer is not None:
+        trainer.close()
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def profile(step, warmup: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(warmup):
+        step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    # Sorted by inclusive time, the first rows are the phases: loss (with its gradients), backward, optimizer.
+    print(averages.table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60), flush=True)
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+
+def ensure_data(path: str, tmp: Path) -> str:
+    """``path`` when it holds converted data; else convert the bundled Wikipedia sample into ``tmp``."""
+    if (Path(path) / "manifest.json").is_file():
+        return path
+    dump = next((REPO / "assets/enwiki-sample").glob("*.bz2"))
+    parquet, out = tmp / "wiki.parquet", tmp / "d_convert"
+    print(f"{path} holds no converted data: converting {dump.name} into {out}", flush=True)
+    for cmd in (["wiki2parquet", "--input", str(dump), "--output", str(parquet)],
+                ["convert", "--config", "examples/pretain_data_config.yaml", f"input_path={parquet}",
+                 f"output_path={out}", "seq_length=512", "shards=2"]):
+        subprocess.run([sys.executable, "-m", "qwen3_pretrain", *cmd], cwd=REPO, check=True, capture_output=True)
+    return str(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> dict:
+    """One variant in its own process(es); the per-rank results merged."""
+    _, nproc, threads, _ = VARIANTS[name]
+    out = tmp / name
+    out.mkdir()
+    script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out),
+              "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.profile:
+        script.append("--profile=" + name)
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+        str(free_port())]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(launcher + script, cwd=REPO, env=env, text=True, capture_output=not args.profile)
+    if proc.returncode:
+        raise RuntimeError(f"variant {name} failed ({proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    # Ranks step in lock-step (the loss all-reduce): rank 0's wall time is the step's; CPU time adds up.
+    cpu = [sum(r["cpu_s"][i] for r in ranks) for i in range(args.steps)]
+    return {"wall_s": statistics.median(ranks[0]["wall_s"]), "cpu_s": statistics.median(cpu),
+            "peak_gib": max(r["peak_gib"] for r in ranks), "before_gib": max(r["before_gib"] for r in ranks),
+            "loss": ranks[0]["loss"]}
+
+
+def describe(name: str) -> str:
+    kind, nproc, threads, keys = VARIANTS[name]
+    label = "transformers loop" if kind == "hf" else "engine"
+    keys = {k: v for k, v in keys.items() if kind == "engine" or k != "mixed_precision"}
+    if kind == "hf":
+        keys["autocast"] = "bf16" if VARIANTS[name][3]["mixed_precision"] == "bf16" else "off"
+    return f"{label} {nproc}p x {threads}t " + " ".join(f"{k}={v}" for k, v in keys.items())
+
+
+def header() -> None:
+    torch.set_num_threads(2)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
+    isa = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags) or "none of amx/avx512"
+    print(f"machine: {model}, {os.cpu_count()} cores, flags: {isa}; torch {torch.__version__}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for dtype in (torch.bfloat16, torch.float32):
+        wall, cpu = matmul_tflops(dtype)
+        print(f"matmul 2048^3 {str(dtype)[6:]:<8} 2 threads: {wall:.3f} TFLOP/s by wall, {cpu:.3f} by CPU time")
+    print(f"model: {MODEL}; seq {SEQ} x batch {BATCH} = {SEQ * BATCH} tokens per step")
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    print(f"{'variant':<11} {'loss':>7} {'step s':>7} {'CPU s':>6} {'tokens/s':>9} {'tok/CPU-s':>9} "
+          f"{'before GiB':>10} {'peak GiB':>9}  what")
+    for name, r in rows.items():
+        tokens = SEQ * BATCH
+        print(f"{name:<11} {r['loss']:>7.3f} {r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {tokens / r['wall_s']:>9.0f} "
+              f"{tokens / r['cpu_s']:>9.0f} {r['before_gib']:>10.2f} {r['peak_gib']:>9.2f}  {describe(name)}")
+    if "dp1-1t" in rows and "dp2" in rows:
+        one, two = rows["dp1-1t"], rows["dp2"]
+        print(f"DP scaling efficiency dp2 vs 2 x dp1-1t: {one['wall_s'] / (2 * two['wall_s']):.0%} by wall time, "
+              f"{one['cpu_s'] / two['cpu_s']:.0%} by CPU time (work added by the second rank)")
+    base = rows.get("hf-bf16")
+    for name, r in rows.items():
+        if base is not None and VARIANTS[name][0] == "engine" and VARIANTS[name][1:3] == (1, 2):
+            print(f"{name} vs hf-bf16: x{base['wall_s'] / r['wall_s']:.2f} tokens/s by wall, "
+                  f"x{base['cpu_s'] / r['cpu_s']:.2f} by CPU time, x{r['peak_gib'] / base['peak_gib']:.2f} peak RSS")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    names = [args.profile] if args.profile else [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"error: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    header()
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="train_cpu_") as tmp:
+        data = ensure_data(args.data, Path(tmp))
+        for name in names:
+            rows[name] = run_variant(name, args, data, Path(tmp))
+            print(f"  {name}: {json.dumps({k: round(v, 3) for k, v in rows[name].items()})}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
