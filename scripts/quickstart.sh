@@ -16,14 +16,14 @@
 #
 # Environment knobs:
 #   QUICKSTART_DIR=runs/quickstart   output root
-#   QUICKSTART_STEPS=40              training steps (both halves together; at least 2)
+#   QUICKSTART_STEPS=60              training steps (both halves together; at least 2)
 #   QUICKSTART_SKIP_INSTALL=1        use the python already on PATH, install nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEFAULT_DIR=runs/quickstart
 DIR="${QUICKSTART_DIR:-$DEFAULT_DIR}"
-STEPS="${QUICKSTART_STEPS:-40}"
+STEPS="${QUICKSTART_STEPS:-60}"
 DATA_CONFIG=examples/quickstart/pretain_data_config.yaml
 TRAIN_CONFIG=examples/quickstart/pretrain_config.yaml
 PROMPT="The history of Anarchism"
@@ -57,16 +57,17 @@ last_logged_step() {
     [[ $line =~ \"step\":\ ([0-9]+) ]] && echo "${BASH_REMATCH[1]}" || echo 0
 }
 
-# One worker of the launcher: signalling one rank is enough, the ranks agree to stop together.
+# One training rank started by launcher $1 (its other children include the log's tee): signalling
+# one rank is enough, the ranks agree to stop together.
 worker_of() {
-    local kids=""
-    if [ -r "/proc/$1/task/$1/children" ]; then
-        kids=$(cat "/proc/$1/task/$1/children")
-    fi
-    if [ -z "$kids" ] && command -v pgrep >/dev/null; then
-        kids=$(pgrep -P "$1" || true)
-    fi
-    echo "${kids%% *}" | head -n 1
+    local kids kid
+    kids=$(cat "/proc/$1/task/$1/children" 2>/dev/null || pgrep -P "$1" 2>/dev/null || true)
+    for kid in $kids; do
+        if tr '\0' ' ' < "/proc/$kid/cmdline" 2>/dev/null | grep -q "qwen3_pretrain train"; then
+            echo "$kid"
+            return
+        fi
+    done
 }
 
 # First half: SIGTERM once step (half - 1) is logged, so the step in flight is the last; the
@@ -81,8 +82,12 @@ train_first_half() {
     while kill -0 "$pid" 2>/dev/null; do
         if [ "$(last_logged_step "$metrics")" -ge $((half > 1 ? half - 1 : 1)) ]; then
             worker=$(worker_of "$pid")
-            echo ">>> quickstart: sending SIGTERM to one training process (pid ${worker:-?}) to stop after about step $half"
-            [ -n "$worker" ] && kill -TERM "$worker" 2>/dev/null || true
+            if [ -n "$worker" ]; then
+                echo ">>> quickstart: sending SIGTERM to training rank pid $worker: stop after about step $half"
+                kill -TERM "$worker" 2>/dev/null || true
+            else
+                echo ">>> quickstart: warning: found no training rank to signal; training runs to the end" >&2
+            fi
             break
         fi
         sleep 0.5
@@ -127,6 +132,14 @@ grep -m 1 "resumed from" "$DIR/train.log" | sed 's/^/>>> quickstart: /' \
 stage "parse the training log -> CSV + PNG"
 python -m qwen3_pretrain parse-log --log_path "$DIR/train.log" \
     --output_path "$DIR/train_metrics.csv" --plot "$DIR/train_metrics.png"
+python - "$DIR/train_metrics.csv" <<'PY'
+import csv, sys
+with open(sys.argv[1], newline="") as f:
+    rows = [(int(float(r["step"])), float(r["loss"])) for r in csv.DictReader(f)]
+tail = [loss for _, loss in rows[-5:]]
+print(f">>> quickstart: loss {rows[0][1]:.2f} at step {rows[0][0]} -> {rows[-1][1]:.2f} at step {rows[-1][0]} "
+      f"(mean of the last {len(tail)} steps: {sum(tail) / len(tail):.2f})")
+PY
 
 stage "merge the sharded checkpoint -> HuggingFace model"
 python -m qwen3_pretrain merge --input_path "$DIR/w_pretrain" --output_path "$DIR/w_pretrain_merged" \

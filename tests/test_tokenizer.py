@@ -201,7 +201,7 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("kind", list(STRATEGIES))
 def test_fast_equals_reference_on_generated_text(fast, reference: Tokenizer, kind: str) -> None:
-    @settings(max_examples=150, deadline=None, database=None)
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True)
     @given(STRATEGIES[kind])
     def check(text: str) -> None:
         assert fast.encode(text) == reference.encode(text, add_special_tokens=False).ids

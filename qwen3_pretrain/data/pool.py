@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -27,9 +28,9 @@ def available_cores() -> int:
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    # fork hands the parent's loaded state (tokenizer tables) to workers for free.
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # On Linux, fork hands the parent's loaded state (tokenizer tables) to workers for free;
+    # elsewhere fork is unsafe with threaded libraries, and workers rebuild that state.
+    return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
 def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,

@@ -53,10 +53,6 @@ class Layout:
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
-        local = self.micro_batch_size * self.gradient_accumulation_steps
-        if self.pp > 1 and local % self.pp_microbatch_size:
-            raise UserError(f"layout: micro_batch_size x gradient_accumulation_steps ({local}) is not a multiple "
-                            f"of pp_microbatch_size {self.pp_microbatch_size}")
 
     @property
     def world_size(self) -> int:
@@ -113,6 +109,10 @@ def check_degrees(cfg: Qwen3Config, tp: int, pp: int, stages_per_rank: int = 1) 
 def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
     """Raise UserError when ``layout`` cannot split ``cfg`` or feed its pipeline."""
     check_degrees(cfg, layout.tp, layout.pp, layout.stages_per_rank)
+    local = layout.micro_batch_size * layout.gradient_accumulation_steps
+    if layout.pp > 1 and local % layout.pp_microbatch_size:
+        raise UserError(f"micro_batch_size x gradient_accumulation_steps ({local}) is not a multiple of "
+                        f"pp_microbatch_size {layout.pp_microbatch_size}")
     if layout.pp > 1 and layout.num_microbatches < layout.pp:
         raise UserError(f"pp={layout.pp} needs at least {layout.pp} pipeline micro-batches per step, got "
                         f"{layout.num_microbatches} (micro_batch_size x gradient_accumulation_steps / "

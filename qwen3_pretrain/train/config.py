@@ -32,7 +32,8 @@ class TrainConfig:
     master_addr: str = field_help("127.0.0.1", "Address of rank 0 for the rendezvous under mpirun (torchrun sets "
                                   "its own).")
     master_port: int = field_help(29500, "Port of rank 0 for the rendezvous under mpirun.")
-    hostfile: str | None = field_help(None, "mpirun hostfile (used by the launch script; recorded for reference).")
+    hostfile: str | None = field_help(None, "mpirun hostfile of this run; recorded for reference (mpirun reads its "
+                                      "own -hostfile argument).")
     tp: int = field_help(1, "Tensor-parallel degree (splits attention heads, MLP and vocabulary).")
     pp: int = field_help(1, "Pipeline-parallel degree (splits the layers into contiguous stages).")
     seq_length: int = field_help(4096, "Tokens per sample.")
