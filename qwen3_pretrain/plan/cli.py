@@ -151,16 +151,19 @@ def read_commbench(path: str) -> dict[str, float]:
 
 
 def resolve_cluster(args: argparse.Namespace, conf: dict[str, Any]) -> Cluster:
+    """Nodes x devices per node from the flags, completed from the config's rank_size (8 per node by default)."""
     rank_size = conf.get("rank_size")
-    nodes = args.nodes or (1 if args.devices_per_node or not rank_size else None)
-    per_node = args.devices_per_node
-    if per_node is None:
-        per_node = rank_size // nodes if rank_size and nodes and rank_size % nodes == 0 else (rank_size or 8)
-    nodes = nodes or max(1, (rank_size or per_node) // per_node)
+    if args.devices_per_node:
+        per_node = args.devices_per_node
+    elif args.nodes and rank_size:
+        per_node = max(1, rank_size // args.nodes)
+    else:
+        per_node = min(rank_size or 8, 8)
+    nodes = args.nodes or (-(-rank_size // per_node) if rank_size else 1)
     cluster = Cluster(nodes, per_node)
     if rank_size and rank_size != cluster.devices:
-        raise UserError(f"the config's rank_size is {rank_size} but --nodes {nodes} x --devices-per-node "
-                        f"{per_node} = {cluster.devices}; make them agree")
+        raise UserError(f"the config's rank_size is {rank_size} but {nodes} node(s) x {per_node} devices = "
+                        f"{cluster.devices}; make --nodes and --devices-per-node agree with it")
     return cluster
 
 
@@ -175,13 +178,15 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
                                     ("activation_checkpointing", args.activation_checkpointing),
                                     ("distributed_optimizer", args.distributed_optimizer)) if v is not None})
     fixed = {k: v for k, v in fixed.items() if v is not None}
-    pick = lambda flag, key, default: flag if flag is not None else conf.get(key, default)  # noqa: E731
+    def pick(flag: Any, key: str, default: Any) -> Any:
+        return flag if flag is not None else conf.get(key, default)
+
     base = Layout(
         seq_length=pick(args.seq_length, "seq_length", 4096),
         gradient_accumulation_steps=pick(args.gradient_accumulation_steps, "gradient_accumulation_steps", 1),
         mixed_precision=pick(args.mixed_precision, "mixed_precision", "bf16"),
         pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"),
-        virtual_stages=pick(args.virtual_stages, "pp_virtual_stages", 1),
+        virtual_stages=pick(args.virtual_stages, "pp_virtual_stages", 2),  # the engine's default
         pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
         loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", 4096),
         document_mask=conf.get("document_mask", False),
@@ -268,7 +273,8 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         lay, gib, step = c.layout, c.memory.gib(), c.step
         comm = "/".join(f"{v / 1e9:.1f}" for v in step.comm_bytes_per_axis.values())
         lines.append(
-            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.dp:2d} {lay.micro_batch_size:4d} {lay.gradient_accumulation_steps:3d} "
+            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.dp:2d} {lay.micro_batch_size:4d} "
+            f"{lay.gradient_accumulation_steps:3d} "
             f"{lay.activation_checkpointing:9s} {'yes' if lay.distributed_optimizer else 'no':8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))

@@ -69,7 +69,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
     if unknown or not ops:
-        raise UserError(f"--ops: unknown operation(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(OPS)}")
+        raise UserError(f"--ops: unknown operation(s) {', '.join(unknown) or '(none given)'}; "
+                        f"choose from {', '.join(OPS)}")
     for name in ("tp", "pp", "iters"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")

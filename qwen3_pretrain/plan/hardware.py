@@ -31,6 +31,7 @@ class Hardware:
     name: str
     memory_gib: float  # usable device memory as the device reports it
     peak_tflops: float  # dense bf16 peak, TFLOP/s
+    fp32_peak_tflops: float  # dense fp32 peak (without TF32), TFLOP/s: mixed_precision fp32 computes at this
     intra_node_gbps: float  # bus bandwidth between devices of one node, GB/s
     inter_node_gbps: float  # bus bandwidth per device across nodes, GB/s
     memory_bandwidth_gbps: float = 2000.0  # device memory bandwidth, GB/s (the optimizer step is bound by it)
@@ -41,9 +42,9 @@ class Hardware:
     foreach_optimizer: bool = True  # torch's AdamW default: foreach on accelerators, a per-tensor loop on CPU
     source: str = ""
 
-    @property
-    def peak_flops(self) -> float:
-        return self.peak_tflops * 1e12
+    def compute_flops(self, mixed_precision: str) -> float:
+        """The dense peak, FLOP/s, of the precision the matmuls run in."""
+        return (self.peak_tflops if mixed_precision == "bf16" else self.fp32_peak_tflops) * 1e12
 
 
 def _cpu_memory_gib() -> float:
@@ -55,34 +56,31 @@ def _cpu_memory_gib() -> float:
 
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
-        "h100", 79.6, 989.0, 360.0, 45.0, memory_bandwidth_gbps=3350.0,
-        source="H100 SXM5 80GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3 (NVIDIA datasheet); 81,559 MiB "
-               "reported by nvidia-smi; "
-               "NVLink 4 at ~360 GB/s ring bus bandwidth (nccl-tests class); one 400 Gb/s NDR NIC per GPU"),
+        "h100", 79.6, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=3350.0,
+        source="H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3 (NVIDIA datasheet); "
+               "81,559 MiB as nvidia-smi reports; NVLink 4 at ~360 GB/s ring bus bandwidth; "
+               "one 400 Gb/s NDR NIC per GPU"),
     "h200": Hardware(
-        "h200", 140.4, 989.0, 360.0, 45.0, memory_bandwidth_gbps=4800.0,
-        source="H200 SXM 141GB: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e (NVIDIA datasheet); 143,771 MiB "
-               "reported by nvidia-smi; "
-               "NVLink 4 and NDR networking as H100"),
+        "h200", 140.4, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=4800.0,
+        source="H200 SXM 141GB: 989 TFLOP/s dense bf16, 67 fp32, 4.8 TB/s HBM3e (NVIDIA datasheet); "
+               "143,771 MiB as nvidia-smi reports; NVLink 4 and NDR networking as H100"),
     "a100": Hardware(
-        "a100", 80.0, 312.0, 230.0, 22.0, memory_bandwidth_gbps=2039.0,
-        source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, 2.04 TB/s HBM2e (NVIDIA datasheet); NVLink 3 at ~230 GB/s ring bus "
-               "bandwidth; one 200 Gb/s HDR NIC per GPU"),
+        "a100", 80.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=2039.0,
+        source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 2.04 TB/s HBM2e (NVIDIA datasheet); "
+               "NVLink 3 at ~230 GB/s ring bus bandwidth; one 200 Gb/s HDR NIC per GPU"),
     "910b": Hardware(
-        "910b", 64.0, 313.0, 100.0, 22.0, memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0,
+        "910b", 64.0, 313.0, 78.0, 100.0, 22.0, memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0,
         inter_node_latency_us=50.0,
-        source="Ascend 910B (Atlas 800T A2 class): 64 GB HBM; 313 TFLOP/s fp16/bf16 used here (published "
-               "figures differ by SKU, about 280-376; set --peak-tflops for yours); HBM ~1.6 TB/s; "
-               "HCCS ring ~100 GB/s; "
-               "200 Gb/s RoCE per NPU"),
+        source="Ascend 910B (Atlas 800T A2 class): 64 GB HBM (~1.6 TB/s); 313 TFLOP/s fp16/bf16 used here "
+               "(published figures differ by SKU, about 280-376: set --peak-tflops for yours), fp32 assumed a "
+               "quarter of it; HCCS ring ~100 GB/s; one 200 Gb/s RoCE port per NPU"),
     "cpu": Hardware(
-        "cpu", _cpu_memory_gib(), 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
-        inter_node_latency_us=100.0,
-        compute_efficiency=0.07, runtime_reserved_gib=0.0, foreach_optimizer=False,
-        source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); efficiency 0.07 "
-               "from a measured small-model training loop (~600 tokens/s, mostly vocabulary-sized elementwise "
-               "work, which the roofline does not model on CPUs); memory is this "
-               "machine's RAM; memory bandwidth and gloo links are placeholders: measure links with commbench"),
+        "cpu", _cpu_memory_gib(), 2.4, 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
+        inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0, foreach_optimizer=False,
+        source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); fp32 steps measured "
+               "no slower than bf16 ones, so fp32 uses the same peak; efficiency 0.07 from measured small-model "
+               "training (vocabulary-sized elementwise work dominates, which a roofline does not see); memory is "
+               "this machine's RAM; memory bandwidth and gloo links are placeholders: measure with commbench"),
 }
 
 

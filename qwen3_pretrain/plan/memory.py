@@ -225,7 +225,8 @@ def _stage_breakdown(cfg: Qwen3Config, layout: Layout, shape: StageShape, overhe
 
 
 def predict_memory(cfg: Qwen3Config, layout: Layout, stage: int | None = None,
-                   overhead_fraction: float = OVERHEAD_FRACTION, runtime_reserved_bytes: float = 0.0) -> MemoryBreakdown:
+                   overhead_fraction: float = OVERHEAD_FRACTION,
+                   runtime_reserved_bytes: float = 0.0) -> MemoryBreakdown:
     """Peak memory per device of pipeline rank ``stage`` (default: the rank with the largest peak).
 
     ``overhead_fraction`` covers allocator fragmentation; ``runtime_reserved_bytes``

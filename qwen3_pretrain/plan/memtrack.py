@@ -120,7 +120,7 @@ def _aliasing_returns(func: Any) -> bool | None:
 class MemoryTracker:
     """Allocator-level current and peak memory of one device, usable as a context manager.
 
-    ``device`` is ``"cpu"`` (default when no accelerator is given), ``"cuda"``,
+    ``device`` is ``"cpu"`` (the default), ``"cuda"``,
     ``"npu"``, or a ``torch.device``. On an accelerator, the counts cover every
     tensor on the device; on CPU they cover the storages created inside the
     ``with`` block plus those registered with ``track()``.

@@ -3,7 +3,9 @@
 Per micro-batch on the slowest pipeline stage:
 
 * compute = hardware FLOPs (model FLOPs + recomputation) / (tp x peak x
-  efficiency); the FLOPs are the PaLM count of ``formulas``;
+  efficiency), with the peak of the precision the matmuls run in (bf16, or
+  fp32 for ``mixed_precision: fp32``, against which MFU is then reported too);
+  the FLOPs are the PaLM count of ``formulas``;
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
   layer 2 + 2 in forward, 2 + 2 in backward, 2 + 2 more for full recompute and
@@ -131,7 +133,8 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     check_model_fits_layout(cfg, layout)
     cluster = cluster or Cluster(1, layout.world_size)
     links = _links(layout, cluster, hardware)
-    speed = hardware.peak_flops * hardware.compute_efficiency * layout.tp
+    peak = hardware.compute_flops(layout.mixed_precision)
+    speed = peak * hardware.compute_efficiency * layout.tp
     m, v = layout.num_microbatches, layout.stages_per_rank
     per_stage = []
     for shape in stage_shapes(cfg, layout):
@@ -154,7 +157,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     return StepEstimate(
         step_time_s=step,
         tokens_per_sec_per_device=tokens_per_device,
-        mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / hardware.peak_flops,
+        mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / peak,
         bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
         compute_time_s=busy,
         comm_time_s={"tp": m * tp_time, "pp": m * pp_time, "dp": dp_exposed},
