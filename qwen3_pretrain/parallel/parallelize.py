@@ -76,14 +76,15 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
 
 
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> None:
-    """FSDP2 units: each decoder layer, the LM head (its forward runs in the loss, outside the model's),
-    and the rest (embedding, final norm) at the root."""
+    """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
+    the model's) and the final norm at the root. The embedding is a unit of its own so that it is gathered
+    only around its own forward and backward, not for the whole backward pass as part of the root."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-    if model.lm_head is not None:
-        fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp)
+    units = [model.embed_tokens, *model.layers.values(), model.lm_head]
+    for unit in units:
+        if unit is not None:
+            fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
