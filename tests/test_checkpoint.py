@@ -203,3 +203,26 @@ def test_async_save_gives_the_same_checkpoints(uninterrupted, corpus, tmp_path):
         want = model_tensors(uninterrupted / f"step_{step:07d}", tmp_path)
         got = model_tensors(out / f"step_{step:07d}", tmp_path)
         assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(uninterrupted, corpus, tmp_path):
+    """A save that cannot write (here: a file-size limit, as on a full disk) stops the run with a clear
+    message; 'latest' still names the previous checkpoint, which resumes normally."""
+    import resource
+
+    out = tmp_path / "out"
+    resume_from(uninterrupted, 3, out)
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=TOTAL, save_steps=3, gradient_accumulation_steps=2)
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    proc = subprocess.run(_train_cmd(cfg), capture_output=True, text=True, env=child_env(), timeout=300,
+                          preexec_fn=limit_file_size)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "saving checkpoint" in proc.stderr and "the previous checkpoint is intact" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (out / "latest").read_text().strip() == "step_0000003"
+    check_ok(run_train(cfg, 1))
+    assert losses(out)[-3:] == losses(uninterrupted)[3:]

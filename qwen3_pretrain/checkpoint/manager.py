@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import Metadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -240,7 +241,7 @@ class Checkpointer:
     def _run_collective_io(self, fn, tmp: Path) -> None:
         try:
             fn()
-        except Exception as exc:  # DCP raises on every rank when any rank's write failed
+        except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write failed
             raise UserError(f"saving checkpoint {tmp} failed: {_root_cause(exc)}; the previous checkpoint "
                             f"is intact ({self.root / LATEST})") from None
 
@@ -283,7 +284,7 @@ class Checkpointer:
         state = self._merge(per_part)
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
         # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
         # merged dict: give each part its own keys back from there.
