@@ -5,8 +5,8 @@
 Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
 dump, writes it as parquet in a temporary folder, then prints, on that same
 text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
-plain ``tokenizers`` ``encode_batch`` (all threads), and ``tiktoken`` alone
-(same ranks and regex, all threads), each in MB/s of raw UTF-8 text, with the
+``tiktoken`` alone (same ranks and regex, all threads) and plain
+``tokenizers`` ``encode_batch`` (all threads), each in MB/s of raw UTF-8 text, with the
 peak resident memory of the whole process tree (this process and its
 workers) during each, and the CPU time they took (on a machine shared with
 other jobs, MB per CPU second is the steadier figure). When the training
@@ -123,6 +123,7 @@ def measure(label: str, megabytes: float, work: Callable[[], Any]) -> tuple[Any,
 
 
 def bench_reader(data_path: Path, seq_length: int = 8192, samples: int = 200) -> None:
+    """samples/s of the training reader on the converted shards, when that module exists."""
     if importlib.util.find_spec("qwen3_pretrain.data.reader") is None:
         print("training reader: qwen3_pretrain.data.reader not present, skipped")
         return
@@ -153,15 +154,16 @@ def main() -> None:
         cfg = DataConvertConfig(input_path=str(source), tokenizer_path=str(TOKENIZER), output_path=f"{tmp}/out",
                                 workers=args.workers, chunk_size=args.chunk_size)
         manifest, project = measure("project convert (parquet -> 16 shards)", megabytes, lambda: convert(cfg))
-        reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
-        # len(): each phase frees its ids before the next one starts, so peaks do not pile up.
-        _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
-                           lambda: len(reference.encode_batch(texts, add_special_tokens=False)))
         spec = json.loads((TOKENIZER / "tokenizer.json").read_text(encoding="utf-8"))
         encoding = tiktoken.Encoding("qwen3", pat_str=bpe.split_pattern(spec["pre_tokenizer"]),
                                      mergeable_ranks=bpe.mergeable_ranks(spec["model"]), special_tokens={})
+        # len(): a phase's ids are freed when it ends. tokenizers goes last: its allocator keeps
+        # gigabytes after a large batch, which would inflate the peaks measured after it.
         _, alone = measure(f"tiktoken alone ({cores} threads)", megabytes,
                            lambda: len(encoding.encode_ordinary_batch(texts, num_threads=cores)))
+        reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+        _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
+                           lambda: len(reference.encode_batch(texts, add_special_tokens=False)))
         print(f"project / tokenizers: {project / plain:.1f}x; project / tiktoken alone: {project / alone:.2f}; "
               f"{manifest['num_tokens']:,} tokens")
         bench_reader(Path(tmp) / "out")

@@ -164,9 +164,11 @@ def worker(args: argparse.Namespace) -> None:
     else:
         step, trainer = engine_step_fn(args.worker, args.data, str(Path(args.out) / "run"))
     before = peak_rss_gib()
+    warmup = args.warmup
     if args.profile:
-        profile(step, args.warmup)
-    result = timed_steps(step, args.warmup, args.steps)
+        profile(step, warmup)
+        warmup = 0
+    result = timed_steps(step, warmup, args.steps)
     result["before_gib"] = before
     if trainer is not None:
         trainer.close()

@@ -15,7 +15,7 @@
 # is ever deleted.
 #
 # Environment knobs:
-#   QUICKSTART_DIR=runs/quickstart   output root
+#   QUICKSTART_DIR=runs/quickstart   output root (relative paths: from the repository root)
 #   QUICKSTART_STEPS=60              training steps (both halves together; at least 2)
 #   QUICKSTART_SKIP_INSTALL=1        use the python already on PATH, install nothing
 set -euo pipefail
@@ -126,7 +126,7 @@ echo ">>> quickstart: stopped; checkpoints: $(cd "$DIR/w_pretrain" && echo step_
 
 stage "resume the same command from the checkpoint, up to step $STEPS"
 "${TRAIN[@]}" 2>&1 | tee -a "$DIR/train.log"
-grep -m 1 "resumed from" "$DIR/train.log" | sed 's/^/>>> quickstart: /' \
+grep -m 1 "resumed from" "$DIR/train.log" | sed -E 's/^.* INFO /\n>>> quickstart: the second run /' \
     || fail "the second run did not report resuming (see $DIR/train.log)"
 
 stage "parse the training log -> CSV + PNG"
@@ -146,8 +146,10 @@ python -m qwen3_pretrain merge --input_path "$DIR/w_pretrain" --output_path "$DI
     --model_name qwen3-0.6b
 
 stage "load the merged model and continue a prompt"
-python -m qwen3_pretrain.models.qwen3.generate --model "$DIR/w_pretrain_merged" --prompt "$PROMPT" \
-    --max_new_tokens 24
+# A few minutes of CPU training teach the model which words are frequent, not grammar: expect a
+# jumble of common words (greedy decoding would repeat the most frequent one).
+python -m qwen3_pretrain generate --model "$DIR/w_pretrain_merged" --prompt "$PROMPT" \
+    --max_new_tokens 24 --top_k 50 --temperature 0.8 --seed 0
 
 stage "where everything is, and what to run on a cluster"
 cat <<EOF

@@ -78,7 +78,7 @@ def test_quickstart_writes_every_artefact_and_resumes(tmp_path: Path) -> None:
     assert (merged / "tokenizer.json").is_file()
     model = load_hf_model(merged)
     assert model.config.vocab_size == 151936 and model.config.tie_word_embeddings
-    assert re.search(r"continuation \(\d+ tokens, greedy\): '", proc.stdout)
+    assert re.search(r"continuation \(\d+ tokens, top-50 sampling, T=0.8\): '", proc.stdout)
 
 
 def test_quickstart_rejects_a_bad_step_count(tmp_path: Path) -> None:

@@ -211,10 +211,12 @@ class _Shards:
         heapq.heapreplace(self._load, (tokens + len(doc), index))
 
     def finalize(self) -> None:
+        """Rename every shard into place (all complete by now)."""
         for writer in self.writers:
             writer.finalize()
 
     def abort(self) -> None:
+        """Delete every shard's temporary files."""
         for writer in self.writers:
             writer.abort()
 

@@ -167,6 +167,7 @@ class _CharGuard:
         self.checks_every_text = any(unicodedata.category(c) == "Cn" for c in chars)
 
     def found_in(self, text: str) -> bool:
+        """True when ``text`` holds one of the characters."""
         for match in self._candidates.finditer(text):
             char = match.group()
             if ord(char) < 0x10000 or char in self._astral:
@@ -179,7 +180,10 @@ def _eod_id(path: Path, token_id: Callable[[str], int | None]) -> int:
     candidates = [EOD_TOKEN]
     config = path.with_name("tokenizer_config.json")
     if config.is_file():
-        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        try:
+            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        except (ValueError, AttributeError):
+            raise UserError(f"{config}: not a valid tokenizer_config.json (a JSON object)") from None
         candidates.append(eos.get("content") if isinstance(eos, dict) else eos)
     for token in candidates:
         if isinstance(token, str) and token_id(token) is not None:

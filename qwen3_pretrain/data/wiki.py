@@ -60,6 +60,7 @@ class WikiStats:
     seconds: float = 0.0
 
     def summary(self, output: Path) -> str:
+        """One line: counts, MB of text, seconds, output file."""
         return (f"wiki2parquet: {self.articles} articles, {self.empty} empty dropped, "
                 f"{self.skipped} redirects/non-article pages skipped, "
                 f"{self.text_bytes / 1e6:.1f} MB of text, {self.seconds:.1f} s -> {output}")

@@ -12,6 +12,7 @@ import math
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -414,6 +415,10 @@ class Trainer:
 
 
 def _setup_logging(rank: int) -> None:
+    # Known, harmless notices of torch.distributed, printed by every rank: the model's outputs are never
+    # modified in place, and the gradient-norm reduction over (dp, tp) is a handful of scalars per step.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=r".*sequential all_reduce.*")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     root = logging.getLogger("qwen3_pretrain")

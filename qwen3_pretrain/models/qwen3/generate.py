@@ -1,6 +1,6 @@
 """``qwen3-pretrain generate``: continue a prompt with a HuggingFace-format Qwen3 model, on the CPU.
 
-    python -m qwen3_pretrain.models.qwen3.generate --model runs/quickstart/w_pretrain_merged \\
+    qwen3-pretrain generate --model runs/quickstart/w_pretrain_merged \\
         --prompt "The history of" --max_new_tokens 32
 
 Loads the directory with the project's own loader (no ``transformers``) and
@@ -13,7 +13,6 @@ which is fine for the short continuations used to eyeball a checkpoint.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +142,3 @@ def main(argv: list[str]) -> int:
     print(f"generated {len(new)} tokens in {secs:.2f} s ({len(new) / max(secs, 1e-9):.1f} tokens/s) "
           f"with {args.model}")
     return 0
-
-
-if __name__ == "__main__":
-    from qwen3_pretrain.cli import run_command
-
-    sys.exit(run_command("qwen3_pretrain.models.qwen3.generate:main", sys.argv[1:]))

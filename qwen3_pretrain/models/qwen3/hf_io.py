@@ -50,6 +50,9 @@ NAME_TABLE: list[tuple[str, str]] = [
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -380,6 +383,8 @@ class HFCheckpointWriter:
         for k, names in enumerate(self._shards):
             file_name = SINGLE_FILE if count == 1 else f"model-{k + 1:05d}-of-{count:05d}.safetensors"
             os.replace(self.tmp_dir / f"shard-{k}.safetensors", self.tmp_dir / file_name)
+            # safetensors creates its files owner-only; a model directory is meant to be shared.
+            os.chmod(self.tmp_dir / file_name, 0o666 & ~_UMASK)
             weight_map.update(dict.fromkeys(names, file_name))
         return weight_map
 

@@ -1,0 +1,100 @@
+"""One GPU training benchmark run (called by ``bench/train_gpu.sh``, under ``torchrun``).
+
+    python bench/train_gpu.py data --out DIR                  # synthetic data (full Qwen3 vocab)
+    torchrun --nproc_per_node N bench/train_gpu.py run --config C.yaml --steps 12
+    python bench/train_gpu.py table --runs DIR                # one line per run from its metrics.jsonl
+
+``run`` drives the engine's ``Trainer.train_step`` and writes the same
+``metrics.jsonl`` records as ``qwen3-pretrain train`` (tokens/s, tokens/s per
+device, MFU, peak memory) but skips the end-of-run checkpoint, which for a
+1.7B model with its optimizer state would write ~20 GB and take longer than
+the steps measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def write_data(out: Path, num_tokens: int = 4_000_000, vocab: int = 151_643, eod: int = 151_643) -> None:
+    """Random documents of 1k-16k tokens over the full vocabulary: the speed does not depend on the text."""
+    from qwen3_pretrain.data.reader_synthetic import write_synthetic_dataset
+
+    rng = np.random.default_rng(0)
+    docs, total = [], 0
+    while total < num_tokens:
+        docs.append(rng.integers(0, vocab, rng.integers(1024, 16384)).astype(np.int32))
+        total += len(docs[-1])
+    write_synthetic_dataset(out, docs, eod_id=eod, docs_per_shard=64, vocab_size=151_669)
+    print(f"wrote {total} tokens in {len(docs)} documents to {out}")
+
+
+def run(config: str, steps: int, warmup: int) -> None:
+    from qwen3_pretrain.config.loader import load_config
+    from qwen3_pretrain.train.config import TrainConfig
+    from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, memory_gib
+    from qwen3_pretrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(TrainConfig, config))
+    cfg, world = trainer.cfg, trainer.launch.world_size
+    peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops)
+    flops_per_token = trainer.source.config.flops_per_token(cfg.seq_length)
+    writer = MetricsWriter(cfg.output_path) if trainer.launch.rank == 0 else None
+    try:
+        for _ in range(warmup + steps):
+            rec = trainer.train_step()
+            tps = trainer.global_tokens / rec["step_time_s"]
+            record = {"step": rec["step"], "loss": rec["loss"], "tokens_per_sec": tps,
+                      "tokens_per_sec_per_device": tps / world, "step_time_s": rec["step_time_s"],
+                      "mfu": flops_per_token * tps / (peak * 1e12 * world), "memory_gib": memory_gib(trainer.device),
+                      "warmup": rec["step"] <= warmup}
+            if writer is not None:
+                writer.write(record)
+                print(json.dumps(record), flush=True)
+    finally:
+        if writer is not None:
+            writer.close()
+        trainer.close()
+
+
+def table(runs: Path) -> None:
+    print(f"{'run':<34} {'steps':>5} {'step s':>7} {'tokens/s/device':>15} {'MFU':>6} {'peak GiB':>9}")
+    for metrics in sorted(runs.glob("*/metrics.jsonl")):
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        timed = [r for r in records if "step" in r and not r.get("warmup")]
+        if not timed:
+            print(f"{metrics.parent.name:<34} no timed steps (see {metrics.parent}/log.txt)")
+            continue
+        med = {k: statistics.median(r[k] for r in timed) for k in ("step_time_s", "tokens_per_sec_per_device", "mfu")}
+        print(f"{metrics.parent.name:<34} {len(timed):>5} {med['step_time_s']:>7.3f} "
+              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% "
+              f"{max(r['memory_gib'] for r in timed):>9.1f}")
+    print("target: >= 45% MFU (bf16 dense peak: H100/H200 989 TFLOP/s)")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["data", "run", "table"])
+    parser.add_argument("--out", type=Path, help="data: folder to write")
+    parser.add_argument("--config", help="run: training config YAML")
+    parser.add_argument("--steps", type=int, default=10, help="run: timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="run: untimed steps first")
+    parser.add_argument("--runs", type=Path, help="table: folder of run folders")
+    args = parser.parse_args(argv)
+    if args.what == "data":
+        write_data(args.out)
+    elif args.what == "run":
+        run(args.config, args.steps, args.warmup)
+    else:
+        table(args.runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
