@@ -81,10 +81,12 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> 
     only around its own forward and backward, not for the whole backward pass as part of the root."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    units = [model.embed_tokens, *model.layers.values(), model.lm_head]
-    for unit in units:
+    for unit in (model.embed_tokens, *model.layers.values()):
         if unit is not None:
             fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
+    if model.lm_head is not None:
+        # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
+        fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
