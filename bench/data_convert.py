@@ -7,8 +7,8 @@ dump, writes it as parquet in a temporary folder, then prints, on that same
 text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
 ``tiktoken`` alone (same ranks and regex, all threads) and plain
 ``tokenizers`` ``encode_batch`` (all threads), each in MB/s of raw UTF-8 text, with the
-peak resident memory of the whole process tree (this process and its
-workers) during each, and the CPU time they took (on a machine shared with
+peak memory of the whole process tree (this process and its workers,
+proportional set size) during each, and the CPU time they took (on a machine shared with
 other jobs, MB per CPU second is the steadier figure). When the training
 reader exists, also its samples/s at seq_length 8192 on the converted shards.
 """
@@ -41,8 +41,12 @@ TOKENIZER = REPO / "assets" / "qwen3-tokenizer"
 DUMP = REPO / "assets" / "enwiki-sample" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
-class TreeRss:
-    """Samples the summed RSS of this process and all its descendants (Linux /proc) in a thread."""
+class TreeMemory:
+    """Peak memory of this process and all its descendants (Linux /proc), sampled in a thread.
+
+    Each process counts its proportional set size (PSS): pages a forked
+    worker shares with its parent are split between them, not counted twice.
+    """
 
     def __init__(self, interval: float = 0.05) -> None:
         self.peak, self._interval, self._stop = 0, interval, threading.Event()
@@ -59,20 +63,21 @@ class TreeRss:
         return found
 
     @staticmethod
-    def _rss(pid: int) -> int:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+    def _memory(pid: int) -> int:
+        for name, key in (("smaps_rollup", "Pss:"), ("status", "VmRSS:")):
+            try:
+                for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
+                    if line.startswith(key):
+                        return int(line.split()[1]) * 1024
+            except OSError:
+                pass
         return 0
 
     def _sample(self) -> int:
         total, todo = 0, [os.getpid()]
         while todo:
             pid = todo.pop()
-            total += self._rss(pid)
+            total += self._memory(pid)
             todo += self._children(pid)
         return total
 
@@ -81,7 +86,7 @@ class TreeRss:
             self.peak = max(self.peak, self._sample())
             self._stop.wait(self._interval)
 
-    def __enter__(self) -> "TreeRss":
+    def __enter__(self) -> "TreeMemory":
         self._thread.start()
         return self
 
@@ -112,13 +117,13 @@ def _cpu_seconds() -> float:
 
 
 def measure(label: str, megabytes: float, work: Callable[[], Any]) -> tuple[Any, float]:
-    """Run ``work``; print MB/s of wall time, MB per CPU second (steadier on a shared machine), peak RSS."""
-    with TreeRss() as rss:
+    """Run ``work``; print MB/s of wall time, MB per CPU second (steadier on a shared machine), peak memory."""
+    with TreeMemory() as memory:
         start, cpu = time.perf_counter(), _cpu_seconds()
         result = work()
         seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     print(f"{label:<40} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  {megabytes / cpu:5.1f} MB per CPU s  "
-          f"peak RSS {rss.peak / 2**30:4.2f} GiB")
+          f"peak memory {memory.peak / 2**30:4.2f} GiB")
     return result, megabytes / seconds
 
 

@@ -321,6 +321,9 @@ class Trainer:
         if saved_at != self.step and self.nonfinite_in_a_row == 0:
             self.save_checkpoint()
         self.checkpointer.wait()
+        # Let every rank's last pipeline sends land before any rank tears its process group down: a
+        # transfer still in flight at that moment aborts the process.
+        dist.barrier()
         return history
 
     def _check_finite(self, rec: dict) -> None:
