@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -446,4 +447,12 @@ def main(argv: list[str]) -> int:
         trainer.fit()
     finally:
         trainer.close()
+    if trainer.launch.world_size > 1:
+        # Everything is saved, flushed and closed. Skip the interpreter's teardown: destructors of
+        # torch.distributed's background threads occasionally abort there ("terminate called without
+        # an active exception"), which would turn a finished run into a failed one for the launcher.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
