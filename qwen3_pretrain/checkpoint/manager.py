@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")
 
@@ -250,11 +251,11 @@ class Checkpointer:
         error = ""
         if dist.get_rank() == 0:
             try:
-                _write_json(tmp / "meta.json", meta)
+                write_json_atomic(tmp / META_FILE, meta, indent=1)
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _write_text(self.root / LATEST, final.name + "\n")
+                write_text_atomic(self.root / LATEST, final.name + "\n")
                 self._prune()
             except OSError as exc:
                 error = f"publishing checkpoint {final} failed: {exc}"
@@ -306,16 +307,3 @@ def _root_cause(exc: BaseException) -> str:
         if "Error" in line or "error" in line:
             return line.strip()
     return text[-1] if text else type(exc).__name__
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    _write_text(path, json.dumps(data, indent=1, default=str) + "\n")

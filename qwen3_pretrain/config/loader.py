@@ -21,6 +21,7 @@ from typing import Any, Iterable, Literal, TypeVar
 import yaml
 
 from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.fsutil import write_text_atomic
 
 T = TypeVar("T")
 
@@ -189,7 +190,4 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically: temp file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -43,6 +43,7 @@ from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import ConfigError, UserError
+from qwen3_pretrain.fsutil import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
@@ -243,16 +244,6 @@ def _prepare_output(output: Path, sha256: str) -> None:
             path.unlink()
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- the run
 
 @dataclasses.dataclass
@@ -332,7 +323,7 @@ def convert(cfg: DataConvertConfig) -> dict[str, Any]:
         shards.abort()
         raise
     manifest = _manifest(cfg, tokenizer, dtype, shards, files, workers, time.perf_counter() - start)
-    _write_json(output / MANIFEST, manifest)
+    write_json_atomic(output / MANIFEST, manifest)
     print(_summary(manifest, progress, output))
     return manifest
 

@@ -16,13 +16,11 @@ local processes (gloo on CPU, for a quick look or a test).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.parallel import env
 from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
@@ -205,13 +204,6 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_json(path: str, report: dict[str, Any]) -> None:
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1), encoding="utf-8")
-    os.replace(tmp, target)
-
-
 def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> None:
     device = env.pick_device(args.device, info.local_rank)
     env.init_process_group(info, device, timeout_s=300, init_timeout_s=60)
@@ -222,7 +214,7 @@ def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> N
     if report is not None:
         print(format_report(report), flush=True)
         if args.json:
-            _write_json(args.json, report)
+            write_json_atomic(args.json, report, indent=1)
 
 
 def _free_port() -> int:

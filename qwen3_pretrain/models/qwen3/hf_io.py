@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
@@ -367,9 +368,9 @@ class HFCheckpointWriter:
         weight_map = self._name_shards()
         if len(self._shards) > 1:
             index = {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map}
-            _write_json(self.tmp_dir / INDEX_FILE, index)
-        _write_json(self.tmp_dir / CONFIG_FILE, self._hf_config())
-        _write_json(self.tmp_dir / GENERATION_CONFIG_FILE, {
+            write_json_atomic(self.tmp_dir / INDEX_FILE, index)
+        write_json_atomic(self.tmp_dir / CONFIG_FILE, self._hf_config())
+        write_json_atomic(self.tmp_dir / GENERATION_CONFIG_FILE, {
             "bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id})
         for source in self._extra_files:
             shutil.copyfile(source, self.tmp_dir / source.name)
@@ -403,10 +404,6 @@ class HFCheckpointWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is not None:
             self.abort()
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
 def _check_replaceable(target: Path) -> None:

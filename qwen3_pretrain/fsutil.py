@@ -1,0 +1,23 @@
+"""Small files written so that a reader sees either the old content or the new, never a torn one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to a temp file beside ``path``, flush it to disk, then rename it over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any, indent: int = 2) -> None:
+    write_text_atomic(path, json.dumps(data, indent=indent, default=str) + "\n")
