@@ -6,8 +6,10 @@ Same as ``qwen3-pretrain parse-log``.
 """
 
 import sys
+from pathlib import Path
 
-from qwen3_pretrain.cli import run_command
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from qwen3_pretrain.cli import run_command  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_command("qwen3_pretrain.analysis.parse_log:main", sys.argv[1:]))

@@ -203,23 +203,34 @@ class Trainer:
 
     def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Sum over this rank's micro-batches of the scaled loss (zero where the rank holds no head)."""
+        if self.dims.pp > 1:
+            return self._run_pipeline(self.schedule.step, batches)
         total = torch.zeros((), device=self.device)
-        if self.dims.pp == 1:
-            part = self.parts[0]
-            for i, mb in enumerate(batches):
-                part.set_requires_gradient_sync(i == len(batches) - 1)
-                positions = mb["positions"].to(self.device) if self.cfg.reset_position_ids or self.cfg.document_mask else None
-                hidden = part(mb["input_ids"].to(self.device), positions)
-                loss = self._loss_fn(hidden, mb["labels"].to(self.device))
-                loss.backward()
-                total += loss.detach()
-            return total
+        part = self.parts[0]
+        for i, mb in enumerate(batches):
+            part.set_requires_gradient_sync(i == len(batches) - 1)
+            loss = self._loss_fn(part(mb["input_ids"].to(self.device), self._positions(mb)),
+                                 mb["labels"].to(self.device))
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def _positions(self, mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Per-document RoPE positions when configured; None means 0..seq-1 in every sample."""
+        if self.cfg.reset_position_ids or self.cfg.document_mask:
+            return mb["positions"].to(self.device)
+        return None
+
+    def _run_pipeline(self, run, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """One pass of the schedule (``step`` or ``eval``) over this rank's micro-batches, re-cut into
+        pipeline micro-batches; returns the sum of the scaled losses (zero off the last stage)."""
         inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
         labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
+        run(*args, return_outputs=False, **kwargs)
+        total = torch.zeros((), device=self.device)
         for loss in losses:
             total += loss.detach()
         return total
@@ -236,20 +247,13 @@ class Trainer:
         total = 0.0
         for _ in range(self.cfg.eval_iters):
             batches = next(loader)
-            local = torch.zeros((), device=self.device)
-            if self.dims.pp == 1:
-                for mb in batches:
-                    hidden = self.parts[0](mb["input_ids"].to(self.device))
-                    local += self._loss_fn(hidden, mb["labels"].to(self.device))
+            if self.dims.pp > 1:
+                local = self._run_pipeline(self.schedule.eval, batches)
             else:
-                losses: list[torch.Tensor] = []
-                inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
-                labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
-                args = (inputs,) if self.has_first else ()
-                kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-                self.schedule.eval(*args, return_outputs=False, **kwargs)
-                for loss in losses:
-                    local += loss
+                local = torch.zeros((), device=self.device)
+                for mb in batches:
+                    hidden = self.parts[0](mb["input_ids"].to(self.device), self._positions(mb))
+                    local += self._loss_fn(hidden, mb["labels"].to(self.device))
             total += self._global_mean_loss(local)
         return total / self.cfg.eval_iters
 
