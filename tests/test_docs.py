@@ -5,7 +5,6 @@ troubleshooting page still exist in the code, and the commands shown name real t
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path

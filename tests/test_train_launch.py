@@ -4,7 +4,6 @@ config's tp 4 x pp 2 on 8 processes; bad input stops every rank with one clear m
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 import sys

@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
     hw = resolve_hardware(args)
     cluster = resolve_cluster(args, conf)
     base, fixed = fixed_settings(args, conf)
-    base = base.replace(foreach_optimizer=hw.foreach_optimizer)
+    base = base.replace(optimizer_impl=hw.optimizer_impl)
     if args.gradient_accumulation_steps is not None or "gradient_accumulation_steps" in conf:
         fixed["gradient_accumulation_steps"] = base.gradient_accumulation_steps
     check_fixed(cfg, cluster, fixed)

@@ -39,7 +39,7 @@ class Hardware:
     inter_node_latency_us: float = 25.0
     compute_efficiency: float = 0.40
     runtime_reserved_gib: float = 1.0  # device runtime context + communicator buffers, outside the allocator
-    foreach_optimizer: bool = True  # torch's AdamW default: foreach on accelerators, a per-tensor loop on CPU
+    optimizer_impl: str = "fused"  # the engine's AdamW kernel there: fused on CPU and CUDA, torch's foreach elsewhere
     source: str = ""
 
     def compute_flops(self, mixed_precision: str) -> float:
@@ -70,13 +70,13 @@ DEVICES: dict[str, Hardware] = {
                "NVLink 3 at ~230 GB/s ring bus bandwidth; one 200 Gb/s HDR NIC per GPU"),
     "910b": Hardware(
         "910b", 64.0, 313.0, 78.0, 100.0, 22.0, memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0,
-        inter_node_latency_us=50.0,
+        inter_node_latency_us=50.0, optimizer_impl="foreach",
         source="Ascend 910B (Atlas 800T A2 class): 64 GB HBM (~1.6 TB/s); 313 TFLOP/s fp16/bf16 used here "
                "(published figures differ by SKU, about 280-376: set --peak-tflops for yours), fp32 assumed a "
                "quarter of it; HCCS ring ~100 GB/s; one 200 Gb/s RoCE port per NPU"),
     "cpu": Hardware(
         "cpu", _cpu_memory_gib(), 2.4, 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
-        inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0, foreach_optimizer=False,
+        inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0,
         source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); fp32 steps measured "
                "no slower than bf16 ones, so fp32 uses the same peak; efficiency 0.07 from measured small-model "
                "training (vocabulary-sized elementwise work dominates, which a roofline does not see); memory is "

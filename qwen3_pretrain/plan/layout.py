@@ -21,6 +21,7 @@ Checkpointing = Literal["none", "selective", "full"]
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Layout:
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM head + cross-entropy
     pp_microbatch_size: int = 1  # samples per pipeline micro-batch
     reshard_after_forward: bool = True  # FSDP frees gathered weights after each layer's forward
-    foreach_optimizer: bool = True  # AdamW's foreach path keeps one shard-sized temporary
+    optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
     document_mask: bool = False  # attention mask per packed document: a [seq, seq] mask per sample
 
     def __post_init__(self) -> None:
@@ -53,6 +54,7 @@ class Layout:
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
+        _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
 
     @property
     def world_size(self) -> int:

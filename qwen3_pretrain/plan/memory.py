@@ -17,8 +17,9 @@ shard the weights: the data-parallel degree with the distributed optimizer,
   gradients (``4 P``) accumulate in between; while a unit's gradient is
   produced and reduced, its compute-dtype gradient and an fp32 reduce buffer.
 * **optimizer**: AdamW's two fp32 moments (``8 P / dp``) plus its step's
-  temporaries: one shard-sized buffer on the foreach path (torch's default on
-  accelerators), two of the largest tensor on the per-tensor path (CPU).
+  temporaries: none with the fused kernel (the engine's choice on CPU and
+  CUDA), one shard-sized buffer on the foreach path (torch's default on other
+  accelerators), two of the largest tensor on the per-tensor loop.
 * **activations**: what autograd saves per layer under the chosen recompute
   (``formulas.qwen3_layer_saved_bytes_per_token``), times the micro-batches in
   flight on the stage, plus, for the micro-batch in backward, one layer's
@@ -198,7 +199,8 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     before = accumulated if m > inflight else 0.0
     head_grad = 0.0 if before else 4 * sp.head * (1 if m > 1 else 1 / shard)
     held = _held_activations(cfg, layout, shape)
-    step_temp = 4 * sp.total / shard if layout.foreach_optimizer else 2 * 4 * sp.largest_tensor / shard
+    step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
+                 "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]
     return {
         "loss": dict(parameters=gathered(sp.head, sp.layer), gradients=before, optimizer=adam, activations=held,
                      logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),

@@ -90,7 +90,9 @@ class _StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        outputs = [out] if isinstance(out, torch.Tensor) else _plain_tensors(out)
+        # A tensor subclass (DTensor) is seen here, before its own dispatch: count its local tensors,
+        # not the wrapper, whose storage would claim the global shape.
+        outputs = _plain_tensors(out)
         if not outputs:
             return out
         aliased = _aliasing_returns(func)

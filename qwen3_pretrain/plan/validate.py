@@ -95,10 +95,10 @@ def measure(cfg: Qwen3Config, layout: Layout, steps: int = 1, time_one_step: boo
     """Peak bytes over ``steps`` steps after a first one, with the planner's prediction for the same layout."""
     _ensure_process_group()
     gen = torch.Generator().manual_seed(0)
-    layout = layout.replace(foreach_optimizer=False)  # torch's AdamW runs per tensor on CPU
+    layout = layout.replace(optimizer_impl="fused")  # the engine's AdamW on CPU
     with MemoryTracker("cpu") as mem:
         model = build_model(cfg, layout)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         train_step(model, optimizer, layout, cfg.vocab_size, gen)
         mem.reset()
         for _ in range(steps):

@@ -27,12 +27,18 @@ def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) ->
         for name, param in part.named_parameters():
             (no_decay if _no_decay(name, tied) else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    device = (decay or no_decay)[0].device.type
-    # The fused kernel makes one pass per tensor without temporaries (4x faster than the per-tensor
-    # loop torch otherwise picks on a CPU); other devices keep torch's default choice.
+    fused = optimizer_impl((decay or no_decay)[0].device.type) == "fused"
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, cfg),
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=True if device in ("cpu", "cuda") else None)
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
+
+
+def optimizer_impl(device_type: str) -> str:
+    """How AdamW runs on ``device_type``: the planner's ``Layout.optimizer_impl``.
+
+    The fused kernel makes one pass per tensor without temporaries (4x faster than the per-tensor
+    loop torch otherwise picks on a CPU); other devices keep torch's default, the foreach path.
+    """
+    return "fused" if device_type in ("cpu", "cuda") else "foreach"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -42,7 +42,7 @@ from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
 from qwen3_pretrain.train.model_source import resolve_model
-from qwen3_pretrain.train.optim import build_optimizer, lr_at, set_lr
+from qwen3_pretrain.train.optim import build_optimizer, lr_at, optimizer_impl, set_lr
 
 log = logging.getLogger("qwen3_pretrain.train")
 
@@ -393,7 +393,7 @@ class Trainer:
                       mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
                       virtual_stages=self.stages_per_rank, loss_chunk_tokens=cfg.loss_chunk_tokens,
                       pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
-                      foreach_optimizer=self.device.type != "cpu")
+                      optimizer_impl=optimizer_impl(self.device.type))
 
     def _log_predicted_memory(self) -> None:
         """The planner's prediction for this very layout, and a warning when it exceeds the device."""
