@@ -1,11 +1,11 @@
 """Benchmark of the data conversion: the project's parquet -> shards against plain tokenizers and tiktoken.
 
-    python bench/data_convert.py [--mb 20] [--workers N] [--chunk-size 200]
+    python bench/data_convert.py [--mb 100] [--workers N] [--chunk-size 50]
 
 Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
 dump, writes it as parquet in a temporary folder, then prints, on that same
 text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
-``tiktoken`` alone (same ranks and regex, all threads) and plain
+``tiktoken`` alone (same ranks and regex; all threads, and all cores as processes) and plain
 ``tokenizers`` ``encode_batch`` (all threads), each in MB/s of raw UTF-8 text, with the
 peak memory of the whole process tree (this process and its workers,
 proportional set size) during each, and the CPU time they took (on a machine shared with
@@ -48,7 +48,9 @@ class TreeMemory:
     worker shares with its parent are split between them, not counted twice.
     """
 
-    def __init__(self, interval: float = 0.05) -> None:
+    # Reading smaps_rollup walks a process's page tables: at 20 samples/s it took 20% off the
+    # conversion's speed on 2 cores. Peaks here last seconds, so 4 samples/s see them.
+    def __init__(self, interval: float = 0.25) -> None:
         self.peak, self._interval, self._stop = 0, interval, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -127,6 +129,25 @@ def measure(label: str, megabytes: float, work: Callable[[], Any]) -> tuple[Any,
     return result, megabytes / seconds
 
 
+_TEXTS: dict[str, Any] = {}
+
+
+def _count_tokens(part: tuple[int, int]) -> int:
+    encoding, texts = _TEXTS["encoding"], _TEXTS["texts"]
+    return sum(len(encoding.encode_ordinary(text)) for text in texts[part[0]:part[1]])
+
+
+def tiktoken_processes(encoding: tiktoken.Encoding, texts: list[str], workers: int) -> int:
+    """Token count of ``texts`` encoded by ``workers`` forked processes, one contiguous share each: the
+    tokenizer's own limit on this machine (no reading, no writing, no results sent back)."""
+    import multiprocessing
+
+    _TEXTS.update(encoding=encoding, texts=texts)
+    bounds = [len(texts) * i // workers for i in range(workers + 1)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return sum(pool.map(_count_tokens, list(zip(bounds, bounds[1:]))))
+
+
 def bench_reader(data_path: Path, seq_length: int = 8192, samples: int = 200) -> None:
     """samples/s of the training reader on the converted shards, when that module exists."""
     if importlib.util.find_spec("qwen3_pretrain.data.reader") is None:
@@ -146,10 +167,11 @@ def bench_reader(data_path: Path, seq_length: int = 8192, samples: int = 200) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=float, default=20, help="MB of text to convert (default 20)")
+    parser.add_argument("--mb", type=float, default=100, help="MB of text to convert (default 100)")
     parser.add_argument("--workers", type=int, default=0, help="conversion processes (default: all cores)")
-    parser.add_argument("--chunk-size", type=int, default=200,
-                        help="documents per chunk; the sample's articles are long (27 KB on average)")
+    parser.add_argument("--chunk-size", type=int, default=50,
+                        help="documents per unit of work; the sample's articles are long (27 KB on average), so "
+                             "50 of them are 1.4 MB of text, what a few hundred typical articles hold")
     args = parser.parse_args()
     cores = available_cores()
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,8 +186,11 @@ def main() -> None:
                                      mergeable_ranks=bpe.mergeable_ranks(spec["model"]), special_tokens={})
         # len(): a phase's ids are freed when it ends. tokenizers goes last: its allocator keeps
         # gigabytes after a large batch, which would inflate the peaks measured after it.
-        _, alone = measure(f"tiktoken alone ({cores} threads)", megabytes,
-                           lambda: len(encoding.encode_ordinary_batch(texts, num_threads=cores)))
+        _, threads = measure(f"tiktoken alone ({cores} threads)", megabytes,
+                             lambda: len(encoding.encode_ordinary_batch(texts, num_threads=cores)))
+        _, processes = measure(f"tiktoken alone ({cores} processes)", megabytes,
+                               lambda: tiktoken_processes(encoding, texts, cores))
+        alone = max(threads, processes)
         reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
         _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
                            lambda: len(reference.encode_batch(texts, add_special_tokens=False)))

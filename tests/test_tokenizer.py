@@ -174,6 +174,29 @@ def test_normalization_differences_are_routed_to_the_reference(fast, reference: 
     assert fast.encode(text) == reference.encode(text, add_special_tokens=False).ids
 
 
+def test_normalization_differences_are_cached_per_library_versions(tmp_path: Path, monkeypatch) -> None:
+    from qwen3_pretrain.data import tokenizer as T
+
+    monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
+    probed = T._probe_nfc_disagreements()
+    assert "\u1df6" in probed  # a mark the two libraries' tables disagree on (see the test above)
+    T._nfc_disagreements.cache_clear()
+    try:
+        first = T._nfc_disagreements()
+        (file,) = tmp_path.glob("nfc-disagreements-*.json")
+        assert set(json.loads(file.read_text(encoding="utf-8"))["chars"]) == probed
+        T._nfc_disagreements.cache_clear()
+        monkeypatch.setattr(T, "_probe_nfc_disagreements", lambda: pytest.fail("probed again despite the cache"))
+        assert T._nfc_disagreements().found_in("x\u1df6") and first.found_in("x\u1df6")
+        T._nfc_disagreements.cache_clear()
+        file.write_text("{not json", encoding="utf-8")  # a damaged cache is probed again and rewritten
+        monkeypatch.setattr(T, "_probe_nfc_disagreements", lambda: probed)
+        assert T._nfc_disagreements().found_in("x\u1df6")
+        assert set(json.loads(file.read_text(encoding="utf-8"))["chars"]) == probed
+    finally:
+        T._nfc_disagreements.cache_clear()
+
+
 COMBINING = st.characters(codec=None, categories=("Mn", "Mc", "Me"))
 LETTERS = st.characters(categories=("Lu", "Ll", "Lo"), max_codepoint=0x2FFF)
 WHITESPACE = st.sampled_from(list(" \t\n\r\x0b\x0c\x85\xa0\u1680\u2000\u2007\u200b\u2028\u2029\u202f\u3000"))

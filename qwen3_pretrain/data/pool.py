@@ -9,6 +9,7 @@ of workers.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -48,7 +49,14 @@ def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,
         yield from map(func, items)
         return
     limit = max_in_flight or 2 * workers
-    with _context().Pool(workers, initializer, initargs) as pool:
+    # Forked workers inherit this process's objects (tokenizer tables: millions of them). Frozen,
+    # the workers' garbage collector neither walks them nor copies their pages by touching them.
+    gc.freeze()
+    try:
+        pool = _context().Pool(workers, initializer, initargs)
+    finally:
+        gc.unfreeze()
+    with pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.apply_async(func, (item,)))

@@ -15,8 +15,10 @@ which is what Megatron's preprocessing feeds to training:
 
 Python's ``unicodedata`` and the Rust normalizer inside ``tokenizers`` ship
 different Unicode versions, so a handful of rare combining marks normalize
-differently; they are found by probing both at load time, and a document that
-contains one is encoded by the reference tokenizer instead.
+differently; they are found by probing both (once per pair of versions: the
+result is cached in ``$QWEN3_PRETRAIN_CACHE``, default
+``~/.cache/qwen3-pretrain``), and a document that contains one is encoded by
+the reference tokenizer instead.
 """
 
 from __future__ import annotations
@@ -253,9 +255,42 @@ def _differing(probes: list[str], reference: tokenizers.normalizers.Normalizer) 
     return [a != b for a, b in zip(ours, theirs)]
 
 
+def cache_dir() -> Path:
+    """Where derived data that is slow to compute is kept between runs (safe to delete)."""
+    root = os.environ.get("QWEN3_PRETRAIN_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-pretrain"
+
+
 @functools.lru_cache(maxsize=1)
 def _nfc_disagreements() -> _CharGuard | None:
-    """Matcher of the characters whose NFC differs between Python and ``tokenizers`` (None if none)."""
+    """Matcher of the characters whose NFC differs between Python and ``tokenizers`` (None if none).
+
+    Probing takes a third of a second; the answer depends only on the two
+    libraries' Unicode tables, so it is kept on disk per pair of versions.
+    A missing, unreadable or unwritable cache only means probing again.
+    """
+    file = cache_dir() / (f"nfc-disagreements-python{unicodedata.unidata_version}"
+                          f"-tokenizers{tokenizers.__version__}.json")
+    try:
+        chars = json.loads(file.read_text(encoding="utf-8"))["chars"]
+        if not isinstance(chars, str):
+            raise ValueError(file)
+    except (OSError, ValueError, KeyError, TypeError):
+        chars = "".join(sorted(_probe_nfc_disagreements()))
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"chars": chars}), encoding="utf-8")
+            os.replace(tmp, file)
+        except OSError:
+            pass
+    return _CharGuard(set(chars)) if chars else None
+
+
+def _probe_nfc_disagreements() -> set[str]:
+    """The characters whose NFC differs between Python and ``tokenizers``, by probing both."""
     chars = _nfc_candidates()
     reference_nfd = tokenizers.normalizers.NFD().normalize_str("\n".join(chars)).split("\n")
     python_nfd = [unicodedata.normalize("NFD", c) for c in chars]
@@ -268,7 +303,7 @@ def _nfc_disagreements() -> _CharGuard | None:
         if any(f[i] for f in flags):
             # A composition is triggered by its non-first parts, so those go on the list too.
             guard.update(char, python_nfd[i][1:], reference_nfd[i][1:])
-    return _CharGuard(guard) if guard else None
+    return guard
 
 
 def load_tokenizer(path: str | os.PathLike, backend: Backend = "auto") -> _Tokenizer:
