@@ -32,6 +32,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+import numpy as np
 import tiktoken
 import tokenizers
 
@@ -39,6 +40,7 @@ from qwen3_pretrain.data import bpe
 from qwen3_pretrain.errors import UserError
 
 Backend = Literal["auto", "fast", "reference"]
+_NONE: frozenset[str] = frozenset()
 EOD_TOKEN = "<|endoftext|>"
 # sha256 of tokenizer.json files for which tests/test_tokenizer.py runs the full
 # rank-vs-merges proof (bpe.rank_merge_violations); others are proven at load.
@@ -82,6 +84,10 @@ class _Tokenizer:
         """Token ids of each text (no BOS/EOS added)."""
         raise NotImplementedError
 
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text as an integer array (what conversion writes; no Python ints needed)."""
+        return [np.asarray(ids, dtype=np.int32) for ids in self.encode_batch(texts)]
+
 
 class ReferenceTokenizer(_Tokenizer):
     """The HuggingFace ``tokenizers`` library itself: slow, exact by definition, any tokenizer.json."""
@@ -111,40 +117,53 @@ class FastTokenizer(_Tokenizer):
         vocab = spec["model"]["vocab"]
         self.vocab_size = len(set(vocab.values()) | set(self.added_tokens.values()))
         self.eod_id = _eod_id(path, lambda token: self.added_tokens.get(token, vocab.get(token)))
+        # Added tokens are split off before tiktoken sees a text, and none is ever allowed, so they are
+        # encoded as ordinary text there; but with no special token at all, tiktoken's array-returning
+        # encoder searches an empty pattern at every position and runs at half speed.
+        special = dict(self.added_tokens) or {"<|no-special-token|>": max(ranks.values()) + 1}
         self._encoding = tiktoken.Encoding(f"bpe-{self.sha256[:12]}", pat_str=pattern,
-                                           mergeable_ranks=ranks, special_tokens={})
+                                           mergeable_ranks=ranks, special_tokens=special)
         self._nfc = spec.get("normalizer") is not None
         self._added = _alternation(self.added_tokens)
         self._guard = _nfc_disagreements() if self._nfc else None
         self._raw = raw
         self._reference: ReferenceTokenizer | None = None
 
-    def _segment(self, text: str, normalize: bool) -> list[int]:
+    def _segment(self, text: str, normalize: bool) -> np.ndarray:
         if normalize:
             text = unicodedata.normalize("NFC", text)
-        return self._encoding.encode_ordinary(text)
+        # The ids straight from tiktoken's buffer: 25% faster than building a list of Python ints.
+        return self._encoding.encode_to_numpy(text, allowed_special=_NONE, disallowed_special=())
 
     def _needs_reference(self, text: str, normalize: bool) -> bool:
         guard = self._guard
         return guard is not None and (normalize or guard.checks_every_text) and guard.found_in(text)
 
-    def encode(self, text: str) -> list[int]:
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids of one text (no BOS/EOS added) as a uint32 array."""
         # ASCII is NFC in every Unicode version, and most prose is NFC already (MediaWiki stores NFC).
         normalize = self._nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text)
         if self._needs_reference(text, normalize):
-            return self._reference_tokenizer().encode(text)
+            return np.asarray(self._reference_tokenizer().encode(text), dtype=np.uint32)
         if self._added is None or self._added.search(text) is None:
             return self._segment(text, normalize)
-        ids: list[int] = []
+        parts: list[np.ndarray] = []
         start = 0
         for match in self._added.finditer(text):
-            ids += self._segment(text[start:match.start()], normalize)
-            ids.append(self.added_tokens[match.group()])
+            parts.append(self._segment(text[start:match.start()], normalize))
+            parts.append(np.array([self.added_tokens[match.group()]], dtype=np.uint32))
             start = match.end()
-        return ids + self._segment(text[start:], normalize)
+        parts.append(self._segment(text[start:], normalize))
+        return np.concatenate(parts)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode_array(text) for text in texts]
 
     def _reference_tokenizer(self) -> ReferenceTokenizer:
         if self._reference is None:
