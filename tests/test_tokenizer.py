@@ -174,6 +174,47 @@ def test_normalization_differences_are_routed_to_the_reference(fast, reference: 
     assert fast.encode(text) == reference.encode(text, add_special_tokens=False).ids
 
 
+SAMPLES = ["Hello world", "naïve café\u0301 <|im_end|> 東京", "x = [1, 2]\n\n\t  end  ", "<|endoftext|>"]
+
+
+def test_fast_tables_are_cached_and_give_the_same_tokenizer(tmp_path: Path, monkeypatch) -> None:
+    from qwen3_pretrain.data import tokenizer as T
+
+    monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
+    T._load.cache_clear()
+    try:
+        built = load_tokenizer(QWEN)
+        (file,) = (tmp_path / "tokenizers").glob("*.npz")
+        T._load.cache_clear()
+        monkeypatch.setattr(T, "_parse", lambda *a: pytest.fail("tokenizer.json parsed despite the cache"))
+        cached = load_tokenizer(QWEN)
+        assert cached is not built and cached.backend == "fast"
+        assert (cached.vocab_size, cached.eod_id, cached.added_tokens) == (built.vocab_size, built.eod_id,
+                                                                           built.added_tokens)
+        assert cached._encoding._mergeable_ranks == built._encoding._mergeable_ranks
+        assert [cached.encode(t) for t in SAMPLES] == [built.encode(t) for t in SAMPLES]
+        monkeypatch.undo()
+        monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
+        for damage in (b"not a zip file", file.read_bytes()[:1000]):  # garbage, truncated: derived again
+            file.write_bytes(damage)
+            T._load.cache_clear()
+            assert [load_tokenizer(QWEN).encode(t) for t in SAMPLES] == [built.encode(t) for t in SAMPLES]
+            assert T.FastTables.load(file).ranks == built._encoding._mergeable_ranks  # and rewritten
+    finally:
+        T._load.cache_clear()
+
+
+def test_fast_tables_cache_key_covers_the_end_of_document_config(tmp_path: Path) -> None:
+    from qwen3_pretrain.data.tokenizer import _tables_cache_file
+
+    (tmp_path / "tokenizer.json").write_bytes(b"{}")
+    alone = _tables_cache_file("ab" * 32, tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    with_config = _tables_cache_file("ab" * 32, tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    assert len({alone, with_config, _tables_cache_file("ab" * 32, tmp_path / "tokenizer.json")}) == 3
+
+
 def test_normalization_differences_are_cached_per_library_versions(tmp_path: Path, monkeypatch) -> None:
     from qwen3_pretrain.data import tokenizer as T
 
