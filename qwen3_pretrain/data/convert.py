@@ -341,7 +341,8 @@ def _summary(manifest: dict[str, Any], progress: _Progress, output: Path) -> str
     return (f"convert: {manifest['num_documents']} documents ({progress.empty} empty skipped), "
             f"{manifest['num_sequences']} sequences, {manifest['num_tokens']} tokens in "
             f"{len(manifest['shards'])} shards{warning}; {progress.text_bytes / 1e6:.1f} MB of text in "
-            f"{manifest['elapsed_s']:.1f} s ({progress.rate():.1f} MB/s) -> {output}")
+            f"{manifest['elapsed_s']:.1f} s ({progress.text_bytes / 1e6 / max(manifest['elapsed_s'], 1e-3):.1f} MB/s) "
+            f"-> {output}")
 
 
 def _config_help() -> str:
