@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -129,6 +131,41 @@ def test_long_documents_are_split_not_dropped(corpus: Path, reference_ids: list[
     expected = [[p for d in members for p in pieces[d]] for members in by_hand(list(map(len, docs)), 3)]
     assert read_shards(tmp_path / "out", manifest) == expected
     assert manifest["num_sequences"] == sum(math.ceil(len(ids) / 500) for ids in reference_ids) > 106
+    # The pieces of a document stay one document in the index (Megatron's end_document boundaries).
+    for i, members in enumerate(by_hand(list(map(len, docs)), 3)):
+        shard = IndexedDataset(tmp_path / "out" / f"shard_{i:05d}")
+        assert np.diff(shard.document_indices).tolist() == [len(pieces[d]) for d in members]
+
+
+def _megatron_idx(path: Path) -> dict:
+    """The .idx fields, parsed from the published layout with struct alone (independent of our reader)."""
+    raw = path.read_bytes()
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    version, code, num_seqs, num_docs = struct.unpack_from("<QBQQ", raw, 9)
+    off = 9 + 8 + 1 + 8 + 8
+    lengths = struct.unpack_from(f"<{num_seqs}i", raw, off)
+    pointers = struct.unpack_from(f"<{num_seqs}q", raw, off + 4 * num_seqs)
+    docs = struct.unpack_from(f"<{num_docs}q", raw, off + 12 * num_seqs)
+    assert len(raw) == off + 12 * num_seqs + 8 * num_docs
+    return dict(version=version, code=code, lengths=lengths, pointers=pointers, docs=docs)
+
+
+def test_shards_follow_the_megatron_layout_byte_for_byte(corpus: Path, reference_ids: list[list[int]],
+                                                          tmp_path: Path) -> None:
+    manifest = run(corpus, tmp_path / "out", shards=2, max_doc_length=700, workers=1)
+    docs = [ids + [EOD] for ids in reference_ids]
+    for i, members in enumerate(by_hand(list(map(len, docs)), 2)):
+        idx = _megatron_idx(tmp_path / "out" / f"shard_{i:05d}.idx")
+        data = (tmp_path / "out" / f"shard_{i:05d}.bin").read_bytes()
+        assert (idx["version"], idx["code"]) == (1, 4)  # int32 for Qwen's vocabulary
+        tokens = struct.unpack(f"<{len(data) // 4}i", data)
+        sequences = [list(tokens[p // 4:p // 4 + n]) for p, n in zip(idx["pointers"], idx["lengths"])]
+        assert [t for seq in sequences for t in seq] == [t for d in members for t in docs[d]]
+        bounds = [0]
+        for d in members:  # a document longer than 700 tokens is several sequences, still one document
+            bounds.append(bounds[-1] + max(1, math.ceil((len(docs[d]) - 1) / 700)))
+        assert list(idx["docs"]) == bounds
+        assert manifest["shards"][i]["num_sequences"] == len(sequences)
 
 
 def _parquet(path: Path, columns: dict[str, list]) -> Path:

@@ -205,8 +205,9 @@ class _Shards:
         body = len(doc) - self._eod
         for start in range(0, body, self._max):
             end = start + self._max if start + self._max < body else len(doc)  # EOD rides on the last piece
-            self.writers[index].add_document(doc[start:end])
+            self.writers[index].add_sequence(doc[start:end])
             self.counts[index].num_sequences += 1
+        self.writers[index].end_document()
         self.counts[index].num_documents += 1
         self.counts[index].num_tokens += len(doc)
         heapq.heapreplace(self._load, (tokens + len(doc), index))

@@ -13,8 +13,9 @@ dtype. ``.idx`` (little-endian) holds:
     doc_idx     int64[num_docs]           0, then one entry per finished document
 
 This is what ``megatron.core.datasets.indexed_dataset.IndexedDataset`` reads.
-Here one sequence is one document (or one piece of a long document), so
-``doc_idx`` is ``0..num_seqs``.
+A document is one sequence, or several when a long one is split; ``doc_idx``
+holds the number of sequences before each document boundary, as Megatron's
+builder writes it (``add_item`` per sequence, ``end_document`` per document).
 """
 
 from __future__ import annotations
@@ -54,11 +55,23 @@ class IndexedDatasetWriter:
         self._bin_tmp = self.prefix.with_name(self.prefix.name + ".bin.tmp")
         self._bin = open(self._bin_tmp, "wb")
         self._lengths: list[int] = []
+        self._doc_idx: list[int] = [0]
 
-    def add_document(self, tokens: np.ndarray) -> None:
+    def add_sequence(self, tokens: np.ndarray) -> None:
+        """Append one sequence to the current document."""
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
         self._lengths.append(int(arr.size))
+
+    def end_document(self) -> None:
+        """Close the current document (its sequences so far); no-op when it has none."""
+        if self._doc_idx[-1] != len(self._lengths):
+            self._doc_idx.append(len(self._lengths))
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        """Append a document of one sequence."""
+        self.add_sequence(tokens)
+        self.end_document()
 
     def finalize(self) -> None:
         self._bin.flush()
@@ -68,7 +81,8 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_idx = np.arange(len(lengths) + 1, dtype=np.int64)
+        self.end_document()
+        doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
         idx_tmp = self.prefix.with_name(self.prefix.name + ".idx.tmp")
         with open(idx_tmp, "wb") as f:
             f.write(MAGIC)
