@@ -70,6 +70,39 @@ def test_mpirun_with_hostfile(corpus, tmp_path):
     assert len(losses(tmp_path / "out")) == 2
 
 
+@pytest.mark.distributed
+def test_srun_one_task_per_device(corpus, tmp_path):
+    """What srun gives each task of a job step, set by hand: SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS.
+    The batch script's own SLURM_NTASKS must not be mistaken for a step (the third process)."""
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2, tp=2, rank_size=2,
+                       master_addr="127.0.0.1", master_port=free_port())
+    base = {k: v for k, v in child_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tools/train.py"), "--config", str(cfg)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_STEP_NUM_TASKS="2",
+                                       SLURM_STEP_NUM_NODES="1", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2"))
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "launcher srun" in outs[0][0] + outs[1][0]
+    assert len(losses(tmp_path / "out")) == 2
+    batch = subprocess.run([sys.executable, str(REPO / "tools/train.py"), "--config", str(cfg), "rank_size=1",
+                            "tp=1", f"output_path={tmp_path / 'batch'}"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env=dict(base, SLURM_PROCID="0", SLURM_NTASKS="2"))
+    check_ok(batch)
+    assert "launcher none" in batch.stdout
+
+
+def test_first_host_of_a_slurm_node_list():
+    from qwen3_pretrain.parallel.env import first_host
+
+    assert first_host("node[03-05,9],gpu1") == "node03"
+    assert first_host("gnode[10,20,25,37]") == "gnode10"
+    assert first_host("n1,n2") == "n1" and first_host("single") == "single"
+    assert first_host("") is None
+
+
 BAD = {
     "rank_size": (2, ["rank_size=4"], "rank_size is 4 but 2 processes were launched"),
     "tp_heads": (2, ["tp=2", "model_overrides={num_attention_heads: 3, num_key_value_heads: 3}"],

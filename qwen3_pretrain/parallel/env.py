@@ -1,15 +1,20 @@
-"""Process start-up: who launched us (nothing, torchrun or mpirun), which device, and the process group.
+"""Process start-up: who launched us (nothing, torchrun, mpirun or srun), which device, and the process group.
 
 torchrun exports RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. OpenMPI's
 mpirun exports OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}; the rendezvous address
 then comes from the config (``master_addr``/``master_port``), as in the
-reference workflow. Without a launcher we run as a world of one.
+reference workflow. Slurm's ``srun`` with one task per device exports
+SLURM_PROCID/SLURM_LOCALID and, for a job step (not for the batch script
+itself, which also sees SLURM_NTASKS), SLURM_STEP_NUM_TASKS; the rendezvous
+host is then MASTER_ADDR if exported, else the step's first node when it
+spans several, else ``master_addr``. Without a launcher we run as a world of one.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -24,7 +29,7 @@ class LaunchInfo:
     rank: int
     world_size: int
     local_rank: int
-    launcher: str  # "none" | "torchrun" | "mpirun"
+    launcher: str  # "none" | "torchrun" | "mpirun" | "srun"
 
 
 def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> LaunchInfo:
@@ -35,6 +40,11 @@ def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> L
                           int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
     elif "RANK" in env and "WORLD_SIZE" in env:
         info = LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+    elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+        info = LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]),
+                          int(env.get("SLURM_LOCALID", 0)), "srun")
+        if "MASTER_ADDR" not in env and int(env.get("SLURM_STEP_NUM_NODES", 1)) > 1:
+            master_addr = first_host(env.get("SLURM_STEP_NODELIST", "")) or master_addr
     else:
         info = LaunchInfo(0, 1, 0, "none")
     env.setdefault("MASTER_ADDR", master_addr if info.launcher != "none" else "127.0.0.1")
@@ -42,6 +52,15 @@ def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> L
         env["MASTER_PORT"] = str(master_port if info.launcher != "none" else _free_port())
     env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(info.rank), str(info.world_size), str(info.local_rank)
     return info
+
+
+def first_host(nodelist: str) -> str | None:
+    """The first host of a Slurm node list: ``node[03-05,9],gpu1`` -> ``node03``."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if head is None or not (head.group(1) or head.group(2)):
+        return None
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
 
 
 def _free_port() -> int:
