@@ -83,14 +83,21 @@ def test_a_dtensor_counts_its_local_shard_not_its_global_shape():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    import torch.distributed as dist
+
     from qwen3_pretrain.plan.validate import _ensure_process_group
 
+    owned = not dist.is_initialized()  # later tests may start process groups of their own
     _ensure_process_group()
-    mesh = init_device_mesh("cpu", (1,))
-    # A shard of 1 MB that declares a 4 MB global tensor, as rank 0 of 4 would hold.
-    shard = DTensor.from_local(torch.ones(250_000), mesh, [Shard(0)], run_check=False,
-                               shape=torch.Size([1_000_000]), stride=(1,))
-    with MemoryTracker() as mem:
-        doubled = shard * 2
-        assert doubled.shape == (1_000_000,)
-        assert mem.current_bytes == MB
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        # A shard of 1 MB that declares a 4 MB global tensor, as rank 0 of 4 would hold.
+        shard = DTensor.from_local(torch.ones(250_000), mesh, [Shard(0)], run_check=False,
+                                   shape=torch.Size([1_000_000]), stride=(1,))
+        with MemoryTracker() as mem:
+            doubled = shard * 2
+            assert doubled.shape == (1_000_000,)
+            assert mem.current_bytes == MB
+    finally:
+        if owned:
+            dist.destroy_process_group()
