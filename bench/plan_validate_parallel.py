@@ -1,6 +1,6 @@
 """Planner vs measured peak memory for parallel layouts, with the real training engine on CPU.
 
-    python bench/plan_validate_parallel.py            # runs every layout below under torchrun
+    python bench/plan_validate_parallel.py [LAYOUT ...]   # every layout below (or those named) under torchrun
 
 Each layout trains a small Qwen3 (full 151,936 vocabulary) for one warm-up step, then measures one step
 with ``MemoryTracker`` (storages of parameters, optimizer state and everything the step allocates, per
@@ -23,6 +23,8 @@ LAYOUTS = {  # name: (processes, overrides)
     "tp2": (2, ["tp=2"]),
     "pp2": (2, ["pp=2"]),
     "dp2": (2, ["batch_size=1"]),
+    "dp2-acc2": (2, ["batch_size=1", "gradient_accumulation_steps=2"]),
+    "dp2-acc2-rs": (2, ["batch_size=1", "gradient_accumulation_steps=2", "reduce_grads_every_microbatch=true"]),
     "tp2-pp2": (4, ["tp=2", "pp=2"]),
 }
 
@@ -61,7 +63,10 @@ def main() -> None:
 
     data = make_corpus(Path(tempfile.mkdtemp()) / "data", vocab=151_000, eod=151_643)
     print(f"{'layout':10} {'rank':>4} {'stage':>5} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7}")
+    only = [a for a in sys.argv[1:] if not a.startswith("-")]
     for name, (nproc, overrides) in LAYOUTS.items():
+        if only and name not in only:
+            continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                __file__, "--worker", str(data), *overrides]
         env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -79,6 +79,8 @@ LAYOUTS = {
     "pp2-gpipe": (2, ["pp=2", "pp_schedule=gpipe", "gradient_accumulation_steps=2"]),
     "dp2-distributed-optimizer": (2, ["distributed_optimizer=true"]),
     "dp2-replicated": (2, ["distributed_optimizer=false"]),
+    "dp2-reduce-every-microbatch": (2, ["batch_size=1", "gradient_accumulation_steps=2",
+                                        "reduce_grads_every_microbatch=true"]),
     "tp2-pp2-dp2": (8, ["tp=2", "pp=2", "batch_size=2"]),
 }
 

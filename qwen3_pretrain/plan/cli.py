@@ -33,6 +33,7 @@ CONFIG_KEYS: dict[str, Any] = {
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int, "document_mask": bool,
+    "reduce_grads_every_microbatch": bool,
 }
 
 
@@ -49,7 +50,8 @@ class Candidate:
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
             "gradient_accumulation_steps": lay.gradient_accumulation_steps,
             "activation_checkpointing": lay.activation_checkpointing,
-            "distributed_optimizer": lay.distributed_optimizer, "memory_gib": self.memory.gib(),
+            "distributed_optimizer": lay.distributed_optimizer,
+            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch, "memory_gib": self.memory.gib(),
             "bubble_fraction": round(self.step.bubble_fraction, 4), "step_time_s": round(self.step.step_time_s, 4),
             "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
             "mfu": round(self.step.mfu, 4), "fits": self.fits,
@@ -84,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         lay.add_argument(f"--{name}", type=int)
     lay.add_argument("--activation-checkpointing", choices=CHECKPOINTING)
     lay.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    lay.add_argument("--reduce-grads-every-microbatch", action=argparse.BooleanOptionalAction, default=None,
+                     help="with gradient accumulation and pp 1: keep only sharded gradients between micro-batches")
     lay.add_argument("--mixed-precision", choices=PRECISIONS)
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
@@ -190,6 +194,8 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
         loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", 4096),
         document_mask=conf.get("document_mask", False),
+        reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
+                                           False),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 
@@ -240,6 +246,12 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
         fitting = [c for c in search(cfg, cluster, base, relaxed, hw, global_batch_size) if c.fits]
         if fitting:
             return f"with {words} it fits, e.g. {_describe(fitting[0])}"
+    if not base.reduce_grads_every_microbatch:
+        per_microbatch = base.replace(reduce_grads_every_microbatch=True)
+        fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
+        if fitting:
+            return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
+                    + _describe(fitting[0]))
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = Cluster(cluster.nodes * factor, cluster.devices_per_node)
         free = {k: v for k, v in fixed.items() if k not in ("dp",)}

@@ -44,6 +44,7 @@ class Layout:
     reshard_after_forward: bool = True  # FSDP frees gathered weights after each layer's forward
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
     document_mask: bool = False  # attention mask per packed document: a [seq, seq] mask per sample
+    reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
@@ -55,6 +56,11 @@ class Layout:
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+
+    @property
+    def accumulates_unsharded(self) -> bool:
+        """Whether FSDP holds the stage's unsharded fp32 gradients between micro-batches of a step."""
+        return self.num_microbatches > 1 and not (self.reduce_grads_every_microbatch and self.pp == 1)
 
     @property
     def world_size(self) -> int:

@@ -14,7 +14,8 @@ shard the weights: the data-parallel degree with the distributed optimizer,
 * **gradients**: fp32 and sharded like the master weights (``4 P / dp``) after
   the step's reduce-scatter. With several micro-batches per step the engine
   skips the reduction until the last one, so the stage's *unsharded* fp32
-  gradients (``4 P``) accumulate in between; while a unit's gradient is
+  gradients (``4 P``) accumulate in between (unless gradients are reduced
+  every micro-batch: then the sharded ones do); while a unit's gradient is
   produced and reduced, its compute-dtype gradient and an fp32 reduce buffer.
 * **optimizer**: AdamW's two fp32 moments (``8 P / dp``) plus its step's
   temporaries: none with the fused kernel (the engine's choice on CPU and
@@ -194,10 +195,11 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         return ((d if cast else 0) + (4 if shard > 1 else 0)) * unit
 
     inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, m, layout.stages_per_rank)
-    accumulated = 4 * sp.total if m > 1 else 0.0
-    # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists.
-    before = accumulated if m > inflight else 0.0
-    head_grad = 0.0 if before else 4 * sp.head * (1 if m > 1 else 1 / shard)
+    accumulated = 4 * sp.total if layout.accumulates_unsharded else 0.0
+    # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists:
+    # unsharded, or already reduced to their shards when that happens every micro-batch.
+    before = (accumulated or sharded_grads) if m > inflight else 0.0
+    head_grad = 0.0 if accumulated and before else 4 * sp.head * (1 if accumulated else 1 / shard)
     held = _held_activations(cfg, layout, shape)
     step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
                  "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]

@@ -115,16 +115,19 @@ def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     m = layout.num_microbatches
     units = shape.num_layers + 2
     grads = 4.0 * sp.total
+    reductions = m if m > 1 and not layout.accumulates_unsharded else 1
     if not layout.distributed_optimizer:
-        calls: list[tuple[F.Collective, float]] = [("all_reduce", grads)]
+        calls: list[tuple[F.Collective, float]] = [("all_reduce", grads)] * reductions
     else:
         weights = layout.dtype_bytes * sp.total
         gathers = 2 * m if layout.pp == 1 else m + layout.pp - shape.stage
-        calls = [("all_gather", weights)] * gathers + [("reduce_scatter", grads)]
+        calls = [("all_gather", weights)] * gathers + [("reduce_scatter", grads)] * reductions
     nbytes = sum(b * F.bus_bandwidth_factor(kind, n) for kind, b in calls)
     # Each of these runs as one collective per FSDP unit: the latency is paid per unit.
     seconds = sum(F.collective_seconds(kind, b, n, link.bandwidth, link.latency * units) for kind, b in calls)
-    edges = sum(F.collective_seconds(kind, b / units, n, link.bandwidth, link.latency) for kind, b in calls[-2:])
+    # Exposed: the first unit's gather before compute starts and the last unit's reduction after it ends.
+    exposed = [calls[-1]] if calls[0][0] == calls[-1][0] else [calls[0], calls[-1]]
+    edges = sum(F.collective_seconds(kind, b / units, n, link.bandwidth, link.latency) for kind, b in exposed)
     return nbytes, seconds, edges
 
 

@@ -63,6 +63,11 @@ class TrainConfig:
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = field_help("1f1b", "Pipeline schedule; interleaved "
                                                                       "runs pp_virtual_stages stages per rank.")
     pp_virtual_stages: int = field_help(2, "Stages per rank for pp_schedule: interleaved.")
+    reduce_grads_every_microbatch: bool = field_help(
+        False, "With gradient_accumulation_steps > 1 and pp 1: reduce-scatter gradients after every micro-batch, "
+               "so each rank keeps only its fp32 gradient shard (4 bytes/parameter / dp instead of 4 bytes/"
+               "parameter), at the cost of one reduce-scatter per micro-batch. False: accumulate unsharded, reduce "
+               "once per step (the pipeline schedule always does).")
     pp_microbatch_size: int = field_help(1, "Samples per pipeline micro-batch; each rank's batch of batch_size x "
                                          "gradient_accumulation_steps samples is split into micro-batches of this.")
     activation_checkpointing: Literal["full", "selective", "none"] | None = field_help(
@@ -116,6 +121,9 @@ class TrainConfig:
             raise ConfigError(f"rank_size must be >= 1, got {self.rank_size}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ConfigError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.reduce_grads_every_microbatch and self.pp > 1:
+            raise ConfigError("reduce_grads_every_microbatch needs pp 1: the pipeline schedule accumulates "
+                              "gradients unsharded and reduces them once per step; set it to False")
         if self.batch_size * self.gradient_accumulation_steps % self.pp_microbatch_size:
             raise ConfigError(f"batch_size x gradient_accumulation_steps ({self.batch_size} x "
                               f"{self.gradient_accumulation_steps}) must be a multiple of pp_microbatch_size "

@@ -208,7 +208,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         part = self.parts[0]
         for i, mb in enumerate(batches):
-            part.set_requires_gradient_sync(i == len(batches) - 1)
+            part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or i == len(batches) - 1)
             loss = self._loss_fn(part(mb["input_ids"].to(self.device), self._positions(mb)),
                                  mb["labels"].to(self.device))
             loss.backward()
@@ -393,6 +393,7 @@ class Trainer:
                       mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
                       virtual_stages=self.stages_per_rank, loss_chunk_tokens=cfg.loss_chunk_tokens,
                       pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
+                      reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
                       optimizer_impl=optimizer_impl(self.device.type))
 
     def _log_predicted_memory(self) -> None:
