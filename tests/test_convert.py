@@ -304,3 +304,26 @@ def test_cli_success_and_errors_without_traceback(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     assert "convert: 2 documents" in ok.stdout and "tokenizer: fast" in ok.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["seq_length"] == 1000
+
+
+def test_documents_without_tokens_keep_the_counts_true(tmp_path: Path) -> None:
+    """A document whose text tokenizes to nothing is its EOD alone (a sequence of one token), or, without
+    EOD, not written at all; the manifest's counts always match what the shard holds."""
+    shards = convert_module._Shards(tmp_path, 1, np.int32, 4, eod=True)
+    assert shards.add(np.array([7, 8, EOD], dtype=np.int32)) and shards.add(np.array([EOD], dtype=np.int32))
+    assert not shards.add(np.array([], dtype=np.int32))
+    shards.finalize()
+    shard = IndexedDataset(tmp_path / "shard_00000")
+    counts = shards.counts[0]
+    assert (counts.num_documents, counts.num_sequences, counts.num_tokens) == (2, 2, 4)
+    assert shard.sequence_lengths.tolist() == [3, 1] and shard.document_indices.tolist() == [0, 1, 2]
+
+
+def test_token_ids_that_do_not_fit_a_uint16_shard_are_refused(tmp_path: Path) -> None:
+    from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter
+
+    writer = IndexedDatasetWriter(tmp_path / "small", np.uint16)
+    writer.add_sequence(np.array([1, 65535]))
+    with pytest.raises(UserError, match="token id 70000 does not fit"):
+        writer.add_sequence(np.array([70000, 3]))
+    writer.abort()

@@ -204,6 +204,42 @@ def test_fast_tables_are_cached_and_give_the_same_tokenizer(tmp_path: Path, monk
         T._load.cache_clear()
 
 
+def test_cached_results_are_keyed_by_the_code_that_derived_them(tmp_path: Path, monkeypatch) -> None:
+    from qwen3_pretrain.data import tokenizer as T
+
+    monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
+    T._load.cache_clear(), T._nfc_disagreements.cache_clear()
+    try:
+        load_tokenizer(QWEN)
+        before = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+        monkeypatch.setattr(T, "_code_fingerprint", lambda: "changedcode0")
+        T._load.cache_clear(), T._nfc_disagreements.cache_clear()
+        load_tokenizer(QWEN)
+        after = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+        assert len(before) == 2 and len(after) == 4 and all("changedcode0" not in n for n in before)
+    finally:
+        T._load.cache_clear(), T._nfc_disagreements.cache_clear()
+
+
+def test_no_home_directory_means_no_cache_not_an_error(monkeypatch) -> None:
+    from qwen3_pretrain.data import tokenizer as T
+
+    monkeypatch.delenv("QWEN3_PRETRAIN_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    T._load.cache_clear(), T._nfc_disagreements.cache_clear()
+    try:
+        assert T.cache_dir() is None
+        assert load_tokenizer(QWEN).encode("no home <|im_end|>") == load_tokenizer(QWEN, "reference").encode(
+            "no home <|im_end|>")
+    finally:
+        T._load.cache_clear(), T._nfc_disagreements.cache_clear()
+
+
 def test_fast_tables_cache_key_covers_the_end_of_document_config(tmp_path: Path) -> None:
     from qwen3_pretrain.data.tokenizer import _tables_cache_file
 

@@ -101,6 +101,7 @@ def test_first_host_of_a_slurm_node_list():
     assert first_host("gnode[10,20,25,37]") == "gnode10"
     assert first_host("n1,n2") == "n1" and first_host("single") == "single"
     assert first_host("") is None
+    assert first_host("n[1-2]-ib,m3") == "n1-ib"
 
 
 BAD = {

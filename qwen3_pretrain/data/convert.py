@@ -199,11 +199,14 @@ class _Shards:
         self._load = [(0, index) for index in range(num_shards)]  # heap of (tokens, shard index)
         self._max, self._eod = max_doc_length, int(eod)
 
-    def add(self, doc: np.ndarray) -> None:
-        """Write one document (EOD included when enabled) to the shard with the fewest tokens."""
+    def add(self, doc: np.ndarray) -> bool:
+        """Write one document (EOD included when enabled) to the shard with the fewest tokens; False
+        (nothing written) for a document without a single token (text a tokenizer normalizes away)."""
+        if len(doc) == 0:
+            return False
         tokens, index = self._load[0]
         body = len(doc) - self._eod
-        for start in range(0, body, self._max):
+        for start in range(0, max(body, 1), self._max):  # a lone EOD is a sequence of its own
             end = start + self._max if start + self._max < body else len(doc)  # EOD rides on the last piece
             self.writers[index].add_sequence(doc[start:end])
             self.counts[index].num_sequences += 1
@@ -211,6 +214,7 @@ class _Shards:
         self.counts[index].num_documents += 1
         self.counts[index].num_tokens += len(doc)
         heapq.heapreplace(self._load, (tokens + len(doc), index))
+        return True
 
     def finalize(self) -> None:
         """Rename every shard into place (all complete by now)."""
@@ -269,7 +273,8 @@ def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], t
         for tokens, lengths, empty, num_bytes in encoded:
             ends = np.cumsum(lengths)
             for start, end in zip(ends - lengths, ends):
-                shards.add(tokens[start:end])
+                if not shards.add(tokens[start:end]):
+                    empty += 1
             progress.empty += empty
             progress.text_bytes += num_bytes
             bar.update(len(lengths) + empty)

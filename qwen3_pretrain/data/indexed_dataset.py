@@ -59,6 +59,9 @@ class IndexedDatasetWriter:
 
     def add_sequence(self, tokens: np.ndarray) -> None:
         """Append one sequence to the current document."""
+        if self.dtype.itemsize < 4 and len(tokens) and int(np.max(tokens)) > np.iinfo(self.dtype).max:
+            raise UserError(f"{self.prefix}: token id {int(np.max(tokens))} does not fit the shard's "
+                            f"{self.dtype.name}; the tokenizer's ids exceed its vocabulary size")
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
         self._lengths.append(int(arr.size))

@@ -22,8 +22,9 @@ Two derived results are kept in ``$QWEN3_PRETRAIN_CACHE`` (default
 ``~/.cache/qwen3-pretrain``; safe to delete, never required): those probed
 characters, per pair of library versions, and the fast path's tables (ranks,
 regex, end-of-document id), per content hash of tokenizer.json and
-tokenizer_config.json. With both there, loading takes a quarter second
-instead of two thirds.
+tokenizer_config.json; both keys also hold a hash of the code that derives
+them, so a change to it never meets an old result. With both there, loading
+takes a quarter second instead of two thirds.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from qwen3_pretrain.errors import UserError
 
 Backend = Literal["auto", "fast", "reference"]
 _NONE: frozenset[str] = frozenset()
-TABLES_VERSION = 1  # of the cached fast-path tables; raise it when FastTables changes
 EOD_TOKEN = "<|endoftext|>"
 # sha256 of tokenizer.json files for which tests/test_tokenizer.py runs the full
 # rank-vs-merges proof (bpe.rank_merge_violations); others are proven at load.
@@ -203,16 +203,14 @@ class FastTables:
     # Cached as one .npz: the ranks as concatenated bytes, their lengths and ids, plus the rest as JSON.
     # Reading it takes a tenth of parsing tokenizer.json and deriving the ranks again.
     def save(self, file: Path) -> None:
+        """Write the tables to ``file`` (an .npz)."""
         tokens = list(self.ranks)
         meta = {"pattern": self.pattern, "added_tokens": self.added_tokens, "vocab_size": self.vocab_size,
                 "eod_id": self.eod_id, "nfc": self.nfc}
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_name(f".{file.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8),
+        np.savez(file, meta=np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8),
                  data=np.frombuffer(b"".join(tokens), dtype=np.uint8),
                  lengths=np.fromiter(map(len, tokens), dtype=np.int32, count=len(tokens)),
                  ids=np.fromiter(self.ranks.values(), dtype=np.int64, count=len(tokens)))
-        os.replace(tmp, file)
 
     @classmethod
     def load(cls, file: Path) -> "FastTables":
@@ -228,38 +226,37 @@ class FastTables:
                    int(meta["vocab_size"]), int(meta["eod_id"]), bool(meta["nfc"]))
 
 
-def _tables_cache_file(sha256: str, file: Path) -> Path:
-    # tokenizer_config.json may name the end-of-document token, so its content is part of the key.
+def _tables_cache_file(sha256: str, file: Path) -> Path | None:
+    # tokenizer_config.json may name the end-of-document token, so its content is part of the key;
+    # so is the code that derives the tables.
     config = file.with_name("tokenizer_config.json")
     config_sha = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else "none"
-    return cache_dir() / "tokenizers" / f"{sha256[:32]}-{config_sha}-v{TABLES_VERSION}.npz"
+    return _cache_file("tokenizers", f"{sha256[:32]}-{config_sha}-{_code_fingerprint()}.npz")
 
 
-def _fast_tables(file: Path, raw: bytes, sha256: str) -> tuple[FastTables | None, str | None]:
-    """The fast path's tables (from the cache when there), or None and why the fast path is not exact."""
+def _fast_tables(file: Path, raw: bytes, sha256: str) -> tuple[FastTables | None, str | None, dict | None]:
+    """The fast path's tables (from the cache when there), or None and why the fast path is not exact;
+    and the parsed tokenizer.json when it had to be parsed."""
     try:
         cached = _tables_cache_file(sha256, file)
     except OSError:
         cached = None
     if cached is not None:
         try:
-            return FastTables.load(cached), None
-        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
+            return FastTables.load(cached), None, None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile):
             pass  # missing or damaged: derive again
     spec = _parse(file, raw)
     reason = unsupported_reason(spec)
     if reason is not None:
-        return None, reason
+        return None, reason, spec
     try:
         tables = FastTables.from_spec(file, spec, sha256)
     except bpe.NotConvertible as exc:
-        return None, str(exc)
+        return None, str(exc), spec
     if cached is not None:
-        try:
-            tables.save(cached)
-        except OSError:
-            pass
-    return tables, None
+        _write_cache(cached, tables.save)
+    return tables, None, spec
 
 
 class _CharGuard:
@@ -365,12 +362,41 @@ def _differing(probes: list[str], reference: tokenizers.normalizers.Normalizer) 
     return [a != b for a, b in zip(ours, theirs)]
 
 
-def cache_dir() -> Path:
-    """Where derived data that is slow to compute is kept between runs (safe to delete)."""
-    root = os.environ.get("QWEN3_PRETRAIN_CACHE")
-    if root:
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-pretrain"
+def cache_dir() -> Path | None:
+    """Where derived data that is slow to compute is kept between runs (safe to delete); None when no
+    home directory can be found (an arbitrary uid in a container): then nothing is cached."""
+    try:
+        root = os.environ.get("QWEN3_PRETRAIN_CACHE")
+        if root:
+            return Path(root).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-pretrain"
+    except (RuntimeError, KeyError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """Hash of the code that derives the cached results: a change to it invalidates them."""
+    digest = hashlib.sha256()
+    for module_file in (__file__, bpe.__file__):
+        digest.update(Path(module_file).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _cache_file(*parts: str) -> Path | None:
+    root = cache_dir()
+    return None if root is None else root.joinpath(*parts)
+
+
+def _write_cache(file: Path, write: Callable[[Path], None]) -> None:
+    """``write`` to a temporary beside ``file``, then rename it into place; any failure leaves no file."""
+    tmp = file.with_name(f".{file.stem}.{os.getpid()}.tmp{file.suffix}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -381,21 +407,18 @@ def _nfc_disagreements() -> _CharGuard | None:
     libraries' Unicode tables, so it is kept on disk per pair of versions.
     A missing, unreadable or unwritable cache only means probing again.
     """
-    file = cache_dir() / (f"nfc-disagreements-python{unicodedata.unidata_version}"
-                          f"-tokenizers{tokenizers.__version__}.json")
+    file = _cache_file(f"nfc-disagreements-python{unicodedata.unidata_version}"
+                       f"-tokenizers{tokenizers.__version__}-{_code_fingerprint()}.json")
     try:
+        if file is None:
+            raise OSError("no cache")
         chars = json.loads(file.read_text(encoding="utf-8"))["chars"]
         if not isinstance(chars, str):
             raise ValueError(file)
     except (OSError, ValueError, KeyError, TypeError):
         chars = "".join(sorted(_probe_nfc_disagreements()))
-        try:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"chars": chars}), encoding="utf-8")
-            os.replace(tmp, file)
-        except OSError:
-            pass
+        if file is not None:
+            _write_cache(file, lambda tmp: tmp.write_text(json.dumps({"chars": chars}), encoding="utf-8"))
     return _CharGuard(set(chars)) if chars else None
 
 
@@ -432,15 +455,15 @@ def load_tokenizer(path: str | os.PathLike, backend: Backend = "auto") -> _Token
 # Keyed by content hash: a tokenizer is immutable once built, and building one takes a while.
 @functools.lru_cache(maxsize=8)
 def _load(file: Path, raw: bytes, sha256: str, backend: Backend) -> _Tokenizer:
-    reason = "tokenizer_backend: reference was asked for"
+    reason, spec = "tokenizer_backend: reference was asked for", None
     if backend != "reference":
-        tables, reason = _fast_tables(file, raw, sha256)
+        tables, reason, spec = _fast_tables(file, raw, sha256)
         if tables is not None:
             return FastTokenizer(file, raw, tables)
     if backend == "fast":
         raise UserError(f"tokenizer_backend: fast: {file} cannot be reproduced exactly by tiktoken "
                         f"({reason}); use tokenizer_backend: auto or reference")
-    tokenizer = _reference(file, raw, _parse(file, raw))
+    tokenizer = _reference(file, raw, spec if spec is not None else _parse(file, raw))
     tokenizer.fallback_reason = None if backend == "reference" else reason
     return tokenizer
 

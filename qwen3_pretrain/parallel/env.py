@@ -6,8 +6,8 @@ then comes from the config (``master_addr``/``master_port``), as in the
 reference workflow. Slurm's ``srun`` with one task per device exports
 SLURM_PROCID/SLURM_LOCALID and, for a job step (not for the batch script
 itself, which also sees SLURM_NTASKS), SLURM_STEP_NUM_TASKS; the rendezvous
-host is then MASTER_ADDR if exported, else the step's first node when it
-spans several, else ``master_addr``. Without a launcher we run as a world of one.
+host is then MASTER_ADDR if exported, else ``master_addr`` unless that is
+the loopback default and the step spans several nodes (then its first node). Without a launcher we run as a world of one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> L
     elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
         info = LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]),
                           int(env.get("SLURM_LOCALID", 0)), "srun")
-        if "MASTER_ADDR" not in env and int(env.get("SLURM_STEP_NUM_NODES", 1)) > 1:
+        # Across nodes a loopback master_addr (the default) cannot be right: rank 0 runs on the first node.
+        if ("MASTER_ADDR" not in env and int(env.get("SLURM_STEP_NUM_NODES", 1)) > 1
+                and master_addr in ("127.0.0.1", "localhost")):
             master_addr = first_host(env.get("SLURM_STEP_NODELIST", "")) or master_addr
     else:
         info = LaunchInfo(0, 1, 0, "none")
@@ -56,11 +58,11 @@ def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> L
 
 def first_host(nodelist: str) -> str | None:
     """The first host of a Slurm node list: ``node[03-05,9],gpu1`` -> ``node03``."""
-    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\]([^,]*))?", nodelist.strip())
     if head is None or not (head.group(1) or head.group(2)):
         return None
-    prefix, ranges = head.group(1), head.group(2)
-    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
+    prefix, ranges, suffix = head.group(1), head.group(2), head.group(3) or ""
+    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "") + suffix
 
 
 def _free_port() -> int:

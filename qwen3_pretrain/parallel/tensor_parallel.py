@@ -40,6 +40,10 @@ class VocabParallelEmbedding(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding applies to nn.Embedding, not {type(module).__name__}")
+        options = {"padding_idx": module.padding_idx, "max_norm": module.max_norm,
+                   "scale_grad_by_freq": module.scale_grad_by_freq or None, "sparse": module.sparse or None}
+        if any(v is not None for v in options.values()):
+            raise ValueError(f"VocabParallelEmbedding does not implement nn.Embedding options {options}")
         module = super()._apply(module, device_mesh)
         module.forward = types.MethodType(_vocab_parallel_lookup, module)
         return module
