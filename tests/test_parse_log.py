@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_pretrain.analysis.parse_log import main, parse_metrics
-from qwen3_pretrain.analysis.report import KNOWN_COLUMNS, summarize
+from qwen3_pretrain.analysis.report import KNOWN_COLUMNS, format_summary, summarize
 
 LOG_STEPS = 10
 TOTAL = 100000
@@ -77,7 +77,7 @@ def test_resumed_nohup_log_to_csv(tmp_path: Path) -> None:
     assert float(by_step[200]["mfu"]) == pytest.approx((40.0 + 200 % 3 / 10) / 100)  # percent -> fraction
     assert by_step[100]["total_steps"] == str(TOTAL) and by_step[100]["eta_s"] == str(22 * 3600 + 13 * 60)
     assert float(by_step[100]["tokens_per_sec_per_device"]) == pytest.approx(_values(100, 0)["tps"] / 8, abs=5e-3)
-    assert list(rows[0]) == [c for c in KNOWN_COLUMNS if c != "tokens_seen"]
+    assert list(rows[0]) == [c for c in KNOWN_COLUMNS if c not in ("tokens_seen", "eval_loss", "eval_ppl")]
 
 
 def test_summary_matches_hand_computation(tmp_path: Path) -> None:
@@ -228,3 +228,46 @@ def test_bad_inputs_exit_2_with_one_error_line(tmp_path: Path) -> None:
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
         assert expected in lines[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "no_dir").exists()
+
+
+def test_held_out_evaluations_reach_the_csv_and_summary(tmp_path: Path) -> None:
+    """Eval records as the engine writes them (log line and metrics.jsonl event): on the row of their step,
+    a row of their own when that step was not logged, and the resumed run's wins."""
+    first = {100: (7.5, 1808.04), 200: (7.1, 1211.97), 205: (6.95, 1043.15), 300: (6.8, 897.85)}
+    redone = {205: (6.9, 992.27), 300: (6.7, 812.41)}  # the run resumed from step 200 evaluates these again
+    log, jsonl = [], []
+
+    def evaluation(step: int, loss_ppl: tuple[float, float]) -> None:
+        log.append(f"2026-12-02 14:30:00 INFO eval at step {step} | loss {loss_ppl[0]:.4f} | ppl {loss_ppl[1]:.2f}")
+        jsonl.append({"event": "eval", "step": step, "eval_loss": loss_ppl[0], "eval_ppl": loss_ppl[1]})
+
+    for segment, steps, evals in ((0, range(10, 301, LOG_STEPS), first), (1, range(210, 401, LOG_STEPS), redone)):
+        if segment:
+            log += ["2026-12-02 15:00:00 INFO run start: world 8", "2026-12-02 15:00:01 INFO resumed from x at step 200"]
+            jsonl.append({"event": "start", "step": 200})
+        for step in steps:
+            if step - 5 in evals:  # step 205 is evaluated but not logged (log_steps 10)
+                evaluation(step - 5, evals[step - 5])
+            v = _values(step, segment)
+            log.append(_line(step, v))
+            jsonl.append({"step": step, "loss": v["loss"], "lr": v["lr"]})
+            if step in evals:
+                evaluation(step, evals[step])
+    (tmp_path / "run.log").write_text("\n".join(log) + "\n")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in jsonl) + "\n")
+    want = {100: first[100], 200: first[200], 205: redone[205], 300: redone[300]}
+    for name in ("run.log", "metrics.jsonl"):
+        assert main(["--log_path", str(tmp_path / name), "--output_path", str(tmp_path / f"{name}.csv")]) == 0
+        rows = _read_csv(tmp_path / f"{name}.csv")
+        got = {int(r["step"]): (float(r["eval_loss"]), float(r["eval_ppl"])) for r in rows if r["eval_loss"]}
+        assert sorted(got) == sorted(want), name
+        for step, (loss, ppl) in want.items():
+            assert got[step] == (pytest.approx(loss), pytest.approx(ppl)), (name, step)
+        own = [r for r in rows if r["step"] == "205"]
+        assert len(own) == 1 and own[0]["loss"] == ""  # step 205 was evaluated but not logged
+        assert len(rows) == 40 + 1  # 10..400 every 10 steps, plus the evaluation-only row
+        parsed = parse_metrics(tmp_path / name)
+        assert [e["step"] for e in parsed.evals] == [100, 200, 205, 300]
+        assert summarize(parsed).num_steps == 40  # evaluations are not steps
+        assert "held-out eval: 4 evaluation(s); last 6.7000 at step 300; best 6.7000 at step 300" in \
+            format_summary(summarize(parsed))

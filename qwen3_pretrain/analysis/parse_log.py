@@ -46,6 +46,7 @@ _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|[nN]a[nN]|[iI
 # are glued together it must not end up in the previous record's last value.
 _RECORD = re.compile(r"(?:\d{4}-\d\d-\d\d[ T][\d:.,]+\s+(?:[A-Z]+\s+)?)?\bstep (\d+)/(\d+)\s*\|")
 _START = re.compile(r"\brun start:")
+_EVAL = re.compile(rf"\beval at step (\d+) \| loss ({_NUM})(?: \| ppl ({_NUM}))?")
 _RESUME = re.compile(r"\bresumed from \S+ at step (\d+)")
 _NUM_FIELD = re.compile(rf"([A-Za-z_][\w/]*(?: [A-Za-z_][\w/]*)*)\s+((?:{_NUM}).*)")
 _TEXT_FIELD = re.compile(r"([A-Za-z_][\w/]*)\s+(\S.*)")
@@ -126,6 +127,15 @@ class ParsedLog:
     restart_steps: list[int]  # per restart: the step it resumed from, else its first logged step
     num_restarts: int
     num_ignored: int  # damaged step records (log) or unreadable lines (jsonl)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out evaluations, sorted by step
+
+    def csv_rows(self) -> list[dict[str, Any]]:
+        """The step rows with each evaluation's ``eval_loss``/``eval_ppl`` on the row of its step (a row of
+        its own when that step was not logged)."""
+        rows = {r["step"]: dict(r) for r in self.rows}
+        for ev in self.evals:
+            rows.setdefault(ev["step"], {"step": ev["step"]}).update(ev)
+        return [rows[s] for s in sorted(rows)]
 
 
 @dataclass
@@ -138,6 +148,7 @@ class _Collector:
     resume_steps: list[int | None] = field(default_factory=list)
     last_step: int | None = None
     num_ignored: int = 0
+    evals: dict[int, dict[str, Any]] = field(default_factory=dict)  # by step; a later run's wins
 
     def start(self) -> None:
         self.first_steps.append(None)
@@ -163,6 +174,9 @@ class _Collector:
             self.first_steps[segment] = step
         self.last_step = step
 
+    def evaluation(self, step: int, loss: float, ppl: float | None) -> None:
+        self.evals[step] = {"step": step, "eval_loss": loss, **({"eval_ppl": ppl} if ppl is not None else {})}
+
     def result(self, source: str) -> ParsedLog:
         firsts = list(enumerate(self.first_steps))
         restarts = [r if r is not None else s for r, s in zip(self.resume_steps[1:], self.first_steps[1:])]
@@ -173,6 +187,7 @@ class _Collector:
             restart_steps=[s for s in restarts if s is not None],  # a segment that logged nothing has no place
             num_restarts=max(len(firsts) - 1, 0),
             num_ignored=self.num_ignored,
+            evals=[self.evals[s] for s in sorted(self.evals)],
         )
 
 
@@ -182,6 +197,9 @@ def _line_events(line: str) -> list[tuple[int, str, Any]]:
     if "run start:" in line or "resumed from" in line:  # rare: skip the regexes on most lines
         events += [(m.start(), "start", None) for m in _START.finditer(line)]
         events += [(m.start(), "resume", int(m[1])) for m in _RESUME.finditer(line)]
+    if "eval at step" in line:
+        events += [(m.start(), "eval", (int(m[1]), float(m[2]), float(m[3]) if m[3] else None))
+                   for m in _EVAL.finditer(line)]
     records = list(_RECORD.finditer(line))
     for m, nxt in zip(records, records[1:] + [None]):
         text = line[m.end() : nxt.start() if nxt else len(line)]
@@ -191,13 +209,15 @@ def _line_events(line: str) -> list[tuple[int, str, Any]]:
 
 def _feed_log(lines: Iterable[str], sink: _Collector) -> None:
     for line in lines:
-        if "step" not in line and "run start:" not in line:
+        if "step" not in line and "run start:" not in line:  # ("eval at step" holds "step")
             continue
         for _, kind, payload in _line_events(line):
             if kind == "start":
                 sink.start()
             elif kind == "resume":
                 sink.resume(payload)
+            elif kind == "eval":
+                sink.evaluation(*payload)
             elif payload is None:
                 sink.num_ignored += 1
             else:
@@ -223,6 +243,10 @@ def _feed_jsonl(lines: Iterable[str], sink: _Collector) -> None:
                 sink.resume(obj["step"])
         elif obj.get("event") == "resume":
             sink.resume(obj["step"] if isinstance(obj.get("step"), int) else None)
+        elif obj.get("event") == "eval" and isinstance(obj.get("step"), int) \
+                and isinstance(obj.get("eval_loss"), (int, float)):
+            ppl = obj.get("eval_ppl")
+            sink.evaluation(obj["step"], float(obj["eval_loss"]), float(ppl) if isinstance(ppl, (int, float)) else None)
         elif "event" not in obj and isinstance(obj.get("step"), int):
             sink.record(obj)
 
@@ -283,7 +307,7 @@ def main(argv: list[str]) -> int:
     parsed = parse_metrics(log_path)
     written = []
     if args.output_path:
-        columns = write_csv(parsed.rows, args.output_path)
+        columns = write_csv(parsed.csv_rows(), args.output_path)
         written.append(f"wrote {args.output_path} ({len(parsed.rows)} rows, {len(columns)} columns)")
     if args.plot:
         from qwen3_pretrain.analysis.plot import plot_metrics  # matplotlib only when asked for

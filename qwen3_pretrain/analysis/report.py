@@ -12,7 +12,7 @@ import csv
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 KNOWN_COLUMNS = (
     "step", "total_steps", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device",
-    "step_time_s", "mfu", "memory_gib", "eta_s", "tokens_seen", "skipped",
+    "step_time_s", "mfu", "memory_gib", "eta_s", "tokens_seen", "skipped", "eval_loss", "eval_ppl",
 )  # fmt: skip
 
 
@@ -45,6 +45,7 @@ class Summary:
     num_warmup_excluded: int
     skipped_steps: list[int]
     nonfinite_steps: list[int]  # loss or grad_norm is nan/inf
+    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out evaluations by step
 
 
 def _finite(value: Any) -> bool:
@@ -78,6 +79,7 @@ def summarize(parsed: ParsedLog) -> Summary:
         num_warmup_excluded=len(rows) - len(steady),
         skipped_steps=[r["step"] for r in rows if r.get("skipped")],
         nonfinite_steps=[r["step"] for r in rows if any(k in r and not _finite(r[k]) for k in ("loss", "grad_norm"))],
+        evals=list(parsed.evals),
     )
 
 
@@ -102,7 +104,18 @@ def format_summary(s: Summary) -> str:
         f"(excluding {s.num_warmup_excluded} warm-up record(s): the first of each run segment)",
         f"peak memory: {_fmt(s.peak_memory_gib, '.1f', ' GiB')}",
         f"skipped steps: {_steps(s.skipped_steps)}; nan/inf loss or grad_norm: {_steps(s.nonfinite_steps)}",
+        *_eval_line(s.evals),
     ])  # fmt: skip
+
+
+def _eval_line(evals: list[dict[str, Any]]) -> list[str]:
+    if not evals:
+        return []
+    last = evals[-1]
+    best = min((e for e in evals if _finite(e["eval_loss"])), key=lambda e: e["eval_loss"], default=None)
+    best_text = f"{best['eval_loss']:.4f} at step {best['step']}" if best else "n/a"
+    return [f"held-out eval: {len(evals)} evaluation(s); last {last['eval_loss']:.4f} at step {last['step']}; "
+            f"best {best_text}"]
 
 
 def csv_columns(rows: list[dict[str, Any]]) -> list[str]:
