@@ -54,6 +54,7 @@ VARIANTS = {
     "fp32-c1024": ("engine", 1, 2, {"mixed_precision": "fp32", "loss_chunk_tokens": 1024}),
     "dp1-1t": ("engine", 1, 1, {"mixed_precision": "bf16"}),
     "dp2": ("engine", 2, 1, {"mixed_precision": "bf16"}),
+    "dp2-replicated": ("engine", 2, 1, {"mixed_precision": "bf16", "distributed_optimizer": False}),
 }
 DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c1024,fp32-c1024,dp1-1t,dp2"
 
