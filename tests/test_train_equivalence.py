@@ -106,3 +106,20 @@ def test_held_out_evaluation_is_the_same_under_a_pipeline(corpus, tmp_path):
         evals.append([r["eval_loss"] for r in records if r.get("event") == "eval"])
     assert len(evals[0]) == 2
     assert_close(evals[1], evals[0])
+
+
+@pytest.mark.distributed
+def test_per_document_positions_and_mask_travel_through_the_pipeline(reference, corpus, tmp_path):
+    """document_mask (per-document RoPE positions and attention) under pp: later stages get the positions
+    with the hidden states, so every layout matches one process with the same setting."""
+    runs = {}
+    for name, nproc, extra in (("single", 1, ["gradient_accumulation_steps=2"]),
+                               ("pp2-interleaved", 2, ["pp=2", "pp_schedule=interleaved",
+                                                       "gradient_accumulation_steps=2"]),
+                               ("tp2-pp2", 4, ["tp=2", "pp=2", "gradient_accumulation_steps=2"])):
+        cfg = write_config(tmp_path / f"{name}.yaml", corpus, tmp_path / name, document_mask=True)
+        check_ok(run_train(cfg, nproc, *extra))
+        runs[name] = losses(tmp_path / name)
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs["single"], reference)) > 1e-3  # the mask matters here
+    assert_close(runs["pp2-interleaved"], runs["single"])
+    assert_close(runs["tp2-pp2"], runs["single"])

@@ -90,8 +90,6 @@ class Trainer:
         self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer)
         self.stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
         self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
-        if cfg.pp > 1 and (cfg.reset_position_ids or cfg.document_mask):
-            raise ConfigError("reset_position_ids/document_mask are not supported with pp > 1 yet; set them false")
         if cfg.eval_steps and not cfg.valid_fraction:
             raise ConfigError("eval_steps needs a held-out split: set valid_fraction (e.g. 0.01)")
         self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
@@ -112,6 +110,7 @@ class Trainer:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
                                cfg.loss_chunk_tokens)
             part.document_mask = cfg.document_mask
+            part.pass_positions = self._uses_positions and part.lm_head is None
             parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision)
             materialize(part, self.device, source)
             self.parts.append(part)
@@ -215,11 +214,13 @@ class Trainer:
             total += loss.detach()
         return total
 
+    @property
+    def _uses_positions(self) -> bool:
+        return self.cfg.reset_position_ids or self.cfg.document_mask
+
     def _positions(self, mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Per-document RoPE positions when configured; None means 0..seq-1 in every sample."""
-        if self.cfg.reset_position_ids or self.cfg.document_mask:
-            return mb["positions"].to(self.device)
-        return None
+        return mb["positions"].to(self.device) if self._uses_positions else None
 
     def _run_pipeline(self, run, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One pass of the schedule (``step`` or ``eval``) over this rank's micro-batches, re-cut into
@@ -227,7 +228,10 @@ class Trainer:
         inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
         labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
+        args: tuple[torch.Tensor, ...] = ()
+        if self.has_first:  # per-document positions enter with the ids and travel with the hidden states
+            args = (inputs, torch.cat([mb["positions"] for mb in batches]).to(self.device)) \
+                if self._uses_positions else (inputs,)
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         run(*args, return_outputs=False, **kwargs)
         total = torch.zeros((), device=self.device)

@@ -148,10 +148,13 @@ class Qwen3Model(nn.Module):
         self.return_hidden = False
         self.document_mask = False
         self.sequence_shards = 1
+        # A pipeline stage before the last hands its positions on with its hidden states.
+        self.pass_positions = False
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.embed_tokens is not None:
             bsz, seq = x.shape
             h = self.embed_tokens(x)
@@ -166,6 +169,8 @@ class Qwen3Model(nn.Module):
             h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
+        if self.pass_positions and self.lm_head is None:
+            return h, positions
         if self.lm_head is None or self.return_hidden:
             return h
         return self.lm_head(h)
