@@ -41,9 +41,10 @@ mkdir -p "$OUT"
 echo "output: $OUT | GPUs: $NGPU | steps: $WARMUP warm-up + $STEPS timed per case"
 [[ $NGPU -gt 0 ]] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 
-# case name, processes, preset, seq, batch per rank, activation checkpointing, model_overrides (YAML flow)
+# case name, processes, preset, seq, batch per rank, activation checkpointing, model_overrides (YAML flow),
+# compile (true/false, default false)
 run_case() {
-  local name=$1 nproc=$2 model=$3 seq=$4 batch=$5 ac=$6 overrides=$7
+  local name=$1 nproc=$2 model=$3 seq=$4 batch=$5 ac=$6 overrides=$7 compile=${8:-false}
   [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && return 0
   local dir="$OUT/$name"
   mkdir -p "$dir"
@@ -56,6 +57,7 @@ seq_length: $seq
 batch_size: $batch
 mixed_precision: bf16
 activation_checkpointing: $ac
+compile: $compile
 learning_rate: 1.0e-4
 warmup_steps: 100
 total_steps: 100000
@@ -84,6 +86,7 @@ run_case 1.7b-seq4096-b4-ac_none     1 qwen3-1.7b 4096 4 none "{}"
 run_case 1.7b-seq4096-b4-ac_full     1 qwen3-1.7b 4096 4 full "{}"
 run_case 1.7b-seq8192-b2-ac_full     1 qwen3-1.7b 8192 2 full "{}"
 run_case 1.7b-seq8192-b2-ac_selective 1 qwen3-1.7b 8192 2 selective "{}"
+run_case 1.7b-seq4096-b4-ac_none-compile 1 qwen3-1.7b 4096 4 none "{}" true
 run_case 8b_8layers-seq8192-b1-ac_full 1 qwen3-8b 8192 1 full "$EIGHT_LAYERS"
 run_case 8b_8layers-seq4096-b2-ac_full 1 qwen3-8b 4096 2 full "$EIGHT_LAYERS"
 if [[ $NGPU -ge 4 ]]; then

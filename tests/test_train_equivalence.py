@@ -123,3 +123,14 @@ def test_per_document_positions_and_mask_travel_through_the_pipeline(reference, 
     assert max(abs(a - b) / abs(b) for a, b in zip(runs["single"], reference)) > 1e-3  # the mask matters here
     assert_close(runs["pp2-interleaved"], runs["single"])
     assert_close(runs["tp2-pp2"], runs["single"])
+
+
+@pytest.mark.distributed
+def test_compiled_layers_train_like_eager_ones(corpus, tmp_path):
+    """compile: true gives the eager per-step losses (pp 2 with full recompute, one process per stage)."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["compile=true"])):
+        cfg = write_config(tmp_path / f"{name}.yaml", corpus, tmp_path / name, total_steps=3)
+        check_ok(run_train(cfg, 2, "pp=2", "activation_checkpointing=full", *extra, timeout=600))
+        runs[name] = losses(tmp_path / name)
+    assert_close(runs["compiled"], runs["eager"], rtol=1e-5)

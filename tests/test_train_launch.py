@@ -113,6 +113,9 @@ BAD = {
     "data": (1, ["data_path=/nonexistent/d_convert"], "/nonexistent/d_convert"),
     "seq": (1, ["seq_length=999999"], "max_position_embeddings"),
     "number": (1, ["learning_rate=fast"], "learning_rate"),
+    "compile_tp": (2, ["tp=2", "compile=true"], "compile with tp > 1"),
+    "reduce_pp": (2, ["pp=2", "gradient_accumulation_steps=2", "reduce_grads_every_microbatch=true"],
+                  "reduce_grads_every_microbatch needs pp 1"),
     "unknown_key": (1, ["learning_rat=1e-5"], "did you mean 'learning_rate'"),
     "vocab": (1, ["model_overrides={vocab_size: 256}"], "tokenized with a tokenizer"),
 }

@@ -91,10 +91,14 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> 
 
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, ac_mode: str,
-                      mixed_precision: str) -> None:
+                      mixed_precision: str, compile_layers: bool = False) -> None:
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, ac_mode)
+    if compile_layers:
+        # Each decoder layer on its own (they share one graph); in place, so parameter names stay.
+        for layer in model.layers.values():
+            layer.compile()
     apply_fsdp(model, dp_mesh, mixed_precision)
 
 

@@ -111,7 +111,7 @@ class Trainer:
                                cfg.loss_chunk_tokens)
             part.document_mask = cfg.document_mask
             part.pass_positions = self._uses_positions and part.lm_head is None
-            parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision)
+            parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision, cfg.compile)
             materialize(part, self.device, source)
             self.parts.append(part)
         self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings else None
