@@ -127,7 +127,9 @@ class Qwen3Model(nn.Module):
     ``forward(input_ids)`` returns logits [batch, seq, vocab]. On a pipeline
     stage without ``embed_tokens`` the first argument is the previous stage's
     hidden states; without ``lm_head`` (or with ``return_hidden`` set, when the
-    loss applies the head itself in chunks) it returns hidden states.
+    loss applies the head itself in chunks) it returns hidden states, and with
+    ``pass_positions`` set (a stage before the last, with per-document
+    positions) the pair (hidden states, positions) for the next stage.
     """
 
     def __init__(self, cfg: Qwen3Config) -> None:
