@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -21,3 +22,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, data: Any, indent: int = 2) -> None:
     write_text_atomic(path, json.dumps(data, indent=indent, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary name beside ``path`` (unique to this process, same suffix, so writers that go by
+    the suffix still work); it is renamed over ``path`` when the block succeeds and removed otherwise."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

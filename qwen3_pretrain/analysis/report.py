@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import atomic_path
 
 if TYPE_CHECKING:
     from qwen3_pretrain.analysis.parse_log import ParsedLog
@@ -136,16 +137,12 @@ def _cell(value: Any) -> Any:
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary name beside ``path``; move it to ``path`` only when the block succeeds."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            yield tmp
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise UserError(f"cannot write {path}: {reason}; check that {path.parent} exists and is writable") from exc
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def write_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> list[str]:

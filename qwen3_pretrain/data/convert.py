@@ -165,12 +165,11 @@ def _encode_chunk(chunk: tuple[pa.Array, int]) -> tuple[np.ndarray, np.ndarray, 
         docs = [text.lower() for text in docs]
     eod_id = _WORKER["eod_id"]
     encoded = _WORKER["tokenizer"].encode_arrays(docs)
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     if eod_id is not None:
         eod = np.array([eod_id], dtype=np.int32)
         encoded = [part for ids in encoded for part in (ids, eod)]
-    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-    if eod_id is not None:
-        lengths = lengths[0::2] + 1
+        lengths += 1
     tokens = np.concatenate(encoded, dtype=np.int32, casting="unsafe") if encoded else np.empty(0, np.int32)
     return tokens, lengths, len(texts) - len(docs), num_bytes
 

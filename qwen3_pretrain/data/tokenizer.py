@@ -29,6 +29,7 @@ takes a quarter second instead of two thirds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -46,6 +47,7 @@ import tokenizers
 
 from qwen3_pretrain.data import bpe
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import atomic_path
 
 Backend = Literal["auto", "fast", "reference"]
 _NONE: frozenset[str] = frozenset()
@@ -389,14 +391,11 @@ def _cache_file(*parts: str) -> Path | None:
 
 
 def _write_cache(file: Path, write: Callable[[Path], None]) -> None:
-    """``write`` to a temporary beside ``file``, then rename it into place; any failure leaves no file."""
-    tmp = file.with_name(f".{file.stem}.{os.getpid()}.tmp{file.suffix}")
-    try:
+    """``write`` to a temporary beside ``file``, then rename it into place; a failure only means no cache."""
+    with contextlib.suppress(OSError):
         file.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, file)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        with atomic_path(file) as tmp:
+            write(tmp)
 
 
 @functools.lru_cache(maxsize=1)

@@ -51,7 +51,7 @@ def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> L
         info = LaunchInfo(0, 1, 0, "none")
     env.setdefault("MASTER_ADDR", master_addr if info.launcher != "none" else "127.0.0.1")
     if "MASTER_PORT" not in env:
-        env["MASTER_PORT"] = str(master_port if info.launcher != "none" else _free_port())
+        env["MASTER_PORT"] = str(master_port if info.launcher != "none" else free_port())
     env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(info.rank), str(info.world_size), str(info.local_rank)
     return info
 
@@ -65,7 +65,8 @@ def first_host(nodelist: str) -> str | None:
     return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "") + suffix
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -217,11 +217,6 @@ def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> N
             write_json_atomic(args.json, report, indent=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _spawned(rank: int, args: argparse.Namespace, ops: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc))
@@ -235,7 +230,7 @@ def main(argv: list[str]) -> int:
     if args.nproc:
         if args.nproc % (args.tp * args.pp):
             raise UserError(f"tp x pp = {args.tp} x {args.pp} does not divide --nproc {args.nproc}")
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(env.free_port())
         torch.multiprocessing.spawn(_spawned, args=(args, ops), nprocs=args.nproc, join=True)
         return 0
     _worker(args, ops, env.detect_launch(args.master_addr, args.master_port))

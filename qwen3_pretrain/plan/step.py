@@ -115,7 +115,7 @@ def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     m = layout.num_microbatches
     units = shape.num_layers + 2
     grads = 4.0 * sp.total
-    reductions = m if m > 1 and not layout.accumulates_unsharded else 1
+    reductions = 1 if layout.accumulates_unsharded else m
     if not layout.distributed_optimizer:
         calls: list[tuple[F.Collective, float]] = [("all_reduce", grads)] * reductions
     else:
