@@ -16,8 +16,11 @@ is the steadier figure: the load average is printed before and after.
 
 ``hf-*`` is the plain loop: ``Qwen3ForCausalLM`` in fp32, AdamW, full logits
 and ``F.cross_entropy``, gradient clipping, under ``torch.autocast("cpu",
-bfloat16)`` for ``hf-bf16``. The other variants are the engine's
-``Trainer.train_step`` with the config keys shown. DP scaling efficiency is
+bfloat16)`` for ``hf-bf16``, in a plain environment; ``hf-bf16-thp`` is the
+same with the environment defaults the engine's entry point sets (huge pages
+for large host buffers, see ``qwen3_pretrain.cli``). The other variants are
+the engine's ``Trainer.train_step`` with the config keys shown, with those
+defaults. DP scaling efficiency is
 tokens/s of ``dp2`` (2 processes x 1 thread, batch 2 each) over twice that of
 ``dp1-1t`` (1 process, 1 thread, batch 4): the same global batch of 4.
 """
@@ -38,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 64, "intermediate_size": 768, "vocab_size": 151936, "tie_word_embeddings": True}
@@ -50,7 +55,9 @@ VARIANTS = {
     "fp32": ("engine", 1, 2, {"mixed_precision": "fp32"}),
     "bf16-ac": ("engine", 1, 2, {"mixed_precision": "bf16", "activation_checkpointing": "full"}),
     "fp32-ac": ("engine", 1, 2, {"mixed_precision": "fp32", "activation_checkpointing": "full"}),
+    "hf-bf16-thp": ("hf", 1, 2, {"mixed_precision": "bf16"}),
     "bf16-c1024": ("engine", 1, 2, {"mixed_precision": "bf16", "loss_chunk_tokens": 1024}),
+    "bf16-c512": ("engine", 1, 2, {"mixed_precision": "bf16", "loss_chunk_tokens": 512}),
     "fp32-c1024": ("engine", 1, 2, {"mixed_precision": "fp32", "loss_chunk_tokens": 1024}),
     "dp1-1t": ("engine", 1, 1, {"mixed_precision": "bf16"}),
     "dp2": ("engine", 2, 1, {"mixed_precision": "bf16"}),
@@ -227,6 +234,13 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
         str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    # The engine's processes get the environment defaults its entry point sets (huge pages for large host
+    # buffers); the plain loop runs as users run it, or with the same defaults for the "-thp" variants.
+    for key, value in PROCESS_ENV_DEFAULTS.items():
+        if VARIANTS[name][0] == "engine" or name.endswith("-thp"):
+            env.setdefault(key, value)
+        else:
+            env.pop(key, None)
     proc = subprocess.run(launcher + script, cwd=REPO, env=env, text=True, capture_output=not args.profile)
     if proc.returncode:
         raise RuntimeError(f"variant {name} failed ({proc.returncode}):\n{(proc.stderr or '')[-3000:]}")

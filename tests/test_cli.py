@@ -71,3 +71,27 @@ def test_package_exports_the_model_api():
     assert q.Qwen3Model is model.Qwen3Model
     preset = q.get_preset("Qwen3-8B")
     assert isinstance(preset, q.Qwen3Config) and preset.hidden_size == 4096
+
+
+def _env_probe(argv: list[str]) -> int:
+    """A subcommand that reports what it sees: THP_MEM_ALLOC_ENABLE and whether torch was imported."""
+    print(f"THP={os.environ.get('THP_MEM_ALLOC_ENABLE')} torch_loaded={'torch' in sys.modules}")
+    return 0
+
+
+def _probe(repo_root, env_value: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = env_value
+    env["PYTHONPATH"] = os.pathsep.join([str(repo_root), str(repo_root / "tests")])
+    code = "import sys; from qwen3_pretrain.cli import run_command; sys.exit(run_command('test_cli:_env_probe', []))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_commands_ask_for_huge_pages_before_torch_loads_unless_the_user_says_otherwise(repo_root):
+    # torch reads the variable once, at its first allocation: it must be set before torch is imported.
+    assert _probe(repo_root, None) == "THP=1 torch_loaded=False"
+    assert _probe(repo_root, "0") == "THP=0 torch_loaded=False"

@@ -160,6 +160,15 @@ class _Scratch:
         self.same_dtype = weight.dtype == compute
         # matmul output and gradient of the logits, in the inputs' dtype
         self.low = self.logits if self.same_dtype else torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        # one chunk's gradient of the weight before it is added to the fp32 sum (allocated when first needed)
+        self.weight_grad: torch.Tensor | None = None
+
+    def chunk_weight_grad(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``grad_logits.T @ hidden`` [V_local, H] in the inputs' dtype, into a buffer every chunk reuses."""
+        if self.weight_grad is None:
+            self.weight_grad = torch.empty(grad_logits.shape[1], hidden.shape[1], dtype=hidden.dtype,
+                                           device=hidden.device)
+        return torch.mm(grad_logits.T, hidden, out=self.weight_grad)
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opts: _Options, scratch: _Scratch,
@@ -192,7 +201,10 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
         if grad_hidden is not None:
             grad_hidden.copy_(grad_logits @ weight)  # [n, H], partial over the vocab shards
         if grad_weight is not None:
-            grad_weight += grad_logits.T @ hidden  # [V_local, H], accumulated in fp32
+            if grad_weight.dtype == hidden.dtype:  # fp32 / fp64 inputs: accumulate in place
+                grad_weight.addmm_(grad_logits.T, hidden)
+            else:  # [V_local, H] in the inputs' dtype, summed over chunks in fp32
+                grad_weight += scratch.chunk_weight_grad(grad_logits, hidden)
     return torch.where(valid, row_max + sum_exp.log() - target, 0.0).sum()
 
 
