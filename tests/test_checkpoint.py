@@ -73,6 +73,15 @@ def _train_cmd(cfg: Path) -> list[str]:
     return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
 
 
+def test_one_stage_tied_head_follows_the_embedding_without_optimizer_state(uninterrupted, tmp_path):
+    dcp_to_torch_save(uninterrupted / "step_0000006", tmp_path / "flat.pt")
+    state = torch.load(tmp_path / "flat.pt", weights_only=False)
+    model, optim = state["model"], state["optim"]
+    assert torch.equal(model["lm_head.weight"], model["embed_tokens.weight"])
+    assert any(k.startswith("state.embed_tokens.weight.") for k in optim), sorted(optim)[:5]
+    assert not any(".lm_head." in k for k in optim), [k for k in optim if ".lm_head." in k]
+
+
 def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path):
     total = 12
     ref = tmp_path / "ref"
@@ -113,6 +122,8 @@ def test_half_written_checkpoint_is_ignored(uninterrupted, corpus, tmp_path):
 RESHARD = {
     "tp2->dp2": ((2, ["tp=2", "gradient_accumulation_steps=2"]), (2, ["batch_size=2"])),
     "pp2->tp2": ((2, ["pp=2", "gradient_accumulation_steps=2"]), (2, ["tp=2", "gradient_accumulation_steps=2"])),
+    # one stage (the tied head has no optimizer state) -> two (the head's state comes from the embedding's)
+    "tp2->pp2": ((2, ["tp=2", "gradient_accumulation_steps=2"]), (2, ["pp=2", "gradient_accumulation_steps=2"])),
     "dp2->single": ((2, ["batch_size=2"]), (1, ["gradient_accumulation_steps=2"])),
 }
 

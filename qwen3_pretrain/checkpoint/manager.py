@@ -179,9 +179,13 @@ class Checkpointer:
     """Saves and restores model parts + optimizers + trainer metadata with torch.distributed.checkpoint."""
 
     def __init__(self, output_path: str | os.PathLike, parts: list[nn.Module],
-                 optimizers: list[torch.optim.Optimizer], keep_last_n: int = 3, async_save: bool = False) -> None:
+                 optimizers: list[torch.optim.Optimizer], keep_last_n: int = 3, async_save: bool = False,
+                 optim_aliases: dict[str, str] | None = None) -> None:
         self.root = Path(output_path)
         self.parts, self.optimizers = parts, optimizers
+        # parameter name -> the one whose optimizer state stands in when a checkpoint has none for it
+        # (a tied head optimized on its own under pp > 1, resumed from a one-stage run where it was not)
+        self.optim_aliases = optim_aliases or {}
         self.keep_last_n = keep_last_n
         self.async_save = async_save
         self._pending: tuple[Any, Path, Path, dict] | None = None
@@ -278,15 +282,35 @@ class Checkpointer:
 
     # --- load -----------------------------------------------------------------------
 
+    def _aliased_keys(self, optim: dict[str, Any], saved: set[str]) -> dict[str, str]:
+        """{our optimizer key: the checkpoint's key to read it from} for keys the checkpoint lacks and an
+        alias provides. Flattened keys are ``state.<param>.<name>`` and ``param_groups.<param>.<name>``."""
+        renamed = {}
+        for key in optim:
+            if f"optim.{key}" in saved:
+                continue
+            kind, _, rest = key.partition(".")
+            for name, alias in self.optim_aliases.items():
+                if rest.startswith(name + "."):
+                    other = f"{kind}.{alias}{rest[len(name):]}"
+                    if f"optim.{other}" in saved and other not in optim:
+                        renamed[key] = other
+        return renamed
+
     def load(self, path: Path) -> dict[str, Any]:
         """Restore model and optimizer from ``path`` (any layout); return its meta.json."""
         meta = read_meta(path)
         per_part = self._part_state_dicts()
         state = self._merge(per_part)
+        renamed = self._aliased_keys(state["optim"], set(read_dcp_metadata(path).state_dict_metadata))
+        for ours, saved in renamed.items():
+            state["optim"][saved] = state["optim"].pop(ours)
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
+        for ours, saved in renamed.items():
+            state["optim"][ours] = state["optim"].pop(saved)
         # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
         # merged dict: give each part its own keys back from there.
         for part, opt, (m, o) in zip(self.parts, self.optimizers, per_part):

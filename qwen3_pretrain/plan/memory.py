@@ -84,6 +84,7 @@ class StageParams:
     head: float  # the LM head (a unit), 0 off the last stage
     root: float  # the root unit: embedding and/or final norm, whatever the stage holds
     largest_tensor: float
+    optimized: float  # what the optimizer updates: all but a tied head beside its embedding
 
 
 def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StageParams:
@@ -91,11 +92,14 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
     vocab = cfg.vocab_size * h / t
-    # A tied head is a parameter of its own in the engine (kept equal by summing gradients).
+    # A tied head is a parameter of its own in the engine; on the embedding's stage it copies the
+    # embedding after each step and has no optimizer state (parallel/grads.py:TiedWeights).
     head = vocab if shape.has_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
     largest = max([h * cfg.intermediate_size / t] + ([vocab] if head or shape.has_embedding else []))
-    return StageParams(shape.num_layers * layer + head + root, layer, head, root, largest)
+    total = shape.num_layers * layer + head + root
+    shadow = head if cfg.tie_word_embeddings and shape.has_embedding else 0.0
+    return StageParams(total, layer, head, root, largest, total - shadow)
 
 
 def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
@@ -147,15 +151,16 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
 
     One chunk of ``c`` tokens: its logits in fp32 (4) and, in bf16, the matmul's
     output before the upcast or the gradient after the downcast (d), per local
-    vocab entry; the head's weight gradient accumulated in fp32 and one chunk's
-    contribution in the compute dtype; and its input, the final norm's output
-    (plus its gathered copy under tp).
+    vocab entry; the head's weight gradient accumulated in fp32 and, in bf16,
+    one chunk's contribution (the buffer that ends as the rounded sum); and its
+    input, the final norm's output (plus its gathered copy under tp).
     """
     tokens, t = _microbatch_tokens(layout), layout.tp
     chunk = min(tokens, layout.loss_chunk_tokens)
     vocab, d = cfg.vocab_size / t, layout.dtype_bytes
-    logits = chunk * vocab * (4 + (d if d != 4 else 0))
-    weight_grad = vocab * cfg.hidden_size * (4 + d)
+    low = d if d != 4 else 0
+    logits = chunk * vocab * (4 + low)
+    weight_grad = vocab * cfg.hidden_size * (4 + low)
     hidden = d * tokens * cfg.hidden_size * (1 + (1 / t if t > 1 else 0))
     return logits + weight_grad + hidden
 
@@ -177,7 +182,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     sp = stage_params(cfg, layout, shape)
     d, m = layout.dtype_bytes, layout.num_microbatches
     shard = layout.dp if layout.distributed_optimizer else 1
-    master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
+    master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.optimized / shard
     resident = layout.pp > 1 or not layout.reshard_after_forward
 
     def gathered(*units: float) -> float:
@@ -201,7 +206,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     before = (accumulated or sharded_grads) if m > inflight else 0.0
     head_grad = 0.0 if accumulated and before else 4 * sp.head * (1 if accumulated else 1 / shard)
     held = _held_activations(cfg, layout, shape)
-    step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
+    step_temp = {"fused": 0.0, "foreach": 4 * sp.optimized / shard,
                  "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]
     return {
         "loss": dict(parameters=gathered(sp.head, sp.layer), gradients=before, optimizer=adam, activations=held,
@@ -215,7 +220,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         "end of backward": dict(parameters=gathered(sp.root or sp.layer), optimizer=adam,
                                 gradients=(accumulated or sharded_grads) + unit_grad(sp.root or sp.layer),
                                 activations=0.0, logits=0.0),
-        "optimizer step": dict(parameters=master, gradients=sharded_grads, optimizer=adam + step_temp,
+        "optimizer step": dict(parameters=master, gradients=4 * sp.optimized / shard, optimizer=adam + step_temp,
                                activations=0.0, logits=0.0),
     }
 

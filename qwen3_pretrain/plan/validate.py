@@ -80,10 +80,24 @@ def train_step(model: Qwen3Model, optimizer: torch.optim.Optimizer, layout: Layo
         loss = model.lm_head(model(ids), labels) / labels.numel()
         loss.backward()
         total += float(loss.detach())
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    tied = model.config.tie_word_embeddings  # as the engine: the head adds its gradient to the embedding's
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    if tied:
+        embed.grad.to_local().add_(head.grad.to_local())
+        head.grad = None
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if tied:
+        with torch.no_grad():
+            head.to_local().copy_(embed.to_local())  # and copies its values after the step
     return total
+
+
+def optimized_params(model: Qwen3Model) -> list[nn.Parameter]:
+    """What the engine's optimizer updates: all but a tied head (it copies the embedding)."""
+    skip = model.lm_head.weight if model.config.tie_word_embeddings else None
+    return [p for p in model.parameters() if p is not skip]
 
 
 def _ensure_process_group() -> None:
@@ -98,7 +112,7 @@ def measure(cfg: Qwen3Config, layout: Layout, steps: int = 1, time_one_step: boo
     layout = layout.replace(optimizer_impl="fused")  # the engine's AdamW on CPU
     with MemoryTracker("cpu") as mem:
         model = build_model(cfg, layout)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        optimizer = torch.optim.AdamW(optimized_params(model), lr=1e-4, fused=True)
         train_step(model, optimizer, layout, cfg.vocab_size, gen)
         mem.reset()
         for _ in range(steps):

@@ -125,10 +125,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         _check_labels(flat_labels, unmatched, opts)
         if grad_hidden is not None and opts.tp_group is not None:
             dist.all_reduce(grad_hidden, group=opts.tp_group)  # sum of the vocab shards' partials
-        ctx.save_for_backward(
-            None if grad_hidden is None else grad_hidden.view(hidden.shape),
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-        )
+        if grad_weight is not None and grad_weight.dtype != weight.dtype:
+            grad_weight = scratch.weight_grad.copy_(grad_weight)  # the fp32 sum rounded once, in place
+        ctx.save_for_backward(None if grad_hidden is None else grad_hidden.view(hidden.shape), grad_weight)
         return loss
 
     @staticmethod
