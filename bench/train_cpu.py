@@ -22,7 +22,11 @@ for large host buffers, see ``qwen3_pretrain.cli``). The other variants are
 the engine's ``Trainer.train_step`` with the config keys shown, with those
 defaults. DP scaling efficiency is
 tokens/s of ``dp2`` (2 processes x 1 thread, batch 2 each) over twice that of
-``dp1-1t`` (1 process, 1 thread, batch 4): the same global batch of 4.
+``dp1-1t`` (1 process, 1 thread, batch 4): the same global batch of 4. With
+one core busy the other may clock higher and has the shared cache and memory
+bandwidth to itself, so ``dp1-1t-pair`` (two independent ``dp1-1t`` runs at
+once; its step time is one run's divided by two) is the baseline that isolates
+what data parallelism itself costs.
 """
 
 from __future__ import annotations
@@ -60,10 +64,13 @@ VARIANTS = {
     "bf16-c512": ("engine", 1, 2, {"mixed_precision": "bf16", "loss_chunk_tokens": 512}),
     "fp32-c1024": ("engine", 1, 2, {"mixed_precision": "fp32", "loss_chunk_tokens": 1024}),
     "dp1-1t": ("engine", 1, 1, {"mixed_precision": "bf16"}),
+    # two independent dp1-1t runs at once: what 2 busy cores give without any data parallelism
+    "dp1-1t-pair": ("engine", 2, 1, {"mixed_precision": "bf16", "batch_size": BATCH}),
     "dp2": ("engine", 2, 1, {"mixed_precision": "bf16"}),
     "dp2-replicated": ("engine", 2, 1, {"mixed_precision": "bf16", "distributed_optimizer": False}),
 }
-DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c1024,fp32-c1024,dp1-1t,dp2"
+INDEPENDENT = {"dp1-1t-pair"}  # variants whose processes are separate single-process runs
+DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c1024,fp32-c1024,dp1-1t,dp1-1t-pair,dp2"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -165,7 +172,7 @@ def hf_step_fn(name: str, data: str):
 def worker(args: argparse.Namespace) -> None:
     kind, _, threads, _ = VARIANTS[args.worker]
     torch.set_num_threads(threads)
-    rank = int(os.environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", os.environ.get("BENCH_COPY", 0)))
     trainer = None
     if kind == "hf":
         step = hf_step_fn(args.worker, args.data)
@@ -241,6 +248,23 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
             env.setdefault(key, value)
         else:
             env.pop(key, None)
+    if name in INDEPENDENT:
+        for i in range(nproc):
+            (out / f"copy{i}").mkdir()
+        procs = [subprocess.Popen([sys.executable, *script[:6], str(out / f"copy{i}"), *script[7:]], cwd=REPO,
+                                  env=dict(env, BENCH_COPY=str(i)), text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(nproc)]
+        for i, p in enumerate(procs):
+            _, err = p.communicate()
+            if p.returncode:
+                raise RuntimeError(f"variant {name} copy {i} failed ({p.returncode}):\n{err[-3000:]}")
+        ranks = [json.loads((out / f"copy{i}" / f"rank{i}.json").read_text()) for i in range(nproc)]
+        # Separate runs, each with the whole batch: the pair's step time is that of one run's step,
+        # counted as processing nproc batches (see print_table).
+        return {"wall_s": statistics.median(w for r in ranks for w in r["wall_s"]) / nproc,
+                "cpu_s": statistics.median(c for r in ranks for c in r["cpu_s"]),
+                "peak_gib": max(r["peak_gib"] for r in ranks), "before_gib": max(r["before_gib"] for r in ranks),
+                "loss": ranks[0]["loss"]}
     proc = subprocess.run(launcher + script, cwd=REPO, env=env, text=True, capture_output=not args.profile)
     if proc.returncode:
         raise RuntimeError(f"variant {name} failed ({proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
@@ -285,6 +309,10 @@ def print_table(rows: dict[str, dict]) -> None:
         one, two = rows["dp1-1t"], rows["dp2"]
         print(f"DP scaling efficiency dp2 vs 2 x dp1-1t: {one['wall_s'] / (2 * two['wall_s']):.0%} by wall time, "
               f"{one['cpu_s'] / two['cpu_s']:.0%} by CPU time (work added by the second rank)")
+    if "dp1-1t-pair" in rows and "dp2" in rows:
+        pair, two = rows["dp1-1t-pair"], rows["dp2"]
+        print(f"DP scaling efficiency dp2 vs two dp1-1t runs at once (both cores busy, no communication): "
+              f"{pair['wall_s'] / two['wall_s']:.0%} by wall time")
     base = rows.get("hf-bf16")
     for name, r in rows.items():
         if base is not None and VARIANTS[name][0] == "engine" and VARIANTS[name][1:3] == (1, 2):
