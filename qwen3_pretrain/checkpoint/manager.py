@@ -180,12 +180,12 @@ class Checkpointer:
 
     def __init__(self, output_path: str | os.PathLike, parts: list[nn.Module],
                  optimizers: list[torch.optim.Optimizer], keep_last_n: int = 3, async_save: bool = False,
-                 optim_aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None) -> None:
         self.root = Path(output_path)
         self.parts, self.optimizers = parts, optimizers
-        # parameter name -> the one whose optimizer state stands in when a checkpoint has none for it
-        # (a tied head optimized on its own under pp > 1, resumed from a one-stage run where it was not)
-        self.optim_aliases = optim_aliases or {}
+        # parameter name -> the one whose weight and optimizer state stand in when a checkpoint has none
+        # for it (a tied head of its own under pp > 1, resumed from one stage where it is the embedding)
+        self.aliases = aliases or {}
         self.keep_last_n = keep_last_n
         self.async_save = async_save
         self._pending: tuple[Any, Path, Path, dict] | None = None
@@ -282,19 +282,22 @@ class Checkpointer:
 
     # --- load -----------------------------------------------------------------------
 
-    def _aliased_keys(self, optim: dict[str, Any], saved: set[str]) -> dict[str, str]:
-        """{our optimizer key: the checkpoint's key to read it from} for keys the checkpoint lacks and an
-        alias provides. Flattened keys are ``state.<param>.<name>`` and ``param_groups.<param>.<name>``."""
+    def _aliased_keys(self, part: str, ours: dict[str, Any], saved: set[str]) -> dict[str, str]:
+        """{our key: the checkpoint's key to read it from} for keys of ``part`` ("model" or "optim") that
+        the checkpoint lacks and an alias provides. Model keys are parameter names; flattened optimizer
+        keys are ``state.<param>.<name>`` and ``param_groups.<param>.<name>``."""
         renamed = {}
-        for key in optim:
-            if f"optim.{key}" in saved:
+        for key in ours:
+            if f"{part}.{key}" in saved:
                 continue
-            kind, _, rest = key.partition(".")
-            for name, alias in self.optim_aliases.items():
-                if rest.startswith(name + "."):
-                    other = f"{kind}.{alias}{rest[len(name):]}"
-                    if f"optim.{other}" in saved and other not in optim:
-                        renamed[key] = other
+            for name, alias in self.aliases.items():
+                if part == "model":
+                    other = alias if key == name else None
+                else:
+                    kind, _, rest = key.partition(".")
+                    other = f"{kind}.{alias}{rest[len(name):]}" if rest.startswith(name + ".") else None
+                if other is not None and f"{part}.{other}" in saved and other not in ours:
+                    renamed[key] = other
         return renamed
 
     def load(self, path: Path) -> dict[str, Any]:
@@ -302,15 +305,18 @@ class Checkpointer:
         meta = read_meta(path)
         per_part = self._part_state_dicts()
         state = self._merge(per_part)
-        renamed = self._aliased_keys(state["optim"], set(read_dcp_metadata(path).state_dict_metadata))
-        for ours, saved in renamed.items():
-            state["optim"][saved] = state["optim"].pop(ours)
+        saved_keys = set(read_dcp_metadata(path).state_dict_metadata)
+        renamed = {part: self._aliased_keys(part, state[part], saved_keys) for part in ("model", "optim")}
+        for part, keys in renamed.items():
+            for ours, saved in keys.items():
+                state[part][saved] = state[part].pop(ours)
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
-        for ours, saved in renamed.items():
-            state["optim"][ours] = state["optim"].pop(saved)
+        for part, keys in renamed.items():
+            for ours, saved in keys.items():
+                state[part][ours] = state[part].pop(saved)
         # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
         # merged dict: give each part its own keys back from there.
         for part, opt, (m, o) in zip(self.parts, self.optimizers, per_part):

@@ -17,49 +17,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiedWeights:
-    """Keeps a tied LM head equal to the embedding.
-
-    Where one rank holds both (one pipeline stage), the head is a shadow: its gradient is added to
-    the embedding's, the optimizer updates the embedding only, and ``after_step`` copies the new
-    values into the head, so the head has no optimizer state and no update of its own. Under pp > 1
-    they live on the first and last stage: both start equal and receive the same, summed gradient
-    (the ranks holding the same shard of both, same dp and tp coordinates, sum over a two-rank
-    group), so their identical updates keep them equal.
-    """
+    """Keeps a tied LM head equal to the embedding under pp > 1 (with one stage the head applies the
+    embedding's weight itself: ``TiedLMHead``). The embedding lives on the first stage and the head, a
+    parameter of its own, on the last; both start equal and receive the same, summed gradient (the
+    ranks holding the same shard of both, same dp and tp coordinates, sum over a two-rank group), so
+    their identical updates keep them equal."""
 
     def __init__(self, parts: list[nn.Module], mesh: DeviceMesh) -> None:
+        pp = mesh["pp"].size()
+        if pp == 1:
+            raise ValueError("TiedWeights is for pp > 1; one stage ties with TiedLMHead")
         self.embed = next((p.embed_tokens.weight for p in parts if p.embed_tokens is not None), None)
         self.head = next((p.lm_head.weight for p in parts if p.lm_head is not None), None)
         self.group = None
-        pp = mesh["pp"].size()
-        if pp > 1:
-            ranks = mesh.mesh.reshape(pp, -1)
-            for first, last in zip(ranks[0].tolist(), ranks[-1].tolist()):
-                group = dist.new_group([first, last])  # every rank creates every group, in the same order
-                if dist.get_rank() in (first, last):
-                    self.group = group
-        if self.shadow is not None and _local(self.embed).shape != _local(self.head).shape:
-            raise AssertionError("a tied head must be sharded like the embedding")
-
-    @property
-    def shadow(self) -> nn.Parameter | None:
-        """The head when it follows an embedding on this rank (leave it out of the optimizer), else None."""
-        return self.head if self.embed is not None and self.head is not None else None
+        ranks = mesh.mesh.reshape(pp, -1)
+        for first, last in zip(ranks[0].tolist(), ranks[-1].tolist()):
+            group = dist.new_group([first, last])  # every rank creates every group, in the same order
+            if dist.get_rank() in (first, last):
+                self.group = group
 
     def sync_grads(self) -> None:
-        if self.shadow is not None:
-            _local(self.embed.grad).add_(_local(self.head.grad))
-            self.head.grad = None
-            return
         mine = self.embed if self.embed is not None else self.head
         if mine is not None and self.group is not None:
             dist.all_reduce(_local(mine.grad), group=self.group)
-
-    @torch.no_grad()
-    def after_step(self) -> None:
-        """After the optimizer step: the shadow head takes the embedding's new values."""
-        if self.shadow is not None:
-            _local(self.head).copy_(_local(self.embed))
 
 
 def global_grad_norm(params: list[torch.Tensor], pp_group) -> torch.Tensor:

@@ -23,7 +23,7 @@ from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
-from qwen3_pretrain.train.loss import ChunkedLMHead
+from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
 ParamSource = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
@@ -66,25 +66,34 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
         model.norm = None
         model.lm_head = None
     else:
-        # A tied head gets a parameter of its own, kept equal to the embedding by summing the two
-        # gradients (see TiedWeights), so the same code serves one stage and many.
-        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-        model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens,
-                                                  valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size else None)
+        valid = valid_vocab if valid_vocab < cfg.vocab_size else None
+        if cfg.tie_word_embeddings and model.embed_tokens is not None:
+            # One stage: the head applies the embedding's weight itself, one parameter as in HF.
+            model.lm_head = TiedLMHead(model.embed_tokens, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
+        else:
+            # Under pp > 1 a tied head gets a parameter of its own on the last stage, kept equal to the
+            # embedding by summing the two gradients (see TiedWeights).
+            head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+            model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
     model.return_hidden = True
     return model
 
 
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> None:
     """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
-    the model's) and the final norm at the root. The embedding is a unit of its own so that it is gathered
-    only around its own forward and backward, not for the whole backward pass as part of the root."""
+    the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
+    root. The embedding is a unit of its own so that it is gathered only around its own forward and
+    backward, not for the whole backward pass as part of the root."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    for unit in (model.embed_tokens, *model.layers.values()):
-        if unit is not None:
-            fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
-    if model.lm_head is not None:
+    tied_head = isinstance(model.lm_head, TiedLMHead)
+    if model.embed_tokens is not None:
+        # A tied head applies the embedding's weight in the loss: it stays gathered from the
+        # embedding's forward to its backward, the end of the step, and both gradients meet there.
+        fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not tied_head)
+    for unit in model.layers.values():
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
+    if model.lm_head is not None and not tied_head:
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)

@@ -92,7 +92,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for name in model.layers:
         plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan().items()})
     parallelize_module(model, tp_mesh, plan)
-    if model.lm_head is not None:
+    if model.lm_head is not None and "weight" in model.lm_head._parameters:  # not a TiedLMHead
         weight = model.lm_head.weight
         model.lm_head.weight = nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(0)]),
                                             requires_grad=weight.requires_grad)

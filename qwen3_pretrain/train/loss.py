@@ -238,7 +238,25 @@ def _check_labels(labels: torch.Tensor, unmatched: torch.Tensor, opts: _Options)
     )
 
 
-class ChunkedLMHead(nn.Linear):
+class _FusedLossHead:
+    """``forward`` shared by the two heads below: ``self.weight``, ``chunk_tokens``, ``valid_vocab``, ``ignore_index``."""
+
+    weight: torch.Tensor
+    chunk_tokens: int
+    valid_vocab: int | None
+    ignore_index: int
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(h, self.weight)
+        weight, tp_group, vocab_start = _local_vocab_shard(self.weight)
+        return fused_linear_cross_entropy(
+            _full(h), weight, _full(labels), ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
+            tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab,
+        )
+
+
+class ChunkedLMHead(_FusedLossHead, nn.Linear):
     """The LM head as an ``nn.Linear`` whose loss never materializes the full logits.
 
     ``forward(h)`` returns plain logits (generation, evaluation); ``forward(h,
@@ -270,17 +288,32 @@ class ChunkedLMHead(nn.Linear):
         head.weight = linear.weight
         return head
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if labels is None:
-            return F.linear(h, self.weight)
-        weight, tp_group, vocab_start = _local_vocab_shard(self.weight)
-        return fused_linear_cross_entropy(
-            _full(h), weight, _full(labels), ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
-            tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab,
-        )
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_tokens={self.chunk_tokens}, valid_vocab={self.valid_vocab}"
+
+
+class TiedLMHead(_FusedLossHead, nn.Module):
+    """A tied LM head on the embedding's stage: no parameter of its own, it applies the embedding's.
+
+    ``weight`` is looked up on the embedding at each call, so it is whatever the
+    parallel wrappers made of it at that moment (a tp-sharded DTensor, FSDP's
+    gathered weight inside a step), and autograd adds the head's gradient to the
+    embedding's. The embedding is referenced, not registered, so the model's
+    parameters and state dict hold the tied weight once (as ``embed_tokens.weight``).
+    """
+
+    def __init__(self, embedding: nn.Embedding, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
+                 ignore_index: int = -100) -> None:
+        super().__init__()
+        self._embedding = (embedding,)  # a tuple: not a submodule
+        self.chunk_tokens, self.valid_vocab, self.ignore_index = chunk_tokens, valid_vocab, ignore_index
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+    def extra_repr(self) -> str:
+        return f"tied to the embedding, chunk_tokens={self.chunk_tokens}, valid_vocab={self.valid_vocab}"
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,15 +21,11 @@ def _no_decay(name: str, tied: bool) -> bool:
     return name.endswith("norm.weight") or "embed_tokens" in name or (tied and name.startswith("lm_head"))
 
 
-def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool,
-                    exclude: Iterable[nn.Parameter] = ()) -> torch.optim.AdamW:
-    """AdamW over the parts' parameters but ``exclude`` (a tied head that copies its embedding)."""
-    skip = {id(p) for p in exclude}
+def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for part in parts:
         for name, param in part.named_parameters():
-            if id(param) not in skip:
-                (no_decay if _no_decay(name, tied) else decay).append(param)
+            (no_decay if _no_decay(name, tied) else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = optimizer_impl((decay or no_decay)[0].device.type) == "fused"
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, cfg),

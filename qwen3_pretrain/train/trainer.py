@@ -70,11 +70,11 @@ class Trainer:
         self.is_log_rank = coord[0] == self.dims.pp - 1 and not any(coord[1:])
         Path(cfg.output_path).mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
-        # A checkpoint of one stage has no optimizer state for a tied head (it copies the embedding):
-        # under pp > 1 the head's state is the embedding's.
-        aliases = {"lm_head.weight": "embed_tokens.weight"} if self.tied is not None else None
+        # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
+        # the last stage's head (weight and optimizer state) reads the embedding's.
+        aliases = {"lm_head.weight": "embed_tokens.weight"} if self.source.config.tie_word_embeddings else None
         self.checkpointer = Checkpointer(cfg.output_path, self.parts, self.optimizers, cfg.keep_last_n,
-                                         cfg.async_save, optim_aliases=aliases)
+                                         cfg.async_save, aliases=aliases)
         self.resumed_from = self._maybe_resume()
 
     # --- set-up ------------------------------------------------------------------
@@ -117,15 +117,13 @@ class Trainer:
             parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision, cfg.compile)
             materialize(part, self.device, source)
             self.parts.append(part)
-        self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings else None
+        self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings and dims.pp > 1 else None
         self.params = [p for part in self.parts for p in part.parameters()]
         # The tied head's gradient equals the embedding's: count it once in the global norm.
         skip = {id(self.tied.head)} if self.tied is not None and self.tied.head is not None else set()
         self.norm_params = [p for p in self.params if id(p) not in skip]
         # One optimizer per part, so optimizer state is saved and resharded by parameter name.
-        shadow = [self.tied.shadow] if self.tied is not None and self.tied.shadow is not None else []
-        self.optimizers = [build_optimizer([part], cfg, tied=model_cfg.tie_word_embeddings, exclude=shadow)
-                           for part in self.parts]
+        self.optimizers = [build_optimizer([part], cfg, tied=model_cfg.tie_word_embeddings) for part in self.parts]
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
@@ -287,8 +285,6 @@ class Trainer:
             for opt in self.optimizers:
                 set_lr(opt, lr)
                 opt.step()
-            if self.tied is not None:
-                self.tied.after_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
