@@ -28,9 +28,9 @@ from qwen3_pretrain.plan.validate import measure
 MiB = 2**20
 
 
-def _model(hidden: int, layers: int, intermediate: int, vocab: int = 151936) -> Qwen3Config:
+def _model(hidden: int, layers: int, intermediate: int, vocab: int = 151936, tied: bool = False) -> Qwen3Config:
     return Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=64, intermediate_size=intermediate, vocab_size=vocab)
+                       head_dim=64, intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied)
 
 
 # name -> (model, layout); real Qwen3 vocabulary unless the name says otherwise
@@ -41,6 +41,15 @@ CASES: dict[str, tuple[Qwen3Config, Layout]] = {
                                                     activation_checkpointing="none")),
     "h512-none-bf16": (_model(512, 4, 1536), Layout(micro_batch_size=2, seq_length=1024,
                                                      activation_checkpointing="none", loss_chunk_tokens=1024)),
+    # Tied (Qwen3 0.6B-4B): the head applies the embedding's weight, gathered all step.
+    "h256-none-bf16-tied": (_model(256, 2, 768, tied=True), Layout(micro_batch_size=1, seq_length=256,
+                                                                   activation_checkpointing="none")),
+    "h512-none-fp32-tied": (_model(512, 4, 1536, tied=True), Layout(micro_batch_size=2, seq_length=1024,
+                                                                    activation_checkpointing="none",
+                                                                    mixed_precision="fp32", loss_chunk_tokens=1024)),
+    "h512-full-bf16-gas2-tied": (_model(512, 4, 1536, tied=True), Layout(micro_batch_size=2, seq_length=1024,
+                                                                         gradient_accumulation_steps=2,
+                                                                         loss_chunk_tokens=1024)),
     "h512-none-fp32": (_model(512, 4, 1536), Layout(micro_batch_size=2, seq_length=1024,
                                                      activation_checkpointing="none", mixed_precision="fp32",
                                                      loss_chunk_tokens=1024)),

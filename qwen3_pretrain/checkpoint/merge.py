@@ -11,8 +11,9 @@ tensor twice (its saved fp32 chunk and its converted copy), not the model; the
 optimizer state in the same files is never read.
 
 Training pads the embedding and the head to a multiple of ``tp`` rows; the
-padding rows are dropped here. Training also keeps a tied head as its own
-(identical) parameter; HF stores a tied model's head once, as the embedding.
+padding rows are dropped here. A tied head is stored once, as the embedding,
+by a one-stage run; a pipelined run keeps it on the last stage as its own
+(identical) parameter, which is not read: HF stores a tied model's head once.
 """
 
 from __future__ import annotations

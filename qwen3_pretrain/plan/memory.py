@@ -84,7 +84,7 @@ class StageParams:
     head: float  # the LM head (a unit), 0 off the last stage
     root: float  # the root unit: embedding and/or final norm, whatever the stage holds
     largest_tensor: float
-    optimized: float  # what the optimizer updates: all but a tied head beside its embedding
+    tied_head: bool  # the head applies the embedding's weight (tied, one stage): ``head`` is 0
 
 
 def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StageParams:
@@ -92,14 +92,13 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
     vocab = cfg.vocab_size * h / t
-    # A tied head is a parameter of its own in the engine; on the embedding's stage it copies the
-    # embedding after each step and has no optimizer state (parallel/grads.py:TiedWeights).
-    head = vocab if shape.has_head else 0.0
+    # A tied head beside its embedding applies the embedding's weight (train/loss.py:TiedLMHead); under
+    # pp > 1 it is a parameter of its own on the last stage (parallel/grads.py:TiedWeights).
+    tied_head = cfg.tie_word_embeddings and shape.has_embedding and shape.has_head
+    head = vocab if shape.has_head and not tied_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
-    largest = max([h * cfg.intermediate_size / t] + ([vocab] if head or shape.has_embedding else []))
-    total = shape.num_layers * layer + head + root
-    shadow = head if cfg.tie_word_embeddings and shape.has_embedding else 0.0
-    return StageParams(total, layer, head, root, largest, total - shadow)
+    largest = max([h * cfg.intermediate_size / t] + ([vocab] if shape.has_head or shape.has_embedding else []))
+    return StageParams(shape.num_layers * layer + head + root, layer, head, root, largest, tied_head)
 
 
 def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
@@ -182,7 +181,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     sp = stage_params(cfg, layout, shape)
     d, m = layout.dtype_bytes, layout.num_microbatches
     shard = layout.dp if layout.distributed_optimizer else 1
-    master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.optimized / shard
+    master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
     resident = layout.pp > 1 or not layout.reshard_after_forward
 
     def gathered(*units: float) -> float:
@@ -204,23 +203,29 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists:
     # unsharded, or already reduced to their shards when that happens every micro-batch.
     before = (accumulated or sharded_grads) if m > inflight else 0.0
-    head_grad = 0.0 if accumulated and before else 4 * sp.head * (1 if accumulated else 1 / shard)
+    if sp.tied_head:
+        # The loss's gradient of the head is the first term of the embedding's gathered gradient,
+        # in the compute dtype, until the end of backward; the weight is gathered all step long.
+        head_weight, head_grad, head_copy, root_gathering = sp.root, d * sp.root, 0.0, 0.0
+    else:
+        head_weight, root_gathering = sp.head, gathering(sp.root)
+        head_grad = 0.0 if accumulated and before else 4 * sp.head * (1 if accumulated else 1 / shard)
+        head_copy = d * sp.head if copies else 0.0
     held = _held_activations(cfg, layout, shape)
-    step_temp = {"fused": 0.0, "foreach": 4 * sp.optimized / shard,
+    step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
                  "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]
     return {
-        "loss": dict(parameters=gathered(sp.head, sp.layer), gradients=before, optimizer=adam, activations=held,
+        "loss": dict(parameters=gathered(head_weight, sp.layer), gradients=before, optimizer=adam, activations=held,
                      logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
-        "backward start": dict(parameters=gathered(sp.root) + gathering(sp.root), optimizer=adam,
-                               gradients=before + head_grad + (d * sp.head if copies else 0.0), activations=held,
-                               logits=0.0),
+        "backward start": dict(parameters=gathered(sp.root) + root_gathering, optimizer=adam,
+                               gradients=before + head_grad + head_copy, activations=held, logits=0.0),
         "layer backward": dict(parameters=gathered(sp.root, 2 * sp.layer), optimizer=adam,
                                gradients=before + head_grad + unit_grad(sp.layer),
                                activations=held + _backward_working(cfg, layout), logits=0.0),
         "end of backward": dict(parameters=gathered(sp.root or sp.layer), optimizer=adam,
                                 gradients=(accumulated or sharded_grads) + unit_grad(sp.root or sp.layer),
                                 activations=0.0, logits=0.0),
-        "optimizer step": dict(parameters=master, gradients=4 * sp.optimized / shard, optimizer=adam + step_temp,
+        "optimizer step": dict(parameters=master, gradients=sharded_grads, optimizer=adam + step_temp,
                                activations=0.0, logits=0.0),
     }
 

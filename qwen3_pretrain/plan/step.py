@@ -152,9 +152,9 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     slots = m + (layout.pp - 1) / v
     busy = m * compute
     dp_exposed = max(0.0, dp_time - busy) + dp_edges
-    optimized = stage_params(cfg, layout, shape).optimized
+    total_params = stage_params(cfg, layout, shape).total
     shard = layout.dp if layout.distributed_optimizer else 1
-    optimizer = ADAMW_BYTES_PER_PARAM * optimized / shard / (hardware.memory_bandwidth_gbps * GB)
+    optimizer = ADAMW_BYTES_PER_PARAM * total_params / shard / (hardware.memory_bandwidth_gbps * GB)
     step = slots * (compute + tp_time + pp_time) + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
     return StepEstimate(

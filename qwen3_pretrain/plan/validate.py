@@ -27,7 +27,7 @@ from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.memtrack import MemoryTracker
-from qwen3_pretrain.train.loss import ChunkedLMHead
+from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,10 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
         raise ValueError(f"validation runs one process; got tp={layout.tp}, pp={layout.pp}, dp={layout.dp}")
     torch.manual_seed(0)
     model = Qwen3Model(cfg)  # torch's default initialization: the values do not matter here
-    head = ChunkedLMHead(cfg.hidden_size, cfg.vocab_size, chunk_tokens=layout.loss_chunk_tokens)
-    head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied, as in the engine
+    if cfg.tie_word_embeddings:  # as in the engine: the head applies the embedding's weight
+        head = TiedLMHead(model.embed_tokens, chunk_tokens=layout.loss_chunk_tokens)
+    else:
+        head = ChunkedLMHead.from_linear(model.lm_head, chunk_tokens=layout.loss_chunk_tokens)
     model.lm_head, model.return_hidden = head, True
     model.document_mask = layout.document_mask
     for layer in model.layers.values():
@@ -63,7 +65,10 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if layout.mixed_precision == "bf16" else MixedPrecisionPolicy()
     mesh = init_device_mesh("cpu", (1,))
-    for module in [*model.layers.values(), model.lm_head, model]:
+    if cfg.tie_word_embeddings:  # gathered from its forward to its backward, for the head (as in the engine)
+        fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    units = [*model.layers.values(), *([] if cfg.tie_word_embeddings else [model.lm_head]), model]
+    for module in units:
         fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward)
     return model
 
@@ -80,24 +85,10 @@ def train_step(model: Qwen3Model, optimizer: torch.optim.Optimizer, layout: Layo
         loss = model.lm_head(model(ids), labels) / labels.numel()
         loss.backward()
         total += float(loss.detach())
-    tied = model.config.tie_word_embeddings  # as the engine: the head adds its gradient to the embedding's
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
-    if tied:
-        embed.grad.to_local().add_(head.grad.to_local())
-        head.grad = None
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if tied:
-        with torch.no_grad():
-            head.to_local().copy_(embed.to_local())  # and copies its values after the step
     return total
-
-
-def optimized_params(model: Qwen3Model) -> list[nn.Parameter]:
-    """What the engine's optimizer updates: all but a tied head (it copies the embedding)."""
-    skip = model.lm_head.weight if model.config.tie_word_embeddings else None
-    return [p for p in model.parameters() if p is not skip]
 
 
 def _ensure_process_group() -> None:
@@ -112,7 +103,7 @@ def measure(cfg: Qwen3Config, layout: Layout, steps: int = 1, time_one_step: boo
     layout = layout.replace(optimizer_impl="fused")  # the engine's AdamW on CPU
     with MemoryTracker("cpu") as mem:
         model = build_model(cfg, layout)
-        optimizer = torch.optim.AdamW(optimized_params(model), lr=1e-4, fused=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         train_step(model, optimizer, layout, cfg.vocab_size, gen)
         mem.reset()
         for _ in range(steps):
