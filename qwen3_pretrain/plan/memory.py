@@ -151,7 +151,8 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     One chunk of ``c`` tokens: its logits in fp32 (4) and, in bf16, the matmul's
     output before the upcast or the gradient after the downcast (d), per local
     vocab entry; the head's weight gradient accumulated in fp32 and, in bf16,
-    one chunk's contribution (the buffer that ends as the rounded sum); and its
+    one chunk's contribution (the buffer that ends as the rounded sum; with a
+    single chunk that buffer is the gradient and there is no fp32 sum); and its
     input, the final norm's output (plus its gathered copy under tp).
     """
     tokens, t = _microbatch_tokens(layout), layout.tp
@@ -159,7 +160,7 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     vocab, d = cfg.vocab_size / t, layout.dtype_bytes
     low = d if d != 4 else 0
     logits = chunk * vocab * (4 + low)
-    weight_grad = vocab * cfg.hidden_size * (4 + low)
+    weight_grad = vocab * cfg.hidden_size * (d + (4 if low and tokens > chunk else 0))
     hidden = d * tokens * cfg.hidden_size * (1 + (1 / t if t > 1 else 0))
     return logits + weight_grad + hidden
 

@@ -110,7 +110,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         compute = torch.promote_types(hidden.dtype, torch.float32)
         # Gradients are computed only when autograd will ask for them (not in eval).
         grad_hidden = _zeros_if(opts.compute_grads and ctx.needs_input_grad[0], flat_hidden.shape, hidden)
-        grad_weight = _zeros_if(opts.compute_grads and ctx.needs_input_grad[1], weight.shape, weight, compute)
+        want_weight_grad = opts.compute_grads and ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=compute, device=hidden.device)
         unmatched = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
         scratch = _Scratch(min(opts.chunk_tokens, num_tokens), weight, compute)
@@ -121,12 +121,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 end = min(start + opts.chunk_tokens, num_tokens)
                 chunk_grad_hidden = None if grad_hidden is None else grad_hidden[start:end]
                 loss += _chunk(flat_hidden[start:end], weight, flat_labels[start:end], opts, scratch,
-                               chunk_grad_hidden, grad_weight, unmatched[start:end])
+                               chunk_grad_hidden, want_weight_grad, unmatched[start:end])
         _check_labels(flat_labels, unmatched, opts)
         if grad_hidden is not None and opts.tp_group is not None:
             dist.all_reduce(grad_hidden, group=opts.tp_group)  # sum of the vocab shards' partials
-        if grad_weight is not None and grad_weight.dtype != weight.dtype:
-            grad_weight = scratch.weight_grad.copy_(grad_weight)  # the fp32 sum rounded once, in place
+        grad_weight = scratch.weight_grad_result() if want_weight_grad else None
         ctx.save_for_backward(None if grad_hidden is None else grad_hidden.view(hidden.shape), grad_weight)
         return loss
 
@@ -147,7 +146,7 @@ def _zeros_if(needed: bool, shape: torch.Size, like: torch.Tensor,
 
 
 class _Scratch:
-    """Logits buffers [chunk_tokens, V_local] that every chunk reuses.
+    """Logits buffers [chunk_tokens, V_local] that every chunk reuses, and the weight's gradient.
 
     A fresh multi-GB tensor per chunk costs as much in page faults as the
     softmax itself on CPU; a GPU's caching allocator would not mind either way.
@@ -156,24 +155,39 @@ class _Scratch:
     def __init__(self, rows: int, weight: torch.Tensor, compute: torch.dtype) -> None:
         shape = (rows, weight.shape[0])
         self.logits = torch.empty(shape, dtype=compute, device=weight.device)  # softmax math
+        self.compute = compute
         self.same_dtype = weight.dtype == compute
         # matmul output and gradient of the logits, in the inputs' dtype
         self.low = self.logits if self.same_dtype else torch.empty(shape, dtype=weight.dtype, device=weight.device)
-        # one chunk's gradient of the weight before it is added to the fp32 sum (allocated when first needed)
+        # [V_local, H] in the inputs' dtype: the first chunk's matmul output, then each chunk's
         self.weight_grad: torch.Tensor | None = None
+        # the sum over chunks in the compute dtype, when the inputs are in a lower one and there are several
+        self.weight_sum: torch.Tensor | None = None
 
-    def chunk_weight_grad(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """``grad_logits.T @ hidden`` [V_local, H] in the inputs' dtype, into a buffer every chunk reuses."""
+    def add_weight_grad(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Add one chunk's ``grad_logits.T @ hidden`` to the weight's gradient. With one chunk the
+        matmul's output is the gradient: no fp32 sum, no rounding pass."""
         if self.weight_grad is None:
-            self.weight_grad = torch.empty(grad_logits.shape[1], hidden.shape[1], dtype=hidden.dtype,
-                                           device=hidden.device)
-        return torch.mm(grad_logits.T, hidden, out=self.weight_grad)
+            self.weight_grad = torch.mm(grad_logits.T, hidden)
+        elif self.same_dtype:  # fp32 / fp64 inputs: accumulate in place
+            self.weight_grad.addmm_(grad_logits.T, hidden)
+        else:
+            if self.weight_sum is None:
+                self.weight_sum = self.weight_grad.to(self.compute)
+            self.weight_sum += torch.mm(grad_logits.T, hidden, out=self.weight_grad)
+
+    def weight_grad_result(self) -> torch.Tensor:
+        """The weight's gradient in the inputs' dtype (an fp32 sum is rounded once, into the chunk buffer)."""
+        if self.weight_sum is not None:
+            self.weight_grad.copy_(self.weight_sum)
+            self.weight_sum = None
+        return self.weight_grad
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opts: _Options, scratch: _Scratch,
-           grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
-           unmatched: torch.Tensor) -> torch.Tensor:
-    """Loss sum of one chunk of n tokens; adds its gradients into the two buffers.
+           grad_hidden: torch.Tensor | None, grad_weight: bool, unmatched: torch.Tensor) -> torch.Tensor:
+    """Loss sum of one chunk of n tokens; writes its gradient of the hidden states into ``grad_hidden``
+    and, with ``grad_weight``, adds its gradient of the weight to ``scratch``.
 
     ``unmatched`` [n] is set where a non-ignored label is owned by no rank (an
     id outside the vocabulary), for ``_check_labels``.
@@ -191,7 +205,7 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
     _all_reduce(stats, dist.ReduceOp.SUM, opts.tp_group)
     sum_exp, target, num_owners = stats
     unmatched.copy_(valid & (num_owners != 1))
-    if grad_hidden is not None or grad_weight is not None:
+    if grad_hidden is not None or grad_weight:
         # d loss / d logits = softmax - one-hot, zero on ignored tokens
         probs.mul_(torch.where(valid, sum_exp.reciprocal(), 0.0)[:, None])
         grad_logits = probs.scatter_add_(1, local_ids, -owned.to(probs.dtype)[:, None])
@@ -199,11 +213,8 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
             grad_logits = scratch.low[: len(labels)].copy_(grad_logits)
         if grad_hidden is not None:
             grad_hidden.copy_(grad_logits @ weight)  # [n, H], partial over the vocab shards
-        if grad_weight is not None:
-            if grad_weight.dtype == hidden.dtype:  # fp32 / fp64 inputs: accumulate in place
-                grad_weight.addmm_(grad_logits.T, hidden)
-            else:  # [V_local, H] in the inputs' dtype, summed over chunks in fp32
-                grad_weight += scratch.chunk_weight_grad(grad_logits, hidden)
+        if grad_weight:
+            scratch.add_weight_grad(grad_logits, hidden)
     return torch.where(valid, row_max + sum_exp.log() - target, 0.0).sum()
 
 
