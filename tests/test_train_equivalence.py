@@ -96,16 +96,18 @@ def test_layout_matches_single_process(name, reference, corpus, tmp_path):
 
 @pytest.mark.distributed
 def test_held_out_evaluation_is_the_same_under_a_pipeline(corpus, tmp_path):
-    evals = []
+    evals, trains = [], []
     for name, nproc, extra in (("single", 1, []), ("pp2", 2, ["pp=2"])):
         out = tmp_path / name
-        cfg = write_config(tmp_path / f"{name}.yaml", corpus, out, total_steps=2, eval_steps=1, valid_fraction=0.1,
+        cfg = write_config(tmp_path / f"{name}.yaml", corpus, out, total_steps=3, eval_steps=1, valid_fraction=0.1,
                            eval_iters=2)
         check_ok(run_train(cfg, nproc, *extra))
         records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
         evals.append([r["eval_loss"] for r in records if r.get("event") == "eval"])
-    assert len(evals[0]) == 2
+        trains.append(losses(out))
+    assert len(evals[0]) == 3 and len(trains[0]) == 3
     assert_close(evals[1], evals[0])
+    assert_close(trains[1], trains[0])  # training after each evaluation goes on alike
 
 
 @pytest.mark.distributed

@@ -24,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from qwen3_pretrain.train.loss import TiedLMHead
+
 
 class VocabParallelEmbedding(RowwiseParallel):
     """Embedding sharded on the vocabulary whose backward stays on the local shard.
@@ -92,7 +94,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for name in model.layers:
         plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan().items()})
     parallelize_module(model, tp_mesh, plan)
-    if model.lm_head is not None and "weight" in model.lm_head._parameters:  # not a TiedLMHead
+    if model.lm_head is not None and not isinstance(model.lm_head, TiedLMHead):  # a tied one has no weight
         weight = model.lm_head.weight
         model.lm_head.weight = nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(0)]),
                                             requires_grad=weight.requires_grad)

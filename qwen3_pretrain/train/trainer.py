@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest
@@ -262,6 +263,12 @@ class Trainer:
                     hidden = self.parts[0](mb["input_ids"].to(self.device), self._positions(mb))
                     local += self._loss_fn(hidden, mb["labels"].to(self.device))
             total += self._global_mean_loss(local)
+        # Without a backward pass, units kept gathered after forward (the embedding of a tied head)
+        # stay gathered: give the memory back, and let checkpoints see the sharded parameters.
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         return total / self.cfg.eval_iters
 
     def train_step(self) -> dict:
