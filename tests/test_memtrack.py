@@ -60,6 +60,15 @@ def test_storages_resized_in_place_are_followed():
         assert mem.current_bytes == 0 and mem.peak_bytes == 4 * MB
 
 
+def test_an_empty_storage_from_before_that_grows_is_new_memory():
+    storage = torch.empty(0).untyped_storage()  # as FSDP's unsharded parameters between steps
+    with MemoryTracker() as mem:
+        storage.resize_(4 * MB)
+        assert mem.current_bytes == 4 * MB
+        storage.resize_(0)
+        assert mem.current_bytes == 0 and mem.peak_bytes == 4 * MB
+
+
 def test_track_registers_what_existed_before():
     model = torch.nn.Linear(1000, 250, bias=False)  # 1 MB of weights
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

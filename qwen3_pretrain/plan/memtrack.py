@@ -10,7 +10,8 @@ tensor that an aten operator returns and counts its *storage* once: views share
 their base's storage and are not counted again, in-place results are not new
 memory, and a weak-reference finalizer subtracts a storage's bytes when the
 storage is freed. Storages resized in place (FSDP frees and re-allocates its
-unsharded parameters that way) are followed too. What the CPU tracker cannot
+unsharded parameters that way) are followed too, including an empty storage
+created before the tracker started that grows while it runs. What the CPU tracker cannot
 see: scratch buffers a kernel allocates and frees internally, and tensors
 created before it was entered unless passed to ``track()``.
 
@@ -71,11 +72,14 @@ class _StorageCounter(TorchDispatchMode):
         self._sizes[key] = nbytes
         self.peak = max(self.peak, self.current)
 
-    def resized(self, storage: torch.UntypedStorage) -> None:
-        if storage._cdata in self._sizes and storage.device.type == "cpu":
-            self.current += storage.nbytes() - self._sizes[storage._cdata]
-            self._sizes[storage._cdata] = storage.nbytes()
-            self.peak = max(self.peak, self.current)
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """Follow ``storage``'s in-place resize from ``before`` bytes: a counted storage changes size,
+        and an empty one that grows is new memory (FSDP re-allocating an unsharded parameter whose
+        storage was created before the tracker started)."""
+        if storage.device.type != "cpu":
+            return
+        if storage._cdata in self._sizes or (before == 0 and storage.nbytes() > 0):
+            self.add(torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage))
 
     def _free(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
@@ -164,8 +168,9 @@ class MemoryTracker:
         self._patched_resize = original
 
         def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            before = storage.nbytes()
             result = original(storage, size)
-            counter.resized(storage)
+            counter.resized(storage, before)
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
