@@ -19,6 +19,8 @@ gradient of the weight stays local, like the weight.
 ``ChunkedLMHead`` is the ``nn.Linear`` the engine swaps in for ``lm_head``: plain
 logits without labels, the fused loss sum with them; it understands a weight
 that is a DTensor sharded over the vocab on a 1-D tensor-parallel mesh.
+``TiedLMHead`` does the same with the embedding's weight, for a tied model
+whose embedding and head are on the same pipeline stage.
 """
 
 from __future__ import annotations
