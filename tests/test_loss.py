@@ -186,6 +186,9 @@ def _init_and_run(rank: int, world_size: int, port: int, fn, args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # No rank closes its connections while another may still be reading its last collective's data
+        # (gloo aborts the reader: "terminate called without an active exception", seen once in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
