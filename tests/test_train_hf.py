@@ -53,11 +53,14 @@ def test_model_name_contradicting_the_checkpoint_is_an_error(corpus, hf_dir, tmp
 
 
 @pytest.mark.distributed
-def test_merge_after_tp2_pp2_training_loads_in_transformers(corpus, tmp_path):
+@pytest.mark.parametrize("nproc, layout", [(4, {"tp": 2, "pp": 2}), (1, {})], ids=["tp2-pp2", "one-stage"])
+def test_merge_after_training_loads_in_transformers(nproc, layout, corpus, tmp_path):
+    """Under pp 2 the tied head is a parameter of its own on the last stage; on one stage it is the
+    embedding, stored once: both merge into the same HF layout."""
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=2, tp=2, pp=2)
-    check_ok(run_train(cfg, 4))
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=2, **layout)
+    check_ok(run_train(cfg, nproc))
     merged = tmp_path / "merged"
     proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "merge", "--input_path", str(out),
                            "--output_path", str(merged), "--model_name", "qwen3-0.6b", "--dtype", "fp32"],
@@ -69,6 +72,8 @@ def test_merge_after_tp2_pp2_training_loads_in_transformers(corpus, tmp_path):
     # The training model's weights straight from the sharded checkpoint, in the plain model.
     dcp_to_torch_save(out / "step_0000002", tmp_path / "flat.pt")
     state = torch.load(tmp_path / "flat.pt", weights_only=False)["model"]
+    assert ("lm_head.weight" in state) == bool(layout.get("pp")), sorted(state)[:3]
+    state.setdefault("lm_head.weight", state["embed_tokens.weight"])  # the plain model names the tie twice
     model = Qwen3Model(Qwen3Config(**TINY_MODEL))
     model.load_state_dict(state, strict=True)
     tokens = torch.randint(0, 500, (2, 32))
