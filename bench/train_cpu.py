@@ -232,10 +232,12 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
     _, nproc, threads, _ = VARIANTS[name]
     out = tmp / name
     out.mkdir()
-    script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out),
-              "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    if args.profile:
-        script.append("--profile=" + name)
+
+    def worker_script(out_dir: Path) -> list[str]:
+        script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out_dir),
+                  "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        return script + (["--profile=" + name] if args.profile else [])
+
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
         str(free_port())]
@@ -251,7 +253,7 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
     if name in INDEPENDENT:
         for i in range(nproc):
             (out / f"copy{i}").mkdir()
-        procs = [subprocess.Popen([sys.executable, *script[:6], str(out / f"copy{i}"), *script[7:]], cwd=REPO,
+        procs = [subprocess.Popen([sys.executable, *worker_script(out / f"copy{i}")], cwd=REPO,
                                   env=dict(env, BENCH_COPY=str(i)), text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE) for i in range(nproc)]
         for i, p in enumerate(procs):
@@ -265,7 +267,7 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
                 "cpu_s": statistics.median(c for r in ranks for c in r["cpu_s"]),
                 "peak_gib": max(r["peak_gib"] for r in ranks), "before_gib": max(r["before_gib"] for r in ranks),
                 "loss": ranks[0]["loss"]}
-    proc = subprocess.run(launcher + script, cwd=REPO, env=env, text=True, capture_output=not args.profile)
+    proc = subprocess.run(launcher + worker_script(out), cwd=REPO, env=env, text=True, capture_output=not args.profile)
     if proc.returncode:
         raise RuntimeError(f"variant {name} failed ({proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -307,16 +307,12 @@ class Checkpointer:
         state = self._merge(per_part)
         saved_keys = set(read_dcp_metadata(path).state_dict_metadata)
         renamed = {part: self._aliased_keys(part, state[part], saved_keys) for part in ("model", "optim")}
-        for part, keys in renamed.items():
-            for ours, saved in keys.items():
-                state[part][saved] = state[part].pop(ours)
+        _rename(state, renamed)  # read those entries under the checkpoint's names ...
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
-        for part, keys in renamed.items():
-            for ours, saved in keys.items():
-                state[part][ours] = state[part].pop(saved)
+        _rename(state, renamed, back=True)  # ... and give them ours again
         # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
         # merged dict: give each part its own keys back from there.
         for part, opt, (m, o) in zip(self.parts, self.optimizers, per_part):
@@ -329,6 +325,14 @@ class Checkpointer:
             if saved.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
         return meta
+
+
+def _rename(state: dict[str, dict[str, Any]], renamed: dict[str, dict[str, str]], back: bool = False) -> None:
+    """Move ``state[part][ours]`` to ``state[part][saved]`` for each ``renamed[part]`` entry (or back)."""
+    for part, keys in renamed.items():
+        for ours, saved in keys.items():
+            src, dst = (saved, ours) if back else (ours, saved)
+            state[part][dst] = state[part].pop(src)
 
 
 def _root_cause(exc: BaseException) -> str:

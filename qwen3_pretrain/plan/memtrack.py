@@ -11,8 +11,8 @@ their base's storage and are not counted again, in-place results are not new
 memory, and a weak-reference finalizer subtracts a storage's bytes when the
 storage is freed. Storages resized in place (FSDP frees and re-allocates its
 unsharded parameters that way) are followed too, including an empty storage
-created before the tracker started that grows while it runs. What the CPU tracker cannot
-see: scratch buffers a kernel allocates and frees internally, and tensors
+created before the tracker started that grows while it runs. What the CPU
+tracker cannot see: scratch buffers a kernel allocates and frees internally, and tensors
 created before it was entered unless passed to ``track()``.
 
     with MemoryTracker() as mem:
@@ -58,9 +58,10 @@ class _StorageCounter(TorchDispatchMode):
 
     def add(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage (once; a resize since the last look is applied)."""
-        if tensor.device.type != "cpu":
-            return
-        storage = tensor.untyped_storage()
+        if tensor.device.type == "cpu":
+            self._count(tensor.untyped_storage())
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
         nbytes = storage.nbytes()
         if key not in self._sizes:
@@ -79,7 +80,7 @@ class _StorageCounter(TorchDispatchMode):
         if storage.device.type != "cpu":
             return
         if storage._cdata in self._sizes or (before == 0 and storage.nbytes() > 0):
-            self.add(torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage))
+            self._count(storage)
 
     def _free(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
