@@ -24,6 +24,7 @@ from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
+from qwen3_pretrain.train.precision import compute_linears_in_fp32
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
 ParamSource = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
@@ -53,8 +54,10 @@ def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int) -> Qwen3Model:
-    """The stage's part of the model on the meta device, with an untied LM head swapped for the fused-loss head."""
+def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int,
+                fp32_matmul: bool = False) -> Qwen3Model:
+    """The stage's part of the model on the meta device, with an untied LM head swapped for the fused-loss head.
+    ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, see ``train/precision.py``)."""
     with torch.device("meta"):
         model = Qwen3Model(cfg)
     for name in list(model.layers):
@@ -75,6 +78,9 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
             # embedding by summing the two gradients (see TiedWeights).
             head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
             model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
+        model.lm_head.fp32_matmul = fp32_matmul
+    if fp32_matmul:
+        compute_linears_in_fp32(model)
     model.return_hidden = True
     return model
 

@@ -45,6 +45,7 @@ class Layout:
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
     document_mask: bool = False  # attention mask per packed document: a [seq, seq] mask per sample
     reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
+    fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: train/precision.py)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",

@@ -153,15 +153,20 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     vocab entry; the head's weight gradient accumulated in fp32 and, in bf16,
     one chunk's contribution (the buffer that ends as the rounded sum; with a
     single chunk that buffer is the gradient and there is no fp32 sum); and its
-    input, the final norm's output (plus its gathered copy under tp).
+    input, the final norm's output (plus its gathered copy under tp). With
+    ``fp32_matmul`` (bf16 multiplied in fp32 on a CPU) the logits and their
+    gradient exist in fp32 only, and fp32 copies of the weight and of the input
+    are made; the weight's gradient is accumulated in fp32 and rounded once.
     """
     tokens, t = _microbatch_tokens(layout), layout.tp
     chunk = min(tokens, layout.loss_chunk_tokens)
     vocab, d = cfg.vocab_size / t, layout.dtype_bytes
     low = d if d != 4 else 0
+    hidden = d * tokens * cfg.hidden_size * (1 + (1 / t if t > 1 else 0))
+    if low and layout.fp32_matmul:
+        return chunk * vocab * 4 + vocab * cfg.hidden_size * (4 + 4 + d) + hidden + 4 * tokens * cfg.hidden_size
     logits = chunk * vocab * (4 + low)
     weight_grad = vocab * cfg.hidden_size * (d + (4 if low and tokens > chunk else 0))
-    hidden = d * tokens * cfg.hidden_size * (1 + (1 / t if t > 1 else 0))
     return logits + weight_grad + hidden
 
 

@@ -28,6 +28,7 @@ from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.memtrack import MemoryTracker
 from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
+from qwen3_pretrain.train.precision import compute_linears_in_fp32, use_fp32_matmul
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     else:
         head = ChunkedLMHead.from_linear(model.lm_head, chunk_tokens=layout.loss_chunk_tokens)
     model.lm_head, model.return_hidden = head, True
+    if layout.fp32_matmul:
+        head.fp32_matmul = True
+        compute_linears_in_fp32(model)
     model.document_mask = layout.document_mask
     for layer in model.layers.values():
         if layout.activation_checkpointing != "none":
@@ -100,7 +104,9 @@ def measure(cfg: Qwen3Config, layout: Layout, steps: int = 1, time_one_step: boo
     """Peak bytes over ``steps`` steps after a first one, with the planner's prediction for the same layout."""
     _ensure_process_group()
     gen = torch.Generator().manual_seed(0)
-    layout = layout.replace(optimizer_impl="fused")  # the engine's AdamW on CPU
+    # the engine's AdamW on CPU, and its way with bf16 matmuls on this CPU
+    layout = layout.replace(optimizer_impl="fused",
+                            fp32_matmul=use_fp32_matmul(torch.device("cpu"), layout.mixed_precision, "auto"))
     with MemoryTracker("cpu") as mem:
         model = build_model(cfg, layout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.train.precision import fp32_linear
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class _Options:
     vocab_start: int
     valid_vocab: int | None
     compute_grads: bool
+    fp32_matmul: bool
 
 
 def fused_linear_cross_entropy(
@@ -56,6 +58,7 @@ def fused_linear_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     valid_vocab: int | None = None,
+    fp32_matmul: bool = False,
 ) -> torch.Tensor:
     """Sum over non-ignored tokens of ``cross_entropy(hidden @ weight.T, labels)``.
 
@@ -67,11 +70,16 @@ def fused_linear_cross_entropy(
     scalar. Global ids ``>= valid_vocab`` are padding rows of the head and never
     predicted. Returns a sum so the caller can divide by the number of valid
     tokens over all micro-batches and data-parallel ranks. Under autocast the
-    inputs are cast to the autocast dtype first, as ``F.linear`` would.
+    inputs are cast to the autocast dtype first, as ``F.linear`` would. With
+    ``fp32_matmul`` and bf16/fp16 inputs, the matmuls run on fp32 copies of
+    the inputs and the logits' gradient stays fp32 (for CPUs without native
+    bf16, see ``train/precision.py``); the gradients are returned in the
+    inputs' dtypes.
     """
     hidden, weight = _autocast_inputs(hidden, weight)
     _check_inputs(hidden, weight, labels, chunk_tokens, valid_vocab)
-    opts = _Options(ignore_index, chunk_tokens, tp_group, vocab_start, valid_vocab, torch.is_grad_enabled())
+    opts = _Options(ignore_index, chunk_tokens, tp_group, vocab_start, valid_vocab, torch.is_grad_enabled(),
+                    fp32_matmul and hidden.dtype in (torch.bfloat16, torch.float16))
     return _FusedLinearCrossEntropy.apply(hidden, weight, labels, opts)
 
 
@@ -106,12 +114,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 opts: _Options) -> torch.Tensor:
+        input_dtype = weight.dtype
+        if opts.fp32_matmul:  # temporaries; the gradients return in the inputs' dtype
+            hidden, weight = hidden.float(), weight.float()
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         flat_labels = labels.reshape(-1).long()  # [N]
         num_tokens = flat_labels.numel()
         compute = torch.promote_types(hidden.dtype, torch.float32)
         # Gradients are computed only when autograd will ask for them (not in eval).
-        grad_hidden = _zeros_if(opts.compute_grads and ctx.needs_input_grad[0], flat_hidden.shape, hidden)
+        grad_hidden = _zeros_if(opts.compute_grads and ctx.needs_input_grad[0], flat_hidden.shape, hidden,
+                                input_dtype)
         want_weight_grad = opts.compute_grads and ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=compute, device=hidden.device)
         unmatched = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
@@ -127,7 +139,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         _check_labels(flat_labels, unmatched, opts)
         if grad_hidden is not None and opts.tp_group is not None:
             dist.all_reduce(grad_hidden, group=opts.tp_group)  # sum of the vocab shards' partials
-        grad_weight = scratch.weight_grad_result() if want_weight_grad else None
+        grad_weight = scratch.weight_grad_result().to(input_dtype) if want_weight_grad else None
         ctx.save_for_backward(None if grad_hidden is None else grad_hidden.view(hidden.shape), grad_weight)
         return loss
 
@@ -258,14 +270,15 @@ class _FusedLossHead:
     chunk_tokens: int
     valid_vocab: int | None
     ignore_index: int
+    fp32_matmul: bool = False  # multiply bf16 in fp32 (CPUs without native bf16, see train/precision.py)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
-            return F.linear(h, self.weight)
+            return fp32_linear(h, self.weight) if self.fp32_matmul else F.linear(h, self.weight)
         weight, tp_group, vocab_start = _local_vocab_shard(self.weight)
         return fused_linear_cross_entropy(
             _full(h), weight, _full(labels), ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
-            tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab,
+            tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab, fp32_matmul=self.fp32_matmul,
         )
 
 

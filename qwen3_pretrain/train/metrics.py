@@ -4,7 +4,8 @@ The record is the data (``metrics.jsonl``); the human log line is a view of it.
 MFU = achieved model FLOP/s / peak FLOP/s, with FLOPs per token from
 ``Qwen3Config.flops_per_token`` (6 x matmul weights + attention, PaLM's
 convention) and the peak from the planner's device table, ``peak_tflops`` in
-the config, or, on a CPU, a bf16 matmul measured at start-up.
+the config, or, on a CPU, a matmul measured at start-up (bf16, or fp32 where
+the engine computes its bf16 matmuls in fp32: ``train/precision.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 
 from qwen3_pretrain.plan.hardware import DEVICES
 
-def device_peak_tflops(device: torch.device, configured: float | None) -> tuple[float, str]:
-    """(peak TFLOP/s per device, where the figure comes from)."""
+def device_peak_tflops(device: torch.device, configured: float | None,
+                       cpu_dtype: torch.dtype | None = None) -> tuple[float, str]:
+    """(peak TFLOP/s per device, where the figure comes from). On a CPU: a matmul in ``cpu_dtype``
+    (default bf16; fp32 where the engine computes its bf16 matmuls in fp32) measured now."""
     if configured:
         return configured, "config"
     if device.type in ("cuda", "npu"):
@@ -31,12 +34,13 @@ def device_peak_tflops(device: torch.device, configured: float | None) -> tuple[
             if key != "cpu" and key.upper() in name.upper().replace(" ", ""):
                 return hw.peak_tflops, f"device table ({name})"
         return float("nan"), f"unknown device {name!r}: set peak_tflops"
-    return measure_cpu_tflops(), "measured bf16 matmul"
+    dtype = cpu_dtype or torch.bfloat16
+    return measure_cpu_tflops(dtype=dtype), f"measured {str(dtype).removeprefix('torch.')} matmul"
 
 
-def measure_cpu_tflops(n: int = 1024, reps: int = 8) -> float:
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+def measure_cpu_tflops(n: int = 1024, reps: int = 8, dtype: torch.dtype = torch.bfloat16) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
     start = time.perf_counter()
     for _ in range(reps):

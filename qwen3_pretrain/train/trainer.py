@@ -44,6 +44,7 @@ from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
 from qwen3_pretrain.train.model_source import resolve_model
 from qwen3_pretrain.train.optim import build_optimizer, lr_at, optimizer_impl, set_lr
+from qwen3_pretrain.train.precision import use_fp32_matmul
 
 log = logging.getLogger("qwen3_pretrain.train")
 
@@ -59,6 +60,7 @@ class Trainer:
         _setup_logging(self.launch.rank)
         self._validate_before_launch()
         self.device = env.pick_device(cfg.device, self.launch.local_rank)
+        self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
         self._build_model()
@@ -112,7 +114,7 @@ class Trainer:
         self.parts = []
         for idx in self.stage_indices:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
-                               cfg.loss_chunk_tokens)
+                               cfg.loss_chunk_tokens, self.fp32_matmul)
             part.document_mask = cfg.document_mask
             part.pass_positions = self._uses_positions and part.lm_head is None
             parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision, cfg.compile)
@@ -310,7 +312,7 @@ class Trainer:
             signal.signal(signum, self._request_stop)
         self._log_start()
         history: list[dict] = []
-        peak, _ = device_peak_tflops(self.device, cfg.peak_tflops)
+        peak, _ = device_peak_tflops(self.device, cfg.peak_tflops, torch.float32 if self.fp32_matmul else None)
         flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
         avg_step = None
         saved_at = started_at = self.step
@@ -392,6 +394,10 @@ class Trainer:
                      self.launch.world_size, dims.tp, dims.pp, dims.dp, self.global_batch, cfg.batch_size, dims.dp,
                      cfg.gradient_accumulation_steps, cfg.seq_length, cfg.model_name, m.num_params() / 1e9,
                      self.source.description, self.device, self.launch.launcher)
+            if self.fp32_matmul:
+                log.info("bf16 matmuls are computed in fp32: %s (cpu_bf16_matmul: %s)", "this CPU has no AVX512-BF16 "
+                         "or AMX, native bf16 would run several times slower" if cfg.cpu_bf16_matmul == "auto"
+                         else "as configured", cfg.cpu_bf16_matmul)
             if self.resumed_from is not None:
                 log.info("resumed from %s at step %d", self.resumed_from, self.step)
                 self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
@@ -408,7 +414,7 @@ class Trainer:
                       virtual_stages=self.stages_per_rank, loss_chunk_tokens=cfg.loss_chunk_tokens,
                       pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
                       reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
-                      optimizer_impl=optimizer_impl(self.device.type))
+                      optimizer_impl=optimizer_impl(self.device.type), fp32_matmul=self.fp32_matmul)
 
     def _log_predicted_memory(self) -> None:
         """The planner's prediction for this very layout, and a warning when it exceeds the device."""

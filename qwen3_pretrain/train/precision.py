@@ -1,0 +1,93 @@
+"""bf16 matmuls computed in fp32, for CPUs that have no bf16 dot-product instructions.
+
+Under ``mixed_precision: bf16`` every matmul takes bf16 operands. GPUs, NPUs
+and x86 CPUs with AVX512-BF16 or AMX multiply them natively. Other x86 CPUs
+(most laptops, many cloud instances) emulate the bf16 dot product and run it
+several times slower than an fp32 matmul (0.06 vs 0.26 TFLOP/s on two
+AVX-512 cores without AVX512-BF16). There the engine upcasts the operands and
+multiplies in fp32. A product of two bf16 numbers is exact in fp32, and a
+native bf16 matmul accumulates in fp32 too, so the result is the same bf16
+matmul up to the order of the summation; parameters, activations and
+gradients keep their bf16 dtype, and the tensors saved for backward stay
+bf16 (the upcast copies are temporaries). The fused LM head + cross-entropy
+goes one step further and keeps its logits and their gradient in fp32
+instead of rounding them to bf16 (see ``train/loss.py``).
+
+``cpu_bf16_matmul`` in the training config chooses: ``auto`` (fp32 on an x86
+CPU without AVX512-BF16 and AMX, native elsewhere), ``bf16`` or ``fp32``. The
+choice depends only on the CPU's features, so a resumed run makes the same
+one and stays bit-exact.
+"""
+
+from __future__ import annotations
+
+import platform
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CPU_BF16_MATMUL = ("auto", "bf16", "fp32")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX on x86; assumed elsewhere (Arm)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: True)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def use_fp32_matmul(device: torch.device, mixed_precision: str, setting: str) -> bool:
+    """Whether the engine computes its bf16 matmuls in fp32 on ``device`` (only ever on a CPU)."""
+    if device.type != "cpu" or mixed_precision != "bf16" or setting == "bf16":
+        return False
+    return setting == "fp32" or not cpu_has_native_bf16()
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """``F.linear(x, w)`` (no bias) multiplied in fp32, returned and differentiated in the inputs' dtypes.
+    Saves the low-precision inputs, not their fp32 copies. Works on DTensors (tensor parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad, weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            flat_grad = grad.flatten(0, -2)  # [tokens, out]
+            grad_w = torch.matmul(flat_grad.T, x.float().flatten(0, -2)).to(weight.dtype)
+        return grad_x, grad_w
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` multiplied in fp32 when its operands are in a lower precision (plain ``F.linear`` otherwise)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return F.linear(x, weight, bias)
+    out = _Fp32Linear.apply(x, weight)
+    return out if bias is None else out + bias
+
+
+def _fp32_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return fp32_linear(x, self.weight, self.bias)
+
+
+def compute_linears_in_fp32(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` multiply in fp32 (the module's own ``forward`` is
+    replaced, so parameter names, hooks and tensor-parallel plans are untouched). Subclasses, such as
+    the fused-loss LM head, are left to their own option. Returns how many were changed."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = types.MethodType(_fp32_linear_forward, module)
+            count += 1
+    return count
