@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -85,6 +86,25 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     return model
 
 
+class AllReduceScatter:
+    """FSDP's gradient reduce-scatter as an in-place all-reduce of the whole buffer, keeping this rank's slice
+    (FSDP2's custom reduce-scatter interface: ``allocate`` and ``__call__``).
+
+    gloo's ``reduce_scatter_tensor`` takes twice as long as an all-reduce of its
+    whole input (fp32, 39M values: 0.20 vs 0.10 s on 2 ranks, 0.49 vs 0.25 s on 4),
+    so on CPU the all-reduce is used: same sum, and no extra memory (the input is
+    FSDP's full-size staging buffer, dropped after the call).
+    """
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> None:
     """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
     the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
@@ -103,6 +123,10 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> 
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    if dp_mesh.device_type == "cpu":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllReduceScatter())
 
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, ac_mode: str,
