@@ -11,7 +11,7 @@ from torch import nn
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
 from qwen3_pretrain.train import precision
 from qwen3_pretrain.train.loss import fused_linear_cross_entropy
-from qwen3_pretrain.train.precision import compute_linears_in_fp32, fp32_linear, use_fp32_matmul
+from qwen3_pretrain.train.precision import compute_in_fp32, fp32_linear, use_fp32_matmul
 from tests._train_helpers import TINY_MODEL, check_ok, losses, make_corpus, run_train, write_config
 
 
@@ -72,8 +72,8 @@ def test_only_plain_linears_change_and_the_model_computes_the_same():
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     native = model(ids)
     names = [n for n, _ in model.named_parameters()]
-    changed = compute_linears_in_fp32(model)
-    assert changed == 7 * cfg.num_hidden_layers + (0 if model.lm_head is None else 1)
+    changed = compute_in_fp32(model)
+    assert changed == 8 * cfg.num_hidden_layers + (0 if model.lm_head is None else 1)  # 7 linears + attention
     assert [n for n, _ in model.named_parameters()] == names
     torch.testing.assert_close(model(ids), native, rtol=5e-2, atol=5e-2)
 
@@ -117,3 +117,18 @@ def test_training_with_fp32_matmuls_matches_native_bf16_and_works_under_tp(corpu
         print(f"max relative loss diff vs native bf16: {worst:.2e}")
         assert len(got) == len(native) and worst < 2e-2, (got, native)
     assert fp32[-1] < fp32[0]
+
+
+def test_fp32_attention_matches_fp32_attention_of_the_bf16_inputs():
+    q, k, v = _bf16(2, 4, 9, 16), _bf16(2, 2, 9, 16, seed=1), _bf16(2, 2, 9, 16, seed=2)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = precision.fp32_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(_bf16(2, 4, 9, 16, seed=3))
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    ref.backward(_bf16(2, 4, 9, 16, seed=3).float())
+    assert out.dtype == q.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)
+    for got, want in zip((q.grad, k.grad, v.grad), leaves):
+        torch.testing.assert_close(got, want.grad.bfloat16(), rtol=1e-2, atol=1e-3)

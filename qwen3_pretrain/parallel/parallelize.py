@@ -25,7 +25,7 @@ from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.train.precision import compute_linears_in_fp32
+from qwen3_pretrain.train.precision import compute_in_fp32
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
 ParamSource = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
@@ -81,7 +81,7 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
             model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
         model.lm_head.fp32_matmul = fp32_matmul
     if fp32_matmul:
-        compute_linears_in_fp32(model)
+        compute_in_fp32(model)
     model.return_hidden = True
     return model
 

@@ -28,7 +28,7 @@ from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.memtrack import MemoryTracker
 from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.train.precision import compute_linears_in_fp32, use_fp32_matmul
+from qwen3_pretrain.train.precision import compute_in_fp32, use_fp32_matmul
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     model.lm_head, model.return_hidden = head, True
     if layout.fp32_matmul:
         head.fp32_matmul = True
-        compute_linears_in_fp32(model)
+        compute_in_fp32(model)
     model.document_mask = layout.document_mask
     for layer in model.layers.values():
         if layout.activation_checkpointing != "none":

@@ -9,9 +9,10 @@ multiplies in fp32. A product of two bf16 numbers is exact in fp32, and a
 native bf16 matmul accumulates in fp32 too, so the result is the same bf16
 matmul up to the order of the summation; parameters, activations and
 gradients keep their bf16 dtype, and the tensors saved for backward stay
-bf16 (the upcast copies are temporaries). The fused LM head + cross-entropy
-goes one step further and keeps its logits and their gradient in fp32
-instead of rounding them to bf16 (see ``train/loss.py``).
+bf16 (the upcast copies are temporaries). Attention runs on fp32 copies of
+q, k, v too (its bf16 kernel is 2.5x slower there). The fused LM head +
+cross-entropy goes one step further and keeps its logits and their gradient
+in fp32 instead of rounding them to bf16 (see ``train/loss.py``).
 
 ``cpu_bf16_matmul`` in the training config chooses: ``auto`` (fp32 on an x86
 CPU without AVX512-BF16 and AMX, native elsewhere), ``bf16`` or ``fp32``. The
@@ -27,6 +28,8 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwen3_pretrain.models.qwen3.model import Attention
 
 CPU_BF16_MATMUL = ("auto", "bf16", "fp32")
 
@@ -81,13 +84,25 @@ def _fp32_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return fp32_linear(x, self.weight, self.bias)
 
 
-def compute_linears_in_fp32(model: nn.Module) -> int:
+def fp32_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on fp32 copies of low-precision inputs, returned in their dtype.
+    What it saves for backward is fp32 (twice the bf16 size; a small part of a layer's activations)."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+
+
+def compute_in_fp32(model: nn.Module) -> int:
     """Make every plain ``nn.Linear`` of ``model`` multiply in fp32 (the module's own ``forward`` is
-    replaced, so parameter names, hooks and tensor-parallel plans are untouched). Subclasses, such as
-    the fused-loss LM head, are left to their own option. Returns how many were changed."""
+    replaced, so parameter names, hooks and tensor-parallel plans are untouched) and its attention
+    run in fp32. Subclasses of ``nn.Linear``, such as the fused-loss LM head, are left to their own
+    option. Returns how many modules were changed."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.forward = types.MethodType(_fp32_linear_forward, module)
+            count += 1
+        elif isinstance(module, Attention):
+            module.sdpa = fp32_sdpa
             count += 1
     return count

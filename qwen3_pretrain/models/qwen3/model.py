@@ -78,6 +78,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        # The attention kernel; the engine may swap in one with other numerics (train/precision.py).
+        self.sdpa = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,9 +92,9 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = self.sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = self.sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
