@@ -21,8 +21,8 @@ from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
 from qwen3_pretrain.plan.hardware import Hardware, get_device, with_overrides
-from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
-                                        check_degrees, enumerate_layouts)
+from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout, check_degrees,
+                                        default_chunk_tokens, enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.step import StepEstimate, predict_step
 
@@ -32,7 +32,7 @@ CONFIG_KEYS: dict[str, Any] = {
     "tp": int, "pp": int, "seq_length": int, "batch_size": int, "gradient_accumulation_steps": int,
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
-    "pp_microbatch_size": int, "loss_chunk_tokens": int, "document_mask": bool,
+    "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
     "reduce_grads_every_microbatch": bool,
 }
 
@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
     lay.add_argument("--pp-microbatch-size", type=int, help="samples per pipeline micro-batch")
-    lay.add_argument("--loss-chunk-tokens", type=int, help="tokens per chunk of the fused LM head + loss")
+    lay.add_argument("--loss-chunk-tokens", type=int,
+                     help="tokens per chunk of the fused LM head + loss (default 4096; 1024 with --device cpu)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON list, best first")
     out.add_argument("--top", type=int, default=10, help="rows to show")
@@ -192,7 +193,7 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"),
         virtual_stages=pick(args.virtual_stages, "pp_virtual_stages", 2),  # the engine's default
         pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
-        loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", 4096),
+        loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", None) or default_chunk_tokens(args.device),
         document_mask=conf.get("document_mask", False),
         reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
                                            False),

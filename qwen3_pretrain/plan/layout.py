@@ -24,6 +24,13 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step
 
 
+def default_chunk_tokens(device: str) -> int:
+    """Tokens per loss chunk when the config leaves it empty: 4096 on accelerators, whose matmuls want
+    large operands; 1024 on a CPU (``device`` "cpu"), where smaller chunks are as fast and take a
+    quarter of the memory."""
+    return 1024 if device == "cpu" else 4096
+
+
 @dataclass(frozen=True)
 class Layout:
     """Everything about a training run that decides its memory and speed, besides the model."""

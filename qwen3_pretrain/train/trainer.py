@@ -38,7 +38,7 @@ from qwen3_pretrain.parallel.parallelize import (
     stage_layer_ranges,
 )
 from qwen3_pretrain.parallel.pipeline import build_schedule
-from qwen3_pretrain.plan.layout import Layout
+from qwen3_pretrain.plan.layout import Layout, default_chunk_tokens
 from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
@@ -61,6 +61,7 @@ class Trainer:
         self._validate_before_launch()
         self.device = env.pick_device(cfg.device, self.launch.local_rank)
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
+        self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
         self._build_model()
@@ -114,7 +115,7 @@ class Trainer:
         self.parts = []
         for idx in self.stage_indices:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
-                               cfg.loss_chunk_tokens, self.fp32_matmul)
+                               self.loss_chunk_tokens, self.fp32_matmul)
             part.document_mask = cfg.document_mask
             part.pass_positions = self._uses_positions and part.lm_head is None
             parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision, cfg.compile)
@@ -411,7 +412,7 @@ class Trainer:
                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
                       activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
                       mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
-                      virtual_stages=self.stages_per_rank, loss_chunk_tokens=cfg.loss_chunk_tokens,
+                      virtual_stages=self.stages_per_rank, loss_chunk_tokens=self.loss_chunk_tokens,
                       pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
                       reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
                       optimizer_impl=optimizer_impl(self.device.type), fp32_matmul=self.fp32_matmul)
