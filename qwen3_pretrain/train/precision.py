@@ -31,8 +31,6 @@ from torch import nn
 
 from qwen3_pretrain.models.qwen3.model import Attention
 
-CPU_BF16_MATMUL = ("auto", "bf16", "fp32")
-
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX on x86; assumed elsewhere (Arm)."""
