@@ -20,6 +20,7 @@ from qwen3_pretrain.plan.hardware import get_device
 from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
 from qwen3_pretrain.plan.memory import GiB, predict_memory, stage_params
 from qwen3_pretrain.plan.step import predict_step
+from qwen3_pretrain.train.precision import compute_in_fp32
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ["--model", "qwen3-8b", "--nodes", "2", "--devices-per-node", "4", "--device", "910b", "--tp", "4",
@@ -51,13 +52,16 @@ def test_megatron_activation_formula_by_hand():
     assert F.megatron_activation_bytes_per_layer(**args, recompute="full") == 2 * 8388608
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_qwen3_layer_formula_matches_what_autograd_saves(dtype):
+@pytest.mark.parametrize("dtype, fp32_matmul", [(torch.bfloat16, False), (torch.float32, False),
+                                                (torch.bfloat16, True)])
+def test_qwen3_layer_formula_matches_what_autograd_saves(dtype, fp32_matmul):
     """Count the bytes of every storage one real decoder layer saves for backward (parameters and the
-    inputs excluded) and compare with the per-token formula."""
+    inputs excluded) and compare with the per-token formula; also with bf16 computed on fp32 copies."""
     cfg = Qwen3Config(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, intermediate_size=768, vocab_size=128)
     layer = Qwen3Model(cfg).to(dtype).layers["0"]
+    if fp32_matmul:
+        compute_in_fp32(layer)
     seq = 128
     x = torch.randn(1, seq, 256, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(seq)[None], 64, cfg.rope_theta, dtype)
@@ -72,7 +76,8 @@ def test_qwen3_layer_formula_matches_what_autograd_saves(dtype):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, cos, sin)
-    per_token = F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 768, t=1, dtype_bytes=dtype.itemsize)
+    per_token = F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 768, t=1, dtype_bytes=dtype.itemsize,
+                                                    fp32_matmul=fp32_matmul)
     assert sum(saved.values()) / seq == per_token
 
 

@@ -88,7 +88,8 @@ def megatron_activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads
 
 
 def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, heads: int, kv_heads: int,
-                                      intermediate: int, t: int = 1, dtype_bytes: int = BF16) -> float:
+                                      intermediate: int, t: int = 1, dtype_bytes: int = BF16,
+                                      fp32_matmul: bool = False) -> float:
     """Bytes autograd keeps per token for one Qwen3 decoder layer (no recompute).
 
     Counted from the operators of ``models/qwen3/model.py`` with sequence
@@ -106,10 +107,15 @@ def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, head
     * SDPA output (o_proj's input): ``d q / t``; its fp32 log-sum-exp: ``4 heads / t``;
     * SwiGLU: gate, up, SiLU(gate) and the product (down's input): ``4 d f / t``;
     * fp32 ``rsqrt`` of every norm: ``4 (2 + heads + kv_heads) / t``.
+
+    With ``fp32_matmul`` (bf16 attention run on fp32 copies, on a CPU) SDPA
+    saves its q, k, v and output in fp32: ``(4 - d)(q + 2 kv) + 4 q`` more.
     """
     d = dtype_bytes
     sharded = ((8 + 2 * d) * hidden + (4 + 2 * d) * (q_out + kv_out) + d * kv_out + d * q_out
                + 4 * heads + 4 * d * intermediate + 4 * (2 + heads + kv_heads))
+    if fp32_matmul and d < 4:
+        sharded += (4 - d) * (q_out + 2 * kv_out) + 4 * q_out
     return sharded / t + 2 * d * hidden
 
 

@@ -107,7 +107,7 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str)
         return d * h / t  # the layer's input, sequence-sharded
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                cfg.intermediate_size, t, d)
+                                                cfg.intermediate_size, t, d, layout.fp32_matmul)
     if checkpointing == "selective":
         saved -= F.qwen3_mlp_saved_bytes_per_token(h, cfg.intermediate_size, t, d)
     return saved
