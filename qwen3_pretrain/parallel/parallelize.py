@@ -79,7 +79,6 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
             # embedding by summing the two gradients (see TiedWeights).
             head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
             model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
-        model.lm_head.fp32_matmul = fp32_matmul
     if fp32_matmul:
         compute_in_fp32(model)
     model.return_hidden = True

@@ -60,7 +60,6 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
         head = ChunkedLMHead.from_linear(model.lm_head, chunk_tokens=layout.loss_chunk_tokens)
     model.lm_head, model.return_hidden = head, True
     if layout.fp32_matmul:
-        head.fp32_matmul = True
         compute_in_fp32(model)
     model.document_mask = layout.document_mask
     for layer in model.layers.values():

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.train.precision import fp32_linear
+from qwen3_pretrain.train.precision import LOW_PRECISION, fp32_linear
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def fused_linear_cross_entropy(
     hidden, weight = _autocast_inputs(hidden, weight)
     _check_inputs(hidden, weight, labels, chunk_tokens, valid_vocab)
     opts = _Options(ignore_index, chunk_tokens, tp_group, vocab_start, valid_vocab, torch.is_grad_enabled(),
-                    fp32_matmul and hidden.dtype in (torch.bfloat16, torch.float16))
+                    fp32_matmul and hidden.dtype in LOW_PRECISION)
     return _FusedLinearCrossEntropy.apply(hidden, weight, labels, opts)
 
 

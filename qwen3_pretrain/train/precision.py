@@ -31,6 +31,8 @@ from torch import nn
 
 from qwen3_pretrain.models.qwen3.model import Attention
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose matmuls this module moves to fp32
+
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX on x86; assumed elsewhere (Arm)."""
@@ -72,7 +74,7 @@ class _Fp32Linear(torch.autograd.Function):
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` multiplied in fp32 when its operands are in a lower precision (plain ``F.linear`` otherwise)."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dtype not in LOW_PRECISION:
         return F.linear(x, weight, bias)
     out = _Fp32Linear.apply(x, weight)
     return out if bias is None else out + bias
@@ -85,19 +87,22 @@ def _fp32_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def fp32_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on fp32 copies of low-precision inputs, returned in their dtype.
     What it saves for backward is fp32 (twice the bf16 size; a small part of a layer's activations)."""
-    if q.dtype not in (torch.bfloat16, torch.float16):
+    if q.dtype not in LOW_PRECISION:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
 
 
 def compute_in_fp32(model: nn.Module) -> int:
     """Make every plain ``nn.Linear`` of ``model`` multiply in fp32 (the module's own ``forward`` is
-    replaced, so parameter names, hooks and tensor-parallel plans are untouched) and its attention
-    run in fp32. Subclasses of ``nn.Linear``, such as the fused-loss LM head, are left to their own
-    option. Returns how many modules were changed."""
+    replaced, so parameter names, hooks and tensor-parallel plans are untouched), its attention run
+    in fp32, and turn on the ``fp32_matmul`` option of modules that have one (the fused-loss LM
+    heads). Returns how many modules were changed."""
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if hasattr(module, "fp32_matmul"):
+            module.fp32_matmul = True
+            count += 1
+        elif type(module) is nn.Linear:
             module.forward = types.MethodType(_fp32_linear_forward, module)
             count += 1
         elif isinstance(module, Attention):
