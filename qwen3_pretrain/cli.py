@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from qwen3_pretrain.errors import UserError
+
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "wiki2parquet": ("qwen3_pretrain.data.wiki:main", "Wikipedia dump or wikiextractor output -> parquet"),
@@ -49,13 +51,17 @@ def _usage() -> str:
 
 
 def run_command(target: str, argv: list[str]) -> int:
-    """Call ``module:function`` with ``argv``; user errors become one line on stderr."""
+    """Call ``module:function`` with ``argv``; the project's user errors become one line on stderr.
+
+    Any other exception (torch, DTensor, safetensors, a bug) propagates with its traceback: its cause
+    is in there, and a one-line ``str()`` of it would hide where it came from.
+    """
     module_name, func_name = target.split(":")
     apply_process_env_defaults()
     try:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(argv) or 0)
-    except (ValueError, OSError) as exc:
+    except UserError as exc:
         if os.environ.get("QWEN3_PRETRAIN_DEBUG"):
             raise
         print(f"error: {exc}", file=sys.stderr)

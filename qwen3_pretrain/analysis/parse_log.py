@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from qwen3_pretrain.analysis.report import format_summary, summarize, write_csv
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 
 EXAMPLE_LINE = (
     "2026-12-02 14:05:31 INFO step 100/100000 | loss 2.3412 | lr 1.00e-05 | grad_norm 0.91 | "
@@ -258,7 +258,7 @@ def _input_path(path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise UserError(f"{path} is a directory without metrics.jsonl; pass the training log file (e.g. pretrain.log)")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass the training log (e.g. pretrain.log) or metrics.jsonl")
+        raise MissingFileError(f"{path} does not exist; pass the training log (e.g. pretrain.log) or metrics.jsonl")
     return path
 
 

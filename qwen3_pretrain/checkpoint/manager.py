@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")
@@ -81,7 +82,7 @@ def find_checkpoint(input_path: str | os.PathLike, step: int | None = None) -> P
     """The checkpoint to merge: ``step_<step>``, else the one ``latest`` names, else the newest complete one."""
     root = Path(input_path)
     if not root.is_dir():
-        raise FileNotFoundError(f"input_path {root}: no such directory; pass the training run's output_path "
+        raise MissingFileError(f"input_path {root}: no such directory; pass the training run's output_path "
                                 f"(the directory holding {LATEST} and step_*/)")
     steps = list_checkpoints(root)
     if step is not None:
@@ -131,13 +132,13 @@ def check_complete(path: Path) -> Metadata:
     """The DCP metadata of checkpoint ``path`` after checking every file it needs is there in full."""
     for name in (DCP_METADATA, META_FILE):
         if not (path / name).is_file():
-            raise FileNotFoundError(f"{path / name} is missing: checkpoint {path} is incomplete "
+            raise MissingFileError(f"{path / name} is missing: checkpoint {path} is incomplete "
                                     "(interrupted save or copy); copy it again or choose another --step")
     metadata = read_dcp_metadata(path)
     for relative_path, needed in _bytes_needed(metadata).items():
         data_file = path / relative_path
         if not data_file.is_file():
-            raise FileNotFoundError(f"{data_file} is missing: {path / DCP_METADATA} lists it; checkpoint {path} "
+            raise MissingFileError(f"{data_file} is missing: {path / DCP_METADATA} lists it; checkpoint {path} "
                                     "is incomplete; copy it again or choose another --step")
         size = data_file.stat().st_size
         if size < needed:
@@ -217,13 +218,13 @@ class Checkpointer:
         rank = dist.get_rank()
         tmp = self.root / f".tmp-{step_dir_name(step)}-save"
         final = self.root / step_dir_name(step)
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
-        dist.barrier()
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / "rng" / f"rank_{rank:05d}.pt")
+        # Each step a rank takes on its own is agreed on before the next collective one: a rank that
+        # failed alone would otherwise leave the others waiting in DCP's collectives until the timeout.
+        what = f"saving checkpoint {tmp}"
+        self._agree(what, _attempt(lambda: _fresh_dir(tmp)) if rank == 0 else None)
+        rng = {"cpu": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        self._agree(what, _attempt(lambda: torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")))
         start = time.perf_counter()
         meta = dict(meta, format=FORMAT, format_version=1, step=step,
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -246,27 +247,35 @@ class Checkpointer:
     def _run_collective_io(self, fn, tmp: Path) -> None:
         try:
             fn()
-        except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write failed
-            raise UserError(f"saving checkpoint {tmp} failed: {_root_cause(exc)}; the previous checkpoint "
-                            f"is intact ({self.root / LATEST})") from None
+        except CheckpointException as exc:  # raised on every rank, with each failing rank's own exception
+            failures = {rank: _failure(error, stack) for rank, (error, stack) in exc.failures.items()}
+            _raise_failures(f"saving checkpoint {tmp}", failures, self._intact(), exc)
+
+    def _intact(self) -> str:
+        return (f"check free space, quotas and permissions under {self.root}; the previous checkpoint "
+                f"is intact ({self.root / LATEST})")
+
+    def _agree(self, what: str, error: Exception | None) -> None:
+        """Collective: raise on every rank when ``what`` failed on any, naming each failing rank's cause."""
+        reports: list[Failure | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, None if error is None else _failure(error))
+        failures = {rank: report for rank, report in enumerate(reports) if report is not None}
+        if error is not None and not _failure(error)[0]:
+            raise error  # a bug on this rank: its own traceback
+        if failures:
+            _raise_failures(what, failures, self._intact())
 
     def _publish(self, tmp: Path, final: Path, meta: dict, start: float) -> None:
         """Rank 0 renames the finished temp dir into place and updates ``latest``; all ranks agree on success."""
-        error = ""
-        if dist.get_rank() == 0:
-            try:
-                write_json_atomic(tmp / META_FILE, meta, indent=1)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                write_text_atomic(self.root / LATEST, final.name + "\n")
-                self._prune()
-            except OSError as exc:
-                error = f"publishing checkpoint {final} failed: {exc}"
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32)
-        dist.broadcast(ok, src=0)
-        if not ok.item():
-            raise UserError(error or f"publishing checkpoint {final} failed on rank 0 (see its log)")
+        def publish() -> None:
+            write_json_atomic(tmp / META_FILE, meta, indent=1)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_text_atomic(self.root / LATEST, final.name + "\n")
+            self._prune()
+
+        self._agree(f"publishing checkpoint {final}", _attempt(publish) if dist.get_rank() == 0 else None)
         if dist.get_rank() == 0:
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             secs = time.perf_counter() - start
@@ -335,9 +344,50 @@ def _rename(state: dict[str, dict[str, Any]], renamed: dict[str, dict[str, str]]
             state[part][dst] = state[part].pop(src)
 
 
+def _fresh_dir(tmp: Path) -> None:
+    """``tmp`` emptied of what an interrupted save of the same step left, with its ``rng`` folder."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "rng").mkdir(parents=True)
+
+
+def _attempt(fn) -> BaseException | None:
+    """Run ``fn``; return what it raised (reported by ``_agree`` on every rank) instead of raising it."""
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
+
+
+# (a storage failure?, its description): one line for a failure to write (a full disk, a quota, a file-size
+# limit, permissions: the user's to fix); the traceback for anything else (a bug, whose cause is in there)
+Failure = tuple[bool, str]
+# torch's file writers: a short write surfaces from them as a RuntimeError ("unexpected pos"), not an OSError
+_WRITERS = (os.path.join("torch", "serialization.py"), os.path.join("torch", "distributed", "checkpoint", "filesystem.py"))
+
+
+def _failure(error: BaseException, stack: traceback.StackSummary | None = None) -> Failure:
+    stack = stack if stack is not None else traceback.extract_tb(error.__traceback__)
+    text = "".join(traceback.format_exception_only(type(error), error)).strip()
+    if isinstance(error, OSError) or (stack and stack[-1].filename.endswith(_WRITERS)):
+        return True, text.splitlines()[0]
+    return False, "".join(traceback.format_list(stack)) + text
+
+
+def _raise_failures(what: str, failures: dict[int, Failure], intact: str, cause: BaseException | None = None) -> None:
+    """A UserError naming every failing rank and its cause when all are storage failures; otherwise a
+    RuntimeError (chained to ``cause``) carrying each rank's traceback."""
+    ranks = sorted(failures)
+    if all(storage for storage, _ in failures.values()):
+        listed = "; ".join(f"rank {rank}: {failures[rank][1]}" for rank in ranks)
+        raise UserError(f"{what} failed: {listed}; {intact}")
+    listed = "\n".join(f"rank {rank}:\n{failures[rank][1]}" for rank in ranks)
+    raise RuntimeError(f"{what} failed:\n{listed}") from cause
+
+
 def _root_cause(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    for line in reversed(text):
-        if "Error" in line or "error" in line:
-            return line.strip()
-    return text[-1] if text else type(exc).__name__
+    """Each failing rank's exception of a DCP failure (else the exception itself), one line each."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else {None: (exc, None)}
+    lines = ["".join(traceback.format_exception_only(type(error), error)).strip().splitlines()[-1]
+             for error, _ in failures.values()]
+    return "; ".join(line if rank is None else f"rank {rank}: {line}" for rank, line in zip(failures, lines))

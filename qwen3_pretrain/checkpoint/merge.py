@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from tqdm import tqdm
 
 from qwen3_pretrain.checkpoint.manager import DCP_METADATA, META_FILE, check_complete, find_checkpoint, read_meta
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shapes, parse_size
 
@@ -218,7 +218,7 @@ def tokenizer_files(explicit: str | os.PathLike | None, meta: dict[str, Any], ch
     if explicit is not None:
         files = _tokenizer_dir_files(Path(explicit))
         if not files:
-            raise FileNotFoundError(f"--tokenizer_path {explicit}: no tokenizer files there "
+            raise MissingFileError(f"--tokenizer_path {explicit}: no tokenizer files there "
                                     f"(expected {', '.join(TOKENIZER_FILES[:4])})")
         return files
     recorded = meta.get("tokenizer_path") or (meta.get("config") or {}).get("tokenizer_path")

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal, TypeVar
 
 import yaml
 
-from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.errors import ConfigError, MissingFileError
 from qwen3_pretrain.fsutil import write_text_atomic
 
 T = TypeVar("T")
@@ -156,7 +156,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        raise MissingFileError(f"config file {str(path)!r} does not exist")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:

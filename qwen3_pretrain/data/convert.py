@@ -41,7 +41,7 @@ from qwen3_pretrain.config.loader import field_help, load_config, to_dict
 from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
-from qwen3_pretrain.errors import ConfigError, UserError
+from qwen3_pretrain.errors import ConfigError, MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -101,10 +101,10 @@ def input_files(input_path: str) -> list[Path]:
     elif path.is_file():
         files = [path]
     else:
-        raise FileNotFoundError(f"input_path {input_path!r} does not exist; give a parquet file "
+        raise MissingFileError(f"input_path {input_path!r} does not exist; give a parquet file "
                                 "(e.g. from 'qwen3-pretrain wiki2parquet'), a folder of them or a glob")
     if not files:
-        raise FileNotFoundError(f"input_path {input_path!r}: no parquet files there")
+        raise MissingFileError(f"input_path {input_path!r}: no parquet files there")
     return files
 
 

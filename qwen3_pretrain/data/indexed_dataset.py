@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -117,7 +117,7 @@ class IndexedDataset:
         idx_path, bin_path = Path(self.prefix + ".idx"), Path(self.prefix + ".bin")
         for path in (idx_path, bin_path):
             if not path.is_file():
-                raise FileNotFoundError(f"{path}: missing; an indexed dataset needs both .bin and .idx")
+                raise MissingFileError(f"{path}: missing; an indexed dataset needs both .bin and .idx")
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if len(header) < HEADER_SIZE or header[: len(MAGIC)] != MAGIC:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
@@ -34,10 +34,10 @@ def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:
     """
     root = Path(data_path)
     if not root.is_dir():
-        raise FileNotFoundError(f"data_path {root}: no such directory; {_CONVERT_HINT}")
+        raise MissingFileError(f"data_path {root}: no such directory; {_CONVERT_HINT}")
     path = root / MANIFEST_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing, so {root} is not a converted dataset; {_CONVERT_HINT}")
+        raise MissingFileError(f"{path}: missing, so {root} is not a converted dataset; {_CONVERT_HINT}")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -47,7 +47,7 @@ def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:
         for suffix in (".idx", ".bin"):
             file = root / (shard["prefix"] + suffix)
             if not file.is_file():
-                raise FileNotFoundError(f"{file}: listed in {path} but missing; copy the whole data "
+                raise MissingFileError(f"{file}: listed in {path} but missing; copy the whole data "
                                         "directory or re-run the conversion")
     return manifest
 
@@ -129,7 +129,7 @@ def _check_vocab(manifest: dict[str, Any], model_vocab_size: int) -> None:
 def _check_tokenizer_file(manifest: dict[str, Any], manifest_path: Path, tokenizer_path: Path) -> None:
     file = tokenizer_path / "tokenizer.json" if tokenizer_path.is_dir() else tokenizer_path
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such tokenizer file; give a tokenizer directory or its tokenizer.json")
+        raise MissingFileError(f"{file}: no such tokenizer file; give a tokenizer directory or its tokenizer.json")
     digest = sha256_file(file)
     expected = str(manifest["tokenizer"]["sha256"])
     if digest != expected:

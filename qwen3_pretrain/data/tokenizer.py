@@ -46,7 +46,7 @@ import tiktoken
 import tokenizers
 
 from qwen3_pretrain.data import bpe
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import atomic_path
 
 Backend = Literal["auto", "fast", "reference"]
@@ -64,7 +64,7 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     candidate = path / "tokenizer.json" if path.is_dir() else path
     if not candidate.is_file():
-        raise FileNotFoundError(f"tokenizer_path {str(path)!r}: no tokenizer.json there; give the folder of a "
+        raise MissingFileError(f"tokenizer_path {str(path)!r}: no tokenizer.json there; give the folder of a "
                                 "HuggingFace model (it holds tokenizer.json) or the tokenizer.json file")
     return candidate
 

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.wikitext import is_redirect_text, wikitext_to_text
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 
 # (id, title, url, text)
 Article = tuple[str, str, str, str]
@@ -94,7 +94,7 @@ def _read_head(path: Path, size: int = 4096) -> bytes:
 def detect_source(path: Path) -> str:
     """``"dump"`` for a MediaWiki XML dump, ``"extracted"`` for wikiextractor output."""
     if not path.exists():
-        raise FileNotFoundError(f"input {str(path)!r} does not exist; give a Wikipedia dump "
+        raise MissingFileError(f"input {str(path)!r} does not exist; give a Wikipedia dump "
                                 "(.xml or .xml.bz2) or a wikiextractor output folder")
     if path.is_dir():
         return "extracted"

@@ -1,18 +1,22 @@
 """Process start-up: who launched us (nothing, torchrun, mpirun or srun), which device, and the process group.
 
 torchrun exports RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. OpenMPI's
-mpirun exports OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}; the rendezvous address
-then comes from the config (``master_addr``/``master_port``), as in the
+mpirun exports OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}; the rendezvous
+address then comes from the config (``master_addr``/``master_port``), as in the
 reference workflow. Slurm's ``srun`` with one task per device exports
 SLURM_PROCID/SLURM_LOCALID and, for a job step (not for the batch script
-itself, which also sees SLURM_NTASKS), SLURM_STEP_NUM_TASKS; the rendezvous
-host is then MASTER_ADDR if exported, else ``master_addr`` unless that is
-the loopback default and the step spans several nodes (then its first node). Without a launcher we run as a world of one.
+itself, which also sees SLURM_NTASKS), SLURM_STEP_NUM_TASKS. Under mpirun and
+srun the rendezvous host is MASTER_ADDR if exported, else ``master_addr``,
+unless that is a loopback address and the launch spans several nodes: then
+srun's first node, and for mpirun (which does not say where rank 0 runs) an
+error naming ``master_addr``, rather than ranks waiting for a rendezvous that
+cannot happen. Without a launcher we run as a world of one.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import re
 import socket
@@ -30,6 +34,7 @@ class LaunchInfo:
     world_size: int
     local_rank: int
     launcher: str  # "none" | "torchrun" | "mpirun" | "srun"
+    local_world_size: int | None = None  # processes on this node, where the launcher says
 
 
 def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> LaunchInfo:
@@ -37,23 +42,72 @@ def detect_launch(master_addr: str = "127.0.0.1", master_port: int = 29500) -> L
     env = os.environ
     if "OMPI_COMM_WORLD_RANK" in env and "RANK" not in env:
         info = LaunchInfo(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
-                          int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
+                          int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun",
+                          _int_or_none(env.get("OMPI_COMM_WORLD_LOCAL_SIZE")))
     elif "RANK" in env and "WORLD_SIZE" in env:
-        info = LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+        info = LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun",
+                          _int_or_none(env.get("LOCAL_WORLD_SIZE")))
     elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
         info = LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]),
-                          int(env.get("SLURM_LOCALID", 0)), "srun")
-        # Across nodes a loopback master_addr (the default) cannot be right: rank 0 runs on the first node.
-        if ("MASTER_ADDR" not in env and int(env.get("SLURM_STEP_NUM_NODES", 1)) > 1
-                and master_addr in ("127.0.0.1", "localhost")):
-            master_addr = first_host(env.get("SLURM_STEP_NODELIST", "")) or master_addr
+                          int(env.get("SLURM_LOCALID", 0)), "srun", slurm_local_tasks(env))
     else:
-        info = LaunchInfo(0, 1, 0, "none")
-    env.setdefault("MASTER_ADDR", master_addr if info.launcher != "none" else "127.0.0.1")
+        info = LaunchInfo(0, 1, 0, "none", 1)
+    if "MASTER_ADDR" not in env:
+        env["MASTER_ADDR"] = rendezvous_host(info, master_addr) if info.launcher != "none" else "127.0.0.1"
     if "MASTER_PORT" not in env:
         env["MASTER_PORT"] = str(master_port if info.launcher != "none" else free_port())
     env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(info.rank), str(info.world_size), str(info.local_rank)
     return info
+
+
+def rendezvous_host(info: LaunchInfo, master_addr: str) -> str:
+    """Where rank 0 listens when MASTER_ADDR is not exported: ``master_addr``, unless it is a loopback
+    address on a launch across nodes (there it would name each rank's own node)."""
+    spans = _spans_nodes(info)
+    if spans is None or not _is_loopback(master_addr):
+        return master_addr
+    if info.launcher == "srun":
+        host = first_host(os.environ.get("SLURM_STEP_NODELIST", ""))
+        if host:
+            return host
+    raise UserError(f"master_addr is {master_addr}, a loopback address, but this {info.launcher} launch spans "
+                    f"several nodes ({spans}): set master_addr in the config to the host name or address of the "
+                    "node running rank 0, or export MASTER_ADDR to every rank (mpirun -x MASTER_ADDR)")
+
+
+def _spans_nodes(info: LaunchInfo) -> str | None:
+    """The launcher's evidence that this launch runs on more than one node, or None."""
+    env = os.environ
+    if info.launcher == "srun" and int(env.get("SLURM_STEP_NUM_NODES", 1)) > 1:
+        return f"SLURM_STEP_NUM_NODES {env['SLURM_STEP_NUM_NODES']}"
+    if info.launcher == "mpirun" and info.local_world_size is not None and info.local_world_size < info.world_size:
+        return f"OMPI_COMM_WORLD_SIZE {info.world_size} > OMPI_COMM_WORLD_LOCAL_SIZE {info.local_world_size}"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
+
+
+def slurm_local_tasks(env) -> int | None:
+    """Tasks of this job step on this node, from SLURM_STEP_TASKS_PER_NODE (``4(x2),3``: 4, 4, 3 per node)."""
+    counts: list[int] = []
+    for item in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else None
 
 
 def first_host(nodelist: str) -> str | None:
@@ -72,8 +126,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
-    """``auto`` prefers CUDA, then an Ascend NPU (torch_npu), then the CPU."""
+def pick_device(kind: str, local_rank: int, local_world_size: int | None = None) -> torch.device:
+    """``auto`` prefers CUDA, then an Ascend NPU (torch_npu), then the CPU. On a device, local rank r
+    takes device r; more processes on a node than devices is an error, not two ranks sharing one."""
     if kind == "auto":
         if torch.cuda.is_available():
             kind = "cuda"
@@ -88,8 +143,27 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "npu" and not _npu_available():
         raise UserError("device: npu was asked for but torch_npu is not installed or sees no NPU")
     module = getattr(torch, kind)
-    module.set_device(local_rank % module.device_count())
-    return torch.device(kind, local_rank % module.device_count())
+    index = _device_index(kind, module.device_count(), local_rank, local_world_size)
+    module.set_device(index)
+    return torch.device(kind, index)
+
+
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def _device_index(kind: str, count: int, local_rank: int, local_world_size: int | None) -> int:
+    variable = VISIBLE_DEVICES[kind]
+    visible = [d for d in os.environ.get(variable, "").split(",") if d.strip()]
+    # A launcher that binds one device to each process (srun --gpus-per-task=1) leaves each process one.
+    if count == 1 and len(visible) == 1:
+        return 0
+    needed = max(local_rank + 1, local_world_size or 0)
+    if needed > count:
+        raise UserError(f"{needed} processes on this node but {count} {kind} device(s) visible "
+                        f"({variable}={os.environ.get(variable, '(unset)')}): each process needs a device of its "
+                        "own; start at most one process per device (torchrun --nproc_per_node, hostfile slots, "
+                        "mpirun -npernode, srun --ntasks-per-node)")
+    return local_rank
 
 
 def _npu_available() -> bool:
@@ -100,14 +174,24 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# The collective library for device tensors. Host-side collectives (checkpoint agreement, DCP's
+# metadata exchange, its asynchronous save) run on CPU tensors, which NCCL and HCCL do not take:
+# on a device the process group has gloo beside the device library.
+DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl"}
+
+
+def backend_spec(device_type: str) -> str:
+    """The ``backend`` of ``init_process_group``: gloo on a CPU, ``cpu:gloo,<device>:<library>`` on a device."""
+    if device_type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device_type}:{DEVICE_BACKENDS[device_type]}"
 
 
 def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int, init_timeout_s: int) -> None:
     """Join the process group; an unreachable rendezvous is a clear error, not a hang."""
     if dist.is_initialized():
         return
-    backend = BACKENDS[device.type]
+    backend = backend_spec(device.type)
     timeout = datetime.timedelta(seconds=timeout_s)
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # Under torchrun the agent hosts the store and outlives restarts: a restarted worker must not

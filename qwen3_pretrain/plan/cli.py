@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
 from qwen3_pretrain.plan.hardware import Hardware, get_device, with_overrides
 from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout, check_degrees,
@@ -144,7 +144,7 @@ def resolve_hardware(args: argparse.Namespace) -> Hardware:
 def read_commbench(path: str) -> dict[str, float]:
     """Measured link figures from a commbench JSON: its ``summary`` (GB/s and microseconds)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--commbench file {path!r} does not exist; write one with "
+        raise MissingFileError(f"--commbench file {path!r} does not exist; write one with "
                                 "'qwen3-pretrain commbench --json FILE'")
     try:
         summary = json.loads(Path(path).read_text(encoding="utf-8"))["summary"]

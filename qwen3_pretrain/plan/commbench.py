@@ -205,7 +205,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> None:
-    device = env.pick_device(args.device, info.local_rank)
+    device = env.pick_device(args.device, info.local_rank, info.local_world_size)
     env.init_process_group(info, device, timeout_s=300, init_timeout_s=60)
     try:
         report = run_bench(args, ops)
@@ -220,7 +220,7 @@ def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> N
 
 def _spawned(rank: int, args: argparse.Namespace, ops: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc))
-    _worker(args, ops, env.LaunchInfo(rank, args.nproc, rank, "spawn"))
+    _worker(args, ops, env.LaunchInfo(rank, args.nproc, rank, "spawn", args.nproc))
 
 
 def main(argv: list[str]) -> int:

@@ -125,14 +125,29 @@ def check_degrees(cfg: Qwen3Config, tp: int, pp: int, stages_per_rank: int = 1) 
 def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
     """Raise UserError when ``layout`` cannot split ``cfg`` or feed its pipeline."""
     check_degrees(cfg, layout.tp, layout.pp, layout.stages_per_rank)
-    local = layout.micro_batch_size * layout.gradient_accumulation_steps
-    if layout.pp > 1 and local % layout.pp_microbatch_size:
-        raise UserError(f"micro_batch_size x gradient_accumulation_steps ({local}) is not a multiple of "
-                        f"pp_microbatch_size {layout.pp_microbatch_size}")
-    if layout.pp > 1 and layout.num_microbatches < layout.pp:
-        raise UserError(f"pp={layout.pp} needs at least {layout.pp} pipeline micro-batches per step, got "
-                        f"{layout.num_microbatches} (micro_batch_size x gradient_accumulation_steps / "
-                        f"pp_microbatch_size); raise the batch or lower pp")
+    check_pipeline_feed(layout.pp, layout.pp_schedule, layout.micro_batch_size, layout.gradient_accumulation_steps,
+                        layout.pp_microbatch_size)
+
+
+def check_pipeline_feed(pp: int, schedule: str, micro_batch_size: int, gradient_accumulation_steps: int,
+                        pp_microbatch_size: int, batch_key: str = "micro_batch_size") -> None:
+    """Raise UserError when a rank's samples per step cannot feed a ``pp``-stage ``schedule`` (the
+    planner and the training engine both ask; ``batch_key`` is the user's name for the micro-batch)."""
+    if pp == 1:
+        return
+    local = micro_batch_size * gradient_accumulation_steps
+    if local % pp_microbatch_size:
+        raise UserError(f"{batch_key} x gradient_accumulation_steps ({local}) is not a multiple of "
+                        f"pp_microbatch_size {pp_microbatch_size}")
+    count = local // pp_microbatch_size
+    how = f"{batch_key} x gradient_accumulation_steps / pp_microbatch_size = {local} / {pp_microbatch_size}"
+    if count < pp:
+        raise UserError(f"pp={pp} needs at least {pp} pipeline micro-batches per step, got {count} ({how}); "
+                        "raise the batch or lower pp")
+    rounds = max(1, count // pp)  # the interleaved schedule runs whole rounds of pp micro-batches
+    if schedule == "interleaved" and count % rounds:
+        raise UserError(f"pp_schedule interleaved cannot split {count} pipeline micro-batches ({how}) into "
+                        f"{rounds} equal rounds; make it a multiple of pp, e.g. {count // pp * pp}")
 
 
 def valid_tp_degrees(cfg: Qwen3Config) -> list[int]:

@@ -38,7 +38,7 @@ from qwen3_pretrain.parallel.parallelize import (
     stage_layer_ranges,
 )
 from qwen3_pretrain.parallel.pipeline import build_schedule
-from qwen3_pretrain.plan.layout import Layout, default_chunk_tokens
+from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed, default_chunk_tokens
 from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
@@ -59,7 +59,7 @@ class Trainer:
         self.launch = env.detect_launch(cfg.master_addr, cfg.master_port)
         _setup_logging(self.launch.rank)
         self._validate_before_launch()
-        self.device = env.pick_device(cfg.device, self.launch.local_rank)
+        self.device = env.pick_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
@@ -101,6 +101,8 @@ class Trainer:
             raise ConfigError("eval_steps needs a held-out split: set valid_fraction (e.g. 0.01)")
         self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
         self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
+        check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
+                            cfg.pp_microbatch_size, batch_key="batch_size")
         self.manifest = validate_manifest(cfg.data_path, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
 
     def _build_model(self) -> None:
@@ -386,9 +388,6 @@ class Trainer:
         cfg, dims, m = self.cfg, self.dims, self.source.config
         if self.launch.rank == 0:
             save_config(cfg, Path(cfg.output_path) / "config.yaml")
-        if self.num_microbatches < dims.pp and dims.pp > 1 and self.launch.rank == 0:
-            log.warning("the pipeline has %d micro-batches for %d stages: most of each step is bubble; raise "
-                        "batch_size or gradient_accumulation_steps", self.num_microbatches, dims.pp)
         if self.is_log_rank:
             log.info("run start: world %d | tp %d pp %d dp %d | global_batch %d (batch_size %d x dp %d x "
                      "accumulation %d) | seq %d | model %s, %.3gB params | %s | device %s | launcher %s",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen3_pretrain.config.loader import nearest
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 
 # The tokenizer has 151,669 ids; the embedding is padded to 151,936 = 128 * 1187.
 QWEN3_VOCAB_SIZE = 151936
@@ -102,7 +102,7 @@ class Qwen3Config:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json; a HuggingFace model directory needs one")
+            raise MissingFileError(f"{path}: no config.json; a HuggingFace model directory needs one")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

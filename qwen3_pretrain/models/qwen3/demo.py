@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from qwen3_pretrain.errors import MissingFileError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import load_hf_model, save_hf_model
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
@@ -43,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def tokenize(tokenizer_dir: Path, text: str) -> torch.Tensor:
     path = tokenizer_dir / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json; pass --tokenizer DIR with the Qwen3 tokenizer files")
+        raise MissingFileError(f"{path}: no tokenizer.json; pass --tokenizer DIR with the Qwen3 tokenizer files")
     ids = Tokenizer.from_file(str(path)).encode(text).ids
     return torch.tensor([ids])  # [batch=1, seq]
 

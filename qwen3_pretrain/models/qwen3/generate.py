@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.models.qwen3.hf_io import load_hf_model
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
@@ -51,7 +51,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of ``directory`` (a HF model directory or a tokenizer directory)."""
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json; pass --tokenizer DIR with the Qwen3 tokenizer "
+        raise MissingFileError(f"{path}: no tokenizer.json; pass --tokenizer DIR with the Qwen3 tokenizer "
                                 "(e.g. assets/qwen3-tokenizer), or merge with --tokenizer_path so the model "
                                 "directory holds one")
     return Tokenizer.from_file(str(path))
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     sampling = SamplingConfig(args.max_new_tokens, args.top_k, args.temperature, args.seed)
     sampling.validate()
     if not args.model.is_dir():
-        raise FileNotFoundError(f"--model {args.model}: no such directory; give a HF model directory "
+        raise MissingFileError(f"--model {args.model}: no such directory; give a HF model directory "
                                 "(e.g. the output_path of 'qwen3-pretrain merge')")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     model = load_hf_model(args.model, dtype=torch.float32)

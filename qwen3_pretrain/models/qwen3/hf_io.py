@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
@@ -147,7 +147,7 @@ class HFCheckpointReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FileNotFoundError(f"{self.path}: no such directory; expected a HuggingFace model directory "
+            raise MissingFileError(f"{self.path}: no such directory; expected a HuggingFace model directory "
                                     f"with {CONFIG_FILE} and {SINGLE_FILE} (or {INDEX_FILE})")
         self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
         self._handles: dict[str, safe_open] = {}
@@ -167,7 +167,7 @@ class HFCheckpointReader:
             return self._read_index(index)
         if (self.path / SINGLE_FILE).is_file():
             return {key: SINGLE_FILE for key in self._handle(SINGLE_FILE).keys()}
-        raise FileNotFoundError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}; this loader reads safetensors "
+        raise MissingFileError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}; this loader reads safetensors "
                                 "weights only (re-save the model with save_pretrained(safe_serialization=True))")
 
     def _read_index(self, index: Path) -> dict[str, str]:
@@ -179,7 +179,7 @@ class HFCheckpointReader:
             raise UserError(f"{index}: 'weight_map' must map tensor names to file names")
         for file_name in sorted(set(weight_map.values())):
             if not (self.path / file_name).is_file():
-                raise FileNotFoundError(f"{index} lists {file_name!r}, which is missing from {self.path}; "
+                raise MissingFileError(f"{index} lists {file_name!r}, which is missing from {self.path}; "
                                         "the download is incomplete")
         return weight_map
 
@@ -346,7 +346,7 @@ class HFCheckpointWriter:
         """Copy a side file (``tokenizer.json``, a ``generation_config.json``) into the directory at ``finalize``."""
         source = Path(source)
         if not source.is_file():
-            raise FileNotFoundError(f"{source}: no such file to copy into {self.path}")
+            raise MissingFileError(f"{source}: no such file to copy into {self.path}")
         if source.name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE) or source.name.startswith("model-"):
             raise UserError(f"{source}: would overwrite the model's own {source.name}; copy it separately")
         self._extra_files.append(source)
