@@ -237,3 +237,52 @@ def test_failed_save_keeps_the_previous_checkpoint(uninterrupted, corpus, tmp_pa
     assert (out / "latest").read_text().strip() == "step_0000003"
     check_ok(run_train(cfg, 1))
     assert losses(out)[-3:] == losses(uninterrupted)[3:]
+
+
+def _save_with_a_full_disk_on_rank_1(rank: int, port: int, root: str, report: str) -> None:
+    """Rank 1 may write only 100 kB per file (as on a full disk); both ranks then save a checkpoint whose
+    shards are 2 MB each. Each rank writes the message it raised; rank 1 also what a direct write of a
+    shard-sized file fails with under the same limit (the cause the message must name)."""
+    import resource
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from qwen3_pretrain.checkpoint.manager import Checkpointer
+    from qwen3_pretrain.errors import UserError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(1024, 1024)
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        checkpointer = Checkpointer(root, [model], [torch.optim.SGD(model.parameters(), lr=0.1)])
+        if rank == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+            try:
+                torch.save(torch.zeros(2**19), Path(report) / "direct.pt")
+            except Exception as exc:  # what the filesystem does to this rank's writes
+                (Path(report) / "cause").write_text(str(exc).splitlines()[0])
+        try:
+            checkpointer.save(1, {})
+        except UserError as exc:
+            (Path(report) / f"rank_{rank}").write_text(str(exc))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_save_names_each_failing_rank_and_its_cause(tmp_path):
+    import torch.multiprocessing as mp
+
+    report = tmp_path / "report"
+    report.mkdir()
+    mp.start_processes(_save_with_a_full_disk_on_rank_1, args=(free_port(), str(tmp_path / "out"), str(report)),
+                       nprocs=2, join=True, start_method="fork")
+    cause = (report / "cause").read_text()
+    messages = [(report / f"rank_{r}").read_text() for r in (0, 1)]
+    assert messages[0] == messages[1], messages  # every rank stops with the same message
+    assert f"rank 1: RuntimeError: {cause};" in messages[0] and "rank 0:" not in messages[0], (messages[0], cause)
+    assert messages[0].startswith(f"saving checkpoint {tmp_path / 'out' / '.tmp-step_0000001-save'} failed")
+    assert not (tmp_path / "out" / "latest").exists()

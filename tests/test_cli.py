@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from qwen3_pretrain.cli import COMMANDS, main
 
 
@@ -52,6 +54,33 @@ def test_user_error_is_one_line_without_traceback(tmp_path, capsys, monkeypatch)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "tokenizer.json" in lines[0]
     assert "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+def _library_errors(argv: list[str]) -> int:
+    """A command failing the way a library fails: a ValueError and an OSError that are no user error of ours."""
+    import torch
+
+    if argv == ["torch"]:
+        torch.zeros(2).view(3)
+    if argv == ["value"]:
+        raise ValueError("a library's own ValueError")
+    raise OSError(5, "a library's own OSError")
+
+
+@pytest.mark.parametrize("kind, message", [("torch", "shape '[3]' is invalid"), ("value", "a library's own ValueError"),
+                                           ("os", "a library's own OSError")])
+def test_other_errors_keep_their_traceback_and_exit_non_zero(repo_root, kind, message):
+    code = f"import sys; from qwen3_pretrain.cli import run_command; sys.exit(run_command({TARGET!r}, [{kind!r}]))"
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    env.pop("QWEN3_PRETRAIN_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and message in proc.stderr
+    assert "in _library_errors" in proc.stderr and "error: " not in proc.stderr
+
+
+TARGET = "tests.test_cli:_library_errors"
 
 
 def test_package_import_does_not_import_torch(repo_root):

@@ -4,6 +4,7 @@ config's tp 4 x pp 2 on 8 processes; bad input stops every rank with one clear m
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,8 @@ BAD = {
                   "reduce_grads_every_microbatch needs pp 1"),
     "unknown_key": (1, ["learning_rat=1e-5"], "did you mean 'learning_rate'"),
     "vocab": (1, ["model_overrides={vocab_size: 256}"], "tokenized with a tokenizer"),
+    "microbatches": (2, ["pp=2", "batch_size=1"], "pp=2 needs at least 2 pipeline micro-batches per step, got 1"),
+    "interleaved": (2, ["pp=2", "pp_schedule=interleaved", "batch_size=5"], "cannot split 5 pipeline micro-batches"),
 }
 
 
@@ -158,3 +161,148 @@ def test_unreachable_master_is_a_clear_error_not_a_hang(corpus, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "could not reach the rendezvous" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("schedule, batch", [("1f1b", 1), ("gpipe", 1), ("interleaved", 5)])
+def test_too_few_micro_batches_is_the_planners_error_in_train(schedule, batch, corpus, tmp_path):
+    """The planner refuses a pipeline its micro-batches cannot feed; training refuses it with the same words."""
+    from qwen3_pretrain.errors import UserError
+    from qwen3_pretrain.models.qwen3.config import get_preset
+    from qwen3_pretrain.plan.layout import Layout, check_model_fits_layout
+
+    with pytest.raises(UserError) as planned:
+        check_model_fits_layout(get_preset("qwen3-0.6b"), Layout(pp=2, pp_schedule=schedule, micro_batch_size=batch))
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
+    env = dict(child_env(), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg), "pp=2",
+                           f"pp_schedule={schedule}", f"batch_size={batch}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert str(planned.value).replace("micro_batch_size", "batch_size") in proc.stderr
+
+
+# --- the rendezvous host and the device of each process (monkeypatched launcher environments) ---
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+               "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS",
+               "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
+               "CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def detect(launch_env, master_addr: str):
+    """``detect_launch`` as a fresh process sees it (the variables an earlier call exported are gone)."""
+    from qwen3_pretrain.parallel.env import detect_launch
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        launch_env.delenv(name, raising=False)
+    return detect_launch(master_addr, 29500)
+
+
+MPI_TWO_NODES = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+SRUN_TWO_NODES = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2",
+                  "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"}
+
+
+@pytest.mark.parametrize("loopback", ["127.0.0.1", "localhost", "127.0.1.1", "::1"])
+def test_mpirun_across_nodes_refuses_a_loopback_master_addr(launch_env, loopback):
+    from qwen3_pretrain.errors import UserError
+
+    for key, value in MPI_TWO_NODES.items():
+        launch_env.setenv(key, value)
+    with pytest.raises(UserError, match=f"master_addr is {loopback}, a loopback address, but this mpirun launch "
+                                        "spans several nodes .OMPI_COMM_WORLD_SIZE 4 > OMPI_COMM_WORLD_LOCAL_SIZE 2"):
+        detect(launch_env, loopback)
+
+
+def test_mpirun_takes_an_exported_master_addr_or_a_real_host(launch_env):
+    for key, value in MPI_TWO_NODES.items():
+        launch_env.setenv(key, value)
+    info = detect(launch_env, "node01")
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("mpirun", 3, 4, 1, 2)
+    assert os.environ["MASTER_ADDR"] == "node01"
+    launch_env.setenv("MASTER_ADDR", "10.0.0.7")
+    assert detect(launch_env, "127.0.0.1").launcher == "mpirun"
+    assert os.environ["MASTER_ADDR"] == "10.0.0.7"
+
+
+def test_one_node_keeps_a_loopback_master_addr(launch_env):
+    for key, value in dict(MPI_TWO_NODES, OMPI_COMM_WORLD_LOCAL_SIZE="4").items():
+        launch_env.setenv(key, value)
+    assert detect(launch_env, "127.0.0.1").launcher == "mpirun"
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_srun_across_nodes_resolves_a_loopback_master_addr_or_refuses(launch_env):
+    from qwen3_pretrain.errors import UserError
+
+    for key, value in SRUN_TWO_NODES.items():
+        launch_env.setenv(key, value)
+    info = detect(launch_env, "127.0.0.1")
+    assert (info.launcher, info.local_world_size) == ("srun", 2) and os.environ["MASTER_ADDR"] == "gpu07"
+    launch_env.delenv("MASTER_ADDR")
+    launch_env.setenv("SLURM_STEP_NODELIST", "")
+    with pytest.raises(UserError, match="master_addr is 127.0.0.1, a loopback address, but this srun launch spans "
+                                        "several nodes .SLURM_STEP_NUM_NODES 2"):
+        detect(launch_env, "127.0.0.1")
+
+
+def test_slurm_tasks_on_this_node():
+    from qwen3_pretrain.parallel.env import slurm_local_tasks
+
+    assert [slurm_local_tasks({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": str(n)})
+            for n in range(3)] == [4, 4, 3]
+    assert slurm_local_tasks({"SLURM_STEP_TASKS_PER_NODE": "8"}) == 8
+    assert slurm_local_tasks({}) is None
+
+
+@pytest.fixture
+def two_gpus(launch_env):
+    """torch.cuda as a node with two GPUs shows it (a CPU build has none)."""
+    import torch
+
+    chosen = []
+    launch_env.setattr(torch.cuda, "is_available", lambda: True)
+    launch_env.setattr(torch.cuda, "device_count", lambda: 2)
+    launch_env.setattr(torch.cuda, "set_device", chosen.append)
+    return chosen
+
+
+def test_each_local_rank_gets_its_own_device(two_gpus):
+    import torch
+
+    from qwen3_pretrain.parallel.env import pick_device
+
+    assert [pick_device("cuda", r, 2) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert two_gpus == [0, 1]
+
+
+@pytest.mark.parametrize("local_rank, local_world_size", [(0, 4), (2, 4), (2, None)])
+def test_more_processes_than_devices_on_a_node_is_an_error(two_gpus, local_rank, local_world_size):
+    from qwen3_pretrain.errors import UserError
+    from qwen3_pretrain.parallel.env import pick_device
+
+    with pytest.raises(UserError, match=r"processes on this node but 2 cuda device\(s\) visible"):
+        pick_device("cuda", local_rank, local_world_size)
+    assert two_gpus == []
+
+
+def test_a_launcher_binding_one_device_per_process_is_not_sharing(launch_env):
+    import torch
+
+    from qwen3_pretrain.parallel.env import pick_device
+
+    launch_env.setattr(torch.cuda, "is_available", lambda: True)
+    launch_env.setattr(torch.cuda, "device_count", lambda: 1)
+    launch_env.setattr(torch.cuda, "set_device", lambda index: None)
+    launch_env.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert pick_device("cuda", 3, 4) == torch.device("cuda", 0)

@@ -189,6 +189,10 @@ class Checkpointer:
         self.aliases = aliases or {}
         self.keep_last_n = keep_last_n
         self.async_save = async_save
+        # An asynchronous save runs DCP's collectives in a background thread while training goes on:
+        # on a group of their own, so they never interleave with the training's (collective: every rank
+        # builds its Checkpointer at the same point).
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
         self._pending: tuple[Any, Path, Path, dict] | None = None
 
     # --- state ----------------------------------------------------------------------
@@ -229,7 +233,7 @@ class Checkpointer:
         meta = dict(meta, format=FORMAT, format_version=1, step=step,
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         if self.async_save:
-            future = dcp.async_save(self._state_dict(), checkpoint_id=str(tmp))
+            future = dcp.async_save(self._state_dict(), checkpoint_id=str(tmp), process_group=self._async_group)
             self._pending = (future, tmp, final, dict(meta, _start=start))
             return
         self._run_collective_io(lambda: dcp.save(self._state_dict(), checkpoint_id=str(tmp)), tmp)
