@@ -253,11 +253,7 @@ class Checkpointer:
             fn()
         except CheckpointException as exc:  # raised on every rank, with each failing rank's own exception
             failures = {rank: _failure(error, stack) for rank, (error, stack) in exc.failures.items()}
-            _raise_failures(f"saving checkpoint {tmp}", failures, self._intact(), exc)
-
-    def _intact(self) -> str:
-        return (f"check free space, quotas and permissions under {self.root}; the previous checkpoint "
-                f"is intact ({self.root / LATEST})")
+            _raise_failures(f"saving checkpoint {tmp}", failures, self.root, exc)
 
     def _agree(self, what: str, error: Exception | None) -> None:
         """Collective: raise on every rank when ``what`` failed on any, naming each failing rank's cause."""
@@ -267,7 +263,7 @@ class Checkpointer:
         if error is not None and not _failure(error)[0]:
             raise error  # a bug on this rank: its own traceback
         if failures:
-            _raise_failures(what, failures, self._intact())
+            _raise_failures(what, failures, self.root)
 
     def _publish(self, tmp: Path, final: Path, meta: dict, start: float) -> None:
         """Rank 0 renames the finished temp dir into place and updates ``latest``; all ranks agree on success."""
@@ -378,13 +374,14 @@ def _failure(error: BaseException, stack: traceback.StackSummary | None = None) 
     return False, "".join(traceback.format_list(stack)) + text
 
 
-def _raise_failures(what: str, failures: dict[int, Failure], intact: str, cause: BaseException | None = None) -> None:
+def _raise_failures(what: str, failures: dict[int, Failure], root: Path, cause: BaseException | None = None) -> None:
     """A UserError naming every failing rank and its cause when all are storage failures; otherwise a
     RuntimeError (chained to ``cause``) carrying each rank's traceback."""
     ranks = sorted(failures)
     if all(storage for storage, _ in failures.values()):
         listed = "; ".join(f"rank {rank}: {failures[rank][1]}" for rank in ranks)
-        raise UserError(f"{what} failed: {listed}; {intact}")
+        raise UserError(f"{what} failed: {listed}; check free space, quotas and permissions under {root}; "
+                        f"the previous checkpoint is intact ({root / LATEST})")
     listed = "\n".join(f"rank {rank}:\n{failures[rank][1]}" for rank in ranks)
     raise RuntimeError(f"{what} failed:\n{listed}") from cause
 
