@@ -83,7 +83,7 @@ def find_checkpoint(input_path: str | os.PathLike, step: int | None = None) -> P
     root = Path(input_path)
     if not root.is_dir():
         raise MissingFileError(f"input_path {root}: no such directory; pass the training run's output_path "
-                                f"(the directory holding {LATEST} and step_*/)")
+                               f"(the directory holding {LATEST} and step_*/)")
     steps = list_checkpoints(root)
     if step is not None:
         if step not in steps:
@@ -133,13 +133,13 @@ def check_complete(path: Path) -> Metadata:
     for name in (DCP_METADATA, META_FILE):
         if not (path / name).is_file():
             raise MissingFileError(f"{path / name} is missing: checkpoint {path} is incomplete "
-                                    "(interrupted save or copy); copy it again or choose another --step")
+                                   "(interrupted save or copy); copy it again or choose another --step")
     metadata = read_dcp_metadata(path)
     for relative_path, needed in _bytes_needed(metadata).items():
         data_file = path / relative_path
         if not data_file.is_file():
             raise MissingFileError(f"{data_file} is missing: {path / DCP_METADATA} lists it; checkpoint {path} "
-                                    "is incomplete; copy it again or choose another --step")
+                                   "is incomplete; copy it again or choose another --step")
         size = data_file.stat().st_size
         if size < needed:
             raise UserError(f"{data_file} is truncated ({size} bytes, {path / DCP_METADATA} needs {needed}); "

@@ -219,7 +219,7 @@ def tokenizer_files(explicit: str | os.PathLike | None, meta: dict[str, Any], ch
         files = _tokenizer_dir_files(Path(explicit))
         if not files:
             raise MissingFileError(f"--tokenizer_path {explicit}: no tokenizer files there "
-                                    f"(expected {', '.join(TOKENIZER_FILES[:4])})")
+                                   f"(expected {', '.join(TOKENIZER_FILES[:4])})")
         return files
     recorded = meta.get("tokenizer_path") or (meta.get("config") or {}).get("tokenizer_path")
     if not recorded:

@@ -102,7 +102,7 @@ def input_files(input_path: str) -> list[Path]:
         files = [path]
     else:
         raise MissingFileError(f"input_path {input_path!r} does not exist; give a parquet file "
-                                "(e.g. from 'qwen3-pretrain wiki2parquet'), a folder of them or a glob")
+                               "(e.g. from 'qwen3-pretrain wiki2parquet'), a folder of them or a glob")
     if not files:
         raise MissingFileError(f"input_path {input_path!r}: no parquet files there")
     return files

@@ -48,7 +48,7 @@ def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:
             file = root / (shard["prefix"] + suffix)
             if not file.is_file():
                 raise MissingFileError(f"{file}: listed in {path} but missing; copy the whole data "
-                                        "directory or re-run the conversion")
+                                       "directory or re-run the conversion")
     return manifest
 
 

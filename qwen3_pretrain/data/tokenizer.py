@@ -65,7 +65,7 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     candidate = path / "tokenizer.json" if path.is_dir() else path
     if not candidate.is_file():
         raise MissingFileError(f"tokenizer_path {str(path)!r}: no tokenizer.json there; give the folder of a "
-                                "HuggingFace model (it holds tokenizer.json) or the tokenizer.json file")
+                               "HuggingFace model (it holds tokenizer.json) or the tokenizer.json file")
     return candidate
 
 

@@ -95,7 +95,7 @@ def detect_source(path: Path) -> str:
     """``"dump"`` for a MediaWiki XML dump, ``"extracted"`` for wikiextractor output."""
     if not path.exists():
         raise MissingFileError(f"input {str(path)!r} does not exist; give a Wikipedia dump "
-                                "(.xml or .xml.bz2) or a wikiextractor output folder")
+                               "(.xml or .xml.bz2) or a wikiextractor output folder")
     if path.is_dir():
         return "extracted"
     head = _read_head(path).lstrip(b"\xef\xbb\xbf \t\r\n")

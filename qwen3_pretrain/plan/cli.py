@@ -145,7 +145,7 @@ def read_commbench(path: str) -> dict[str, float]:
     """Measured link figures from a commbench JSON: its ``summary`` (GB/s and microseconds)."""
     if not os.path.isfile(path):
         raise MissingFileError(f"--commbench file {path!r} does not exist; write one with "
-                                "'qwen3-pretrain commbench --json FILE'")
+                               "'qwen3-pretrain commbench --json FILE'")
     try:
         summary = json.loads(Path(path).read_text(encoding="utf-8"))["summary"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):

@@ -52,8 +52,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         raise MissingFileError(f"{path}: no tokenizer.json; pass --tokenizer DIR with the Qwen3 tokenizer "
-                                "(e.g. assets/qwen3-tokenizer), or merge with --tokenizer_path so the model "
-                                "directory holds one")
+                               "(e.g. assets/qwen3-tokenizer), or merge with --tokenizer_path so the model "
+                               "directory holds one")
     return Tokenizer.from_file(str(path))
 
 
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     sampling.validate()
     if not args.model.is_dir():
         raise MissingFileError(f"--model {args.model}: no such directory; give a HF model directory "
-                                "(e.g. the output_path of 'qwen3-pretrain merge')")
+                               "(e.g. the output_path of 'qwen3-pretrain merge')")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     model = load_hf_model(args.model, dtype=torch.float32)
     prompt_ids = tokenizer.encode(args.prompt).ids

@@ -148,7 +148,7 @@ class HFCheckpointReader:
         self.path = Path(path)
         if not self.path.is_dir():
             raise MissingFileError(f"{self.path}: no such directory; expected a HuggingFace model directory "
-                                    f"with {CONFIG_FILE} and {SINGLE_FILE} (or {INDEX_FILE})")
+                                   f"with {CONFIG_FILE} and {SINGLE_FILE} (or {INDEX_FILE})")
         self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
         self._handles: dict[str, safe_open] = {}
         self._hf_name: dict[str, str] = {}  # internal -> HF name
@@ -168,7 +168,7 @@ class HFCheckpointReader:
         if (self.path / SINGLE_FILE).is_file():
             return {key: SINGLE_FILE for key in self._handle(SINGLE_FILE).keys()}
         raise MissingFileError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}; this loader reads safetensors "
-                                "weights only (re-save the model with save_pretrained(safe_serialization=True))")
+                               "weights only (re-save the model with save_pretrained(safe_serialization=True))")
 
     def _read_index(self, index: Path) -> dict[str, str]:
         try:
@@ -180,7 +180,7 @@ class HFCheckpointReader:
         for file_name in sorted(set(weight_map.values())):
             if not (self.path / file_name).is_file():
                 raise MissingFileError(f"{index} lists {file_name!r}, which is missing from {self.path}; "
-                                        "the download is incomplete")
+                                       "the download is incomplete")
         return weight_map
 
     def _handle(self, file_name: str) -> safe_open:
