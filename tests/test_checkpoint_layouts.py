@@ -95,8 +95,9 @@ def _assert_same_rows(got: dict, want: dict) -> None:
     for part in ("model", "optim"):
         assert set(want[part]) <= set(got[part]), (part, set(want[part]) - set(got[part]))
         for key, value in got[part].items():
-            ref = want[part].get(key, want[part].get(key.replace("lm_head.", "embed_tokens.")))
-            assert ref is not None, f"{part}.{key} is not in the reference checkpoint"
+            ref_key = key if key in want[part] else key.replace("lm_head.", "embed_tokens.")
+            assert ref_key in want[part], f"{part}.{key} is not in the reference checkpoint"
+            ref = want[part][ref_key]
             if not isinstance(value, torch.Tensor):
                 assert value == ref, (part, key, value, ref)
             elif ("embed_tokens." in key or "lm_head." in key) and value.dim() == 2:
