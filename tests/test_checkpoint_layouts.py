@@ -42,9 +42,9 @@ RUNS = {
     "pp2 again": ("pp2", ("tp2->pp2", 5), 0),
     "pp2 interleaved again": ("pp2 interleaved", ("tp1->pp2 interleaved", 5), 0),
 }
-# Relative tolerance of losses, gradient norms and tensors between layouts (fp32 sums in another order).
-# Probe: resuming with the AdamW moments of the vocabulary rows left at zero moved the step after the
-# resume by far more (see the test's docstring).
+# Relative tolerance of losses, gradient norms and tensors (relative to the tensor's largest value)
+# between layouts: fp32 sums in another order differ by < 1e-6 here. Probe: resuming tp 1 -> tp 2 with
+# the AdamW moments of the vocabulary rows zeroed moved the loss of the second resumed step by 2e-3.
 RTOL = 1e-5
 
 
@@ -116,8 +116,7 @@ RESHARDS = ["tp1->tp2", "tp2->tp1", "tp2->pp2", "pp2->tp2", "tp2->dp2", "dp2->on
 @pytest.mark.parametrize("name", RESHARDS)
 def test_resume_under_another_layout_with_a_vocabulary_tp_does_not_divide(name, run, tmp_path):
     """Losses and gradient norms of every resumed step, the final weights and AdamW state, and the
-    data position equal the uninterrupted one-process run's.
-    Probe: resuming with the vocabulary rows' AdamW moments left at zero fails here (optim....exp_avg)."""
+    data position equal the uninterrupted one-process run's."""
     reference, out = run("reference"), run(name)
     want = {step: (loss, norm) for step, loss, norm in records(reference)}
     got = records(out)

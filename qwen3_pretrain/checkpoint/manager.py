@@ -11,7 +11,8 @@ A checkpoint is written under its temporary name by every rank, then rank 0
 adds ``meta.json`` and publishes it with one atomic rename, and only then
 replaces ``latest``. A run killed at any moment therefore leaves ``latest``
 naming a complete checkpoint. Model and optimizer states are saved by
-parameter name (DCP), so a checkpoint resumes under any other (tp, pp, dp).
+parameter name (DCP), so a checkpoint resumes under any other (tp, pp, dp);
+the vocabulary rows, padded to a multiple of tp, are re-padded or trimmed.
 """
 
 from __future__ import annotations
@@ -307,6 +308,21 @@ class Checkpointer:
                     renamed[key] = other
         return renamed
 
+    def _repadded_vocab_rows(self, state: dict[str, dict[str, Any]], saved: dict[str, Any]) -> dict[str, torch.Size]:
+        """{flattened DCP key: our shape} of the vocabulary tensors (weights and their optimizer states)
+        that the checkpoint holds with another number of padding rows, i.e. saved under another tp."""
+        if self.vocab_size is None:
+            return {}
+        found = {}
+        for part, entries in state.items():
+            for key, value in entries.items():
+                md = saved.get(f"{part}.{key}")
+                if (isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata)
+                        and md.size != value.shape and _is_vocab_tensor(part, key)
+                        and md.size[1:] == value.shape[1:] and min(md.size[0], value.shape[0]) >= self.vocab_size):
+                    found[f"{part}.{key}"] = value.shape
+        return found
+
     def load(self, path: Path) -> dict[str, Any]:
         """Restore model and optimizer from ``path`` (any layout); return its meta.json."""
         meta = read_meta(path)
@@ -316,7 +332,7 @@ class Checkpointer:
         renamed = {part: self._aliased_keys(part, state[part], set(saved)) for part in ("model", "optim")}
         _rename(state, renamed)  # read those entries under the checkpoint's names ...
         repadded = self._repadded_vocab_rows(state, saved)
-        for key in repadded:  # the planner writes the real rows only: the padding rows stay zero, as in a fresh run
+        for key in repadded:  # the planner writes the real rows only: padding rows stay zero, as in a fresh run
             part, _, name = key.partition(".")
             with torch.no_grad():
                 state[part][name].zero_()
@@ -338,22 +354,6 @@ class Checkpointer:
             if saved.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
         return meta
-
-
-    def _repadded_vocab_rows(self, state: dict[str, dict[str, Any]], saved: dict[str, Any]) -> dict[str, torch.Size]:
-        """{flattened DCP key: our shape} of the vocabulary tensors (weights and their optimizer states)
-        that the checkpoint holds with another number of padding rows, i.e. saved under another tp."""
-        if self.vocab_size is None:
-            return {}
-        found = {}
-        for part, entries in state.items():
-            for key, value in entries.items():
-                md = saved.get(f"{part}.{key}")
-                if (isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata)
-                        and md.size != value.shape and _is_vocab_tensor(part, key)
-                        and md.size[1:] == value.shape[1:] and min(md.size[0], value.shape[0]) >= self.vocab_size):
-                    found[f"{part}.{key}"] = value.shape
-        return found
 
 
 class _VocabRowsPlanner(DefaultLoadPlanner):
