@@ -68,7 +68,7 @@ def run(corpus, tmp_path_factory):
             cfg = write_config(root / f"{out.name}.yaml", corpus, out, total_steps=TOTAL, save_steps=save_steps,
                                keep_last_n=0, model_overrides=dict(TINY_MODEL, vocab_size=VOCAB))
             nproc, overrides = LAYOUTS[layout]
-            proc = run_train(cfg, nproc, *overrides)
+            proc = run_train(cfg, nproc, *overrides, timeout=900)  # generous: a busy machine is slow
             check_ok(proc)
             if source is not None:
                 assert f"at step {source[1]}" in proc.stdout, proc.stdout[-2000:]
