@@ -80,7 +80,7 @@ def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path)
     total, kill_after = 20, 5  # many steps left after the kill: it lands mid-run even on a slow machine
     ref = tmp_path / "ref"
     cfg_ref = write_config(tmp_path / "r.yaml", corpus, ref, total_steps=total, save_steps=2)
-    check_ok(run_train(cfg_ref, 1))
+    check_ok(run_train(cfg_ref, 1, timeout=900))
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=total, save_steps=2)
     proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
@@ -91,7 +91,7 @@ def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path)
     # step logged, and the rest of the test would prove nothing.
     assert proc.returncode == -signal.SIGKILL, f"the run ended (exit {proc.returncode}) before it could be killed"
     assert len(losses(out)) < total, "the run finished before it was killed"
-    proc = run_train(cfg, 1)
+    proc = run_train(cfg, 1, timeout=900)
     check_ok(proc)
     assert "resumed from" in proc.stdout
     assert records(out) == records(ref)
