@@ -11,11 +11,13 @@ A checkpoint is written under its temporary name by every rank, then rank 0
 adds ``meta.json`` and publishes it with one atomic rename, and only then
 replaces ``latest``. A run killed at any moment therefore leaves ``latest``
 naming a complete checkpoint. Model and optimizer states are saved by
-parameter name (DCP), so a checkpoint resumes under any other (tp, pp, dp).
+parameter name (DCP), so a checkpoint resumes under any other (tp, pp, dp);
+the vocabulary rows, padded to a multiple of tp, are re-padded or trimmed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -31,7 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,6 +55,8 @@ DCP_METADATA = ".metadata"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Parameters whose dim 0 is the vocabulary padded to a multiple of tp; rows past vocab_size are zero.
+VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def step_dir_name(step: int) -> str:
@@ -181,12 +186,15 @@ class Checkpointer:
 
     def __init__(self, output_path: str | os.PathLike, parts: list[nn.Module],
                  optimizers: list[torch.optim.Optimizer], keep_last_n: int = 3, async_save: bool = False,
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None, vocab_size: int | None = None) -> None:
         self.root = Path(output_path)
         self.parts, self.optimizers = parts, optimizers
         # parameter name -> the one whose weight and optimizer state stand in when a checkpoint has none
         # for it (a tied head of its own under pp > 1, resumed from one stage where it is the embedding)
         self.aliases = aliases or {}
+        # the real vocabulary: a checkpoint saved under another tp pads the VOCAB_TENSORS' rows to
+        # another size, and only these rows are carried over
+        self.vocab_size = vocab_size
         self.keep_last_n = keep_last_n
         self.async_save = async_save
         # An asynchronous save runs DCP's collectives in a background thread while training goes on:
@@ -309,16 +317,37 @@ class Checkpointer:
                     renamed[key] = other
         return renamed
 
+    def _repadded_vocab_rows(self, state: dict[str, dict[str, Any]], saved: dict[str, Any]) -> dict[str, torch.Size]:
+        """{flattened DCP key: our shape} of the vocabulary tensors (weights and their optimizer states)
+        that the checkpoint holds with another number of padding rows, i.e. saved under another tp."""
+        if self.vocab_size is None:
+            return {}
+        found = {}
+        for part, entries in state.items():
+            for key, value in entries.items():
+                md = saved.get(f"{part}.{key}")
+                if (isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata)
+                        and md.size != value.shape and _is_vocab_tensor(part, key)
+                        and md.size[1:] == value.shape[1:] and min(md.size[0], value.shape[0]) >= self.vocab_size):
+                    found[f"{part}.{key}"] = value.shape
+        return found
+
     def load(self, path: Path) -> dict[str, Any]:
         """Restore model and optimizer from ``path`` (any layout); return its meta.json."""
         meta = read_meta(path)
         per_part = self._part_state_dicts()
         state = self._merge(per_part)
-        saved_keys = set(read_dcp_metadata(path).state_dict_metadata)
-        renamed = {part: self._aliased_keys(part, state[part], saved_keys) for part in ("model", "optim")}
+        saved = read_dcp_metadata(path).state_dict_metadata
+        renamed = {part: self._aliased_keys(part, state[part], set(saved)) for part in ("model", "optim")}
         _rename(state, renamed)  # read those entries under the checkpoint's names ...
+        repadded = self._repadded_vocab_rows(state, saved)
+        for key in repadded:  # the planner writes the real rows only: padding rows stay zero, as in a fresh run
+            part, _, name = key.partition(".")
+            with torch.no_grad():
+                state[part][name].zero_()
+        planner = _VocabRowsPlanner(repadded, self.vocab_size) if repadded else None
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), planner=planner)
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
         _rename(state, renamed, back=True)  # ... and give them ours again
@@ -334,6 +363,36 @@ class Checkpointer:
             if saved.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
         return meta
+
+
+class _VocabRowsPlanner(DefaultLoadPlanner):
+    """DCP's load planner for a checkpoint whose vocabulary tensors have another number of padding
+    rows: of each such tensor it reads the first ``rows`` rows into ours, whatever our size and
+    sharding, and nothing else. DCP reads the overlap of every saved chunk with every local one, so
+    the saved entry is described to it as having our shape and chunks that end at ``rows``."""
+
+    def __init__(self, shapes: dict[str, torch.Size], rows: int) -> None:
+        super().__init__()
+        self.shapes, self.rows = shapes, rows
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        entries = dict(metadata.state_dict_metadata)
+        for key, shape in self.shapes.items():
+            md = entries[key]
+            chunks = [ChunkStorageMetadata(c.offsets, torch.Size((min(c.sizes[0], self.rows - c.offsets[0]),
+                                                                   *c.sizes[1:])))
+                      for c in md.chunks if c.offsets[0] < self.rows]
+            entries[key] = TensorStorageMetadata(md.properties, shape, chunks)
+        super().set_up_planner(state_dict, dataclasses.replace(metadata, state_dict_metadata=entries), is_coordinator)
+
+
+def _is_vocab_tensor(part: str, key: str) -> bool:
+    """Whether ``key`` of ``part`` is a VOCAB_TENSORS weight or (flattened ``state.<param>.<name>``)
+    one of its optimizer states."""
+    if part == "model":
+        return key in VOCAB_TENSORS
+    kind, _, rest = key.partition(".")
+    return kind == "state" and any(rest.startswith(name + ".") for name in VOCAB_TENSORS)
 
 
 def _rename(state: dict[str, dict[str, Any]], renamed: dict[str, dict[str, str]], back: bool = False) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest
+from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest, read_meta
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 from qwen3_pretrain.data.reader_manifest import validate_manifest
@@ -42,7 +42,7 @@ from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed, default_chun
 from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
-from qwen3_pretrain.train.model_source import resolve_model
+from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import build_optimizer, lr_at, optimizer_impl, set_lr
 from qwen3_pretrain.train.precision import use_fp32_matmul
 
@@ -78,7 +78,7 @@ class Trainer:
         # the last stage's head (weight and optimizer state) reads the embedding's.
         aliases = {"lm_head.weight": "embed_tokens.weight"} if self.source.config.tie_word_embeddings else None
         self.checkpointer = Checkpointer(cfg.output_path, self.parts, self.optimizers, cfg.keep_last_n,
-                                         cfg.async_save, aliases=aliases)
+                                         cfg.async_save, aliases=aliases, vocab_size=self.source.config.vocab_size)
         self.resumed_from = self._maybe_resume()
 
     # --- set-up ------------------------------------------------------------------
@@ -168,19 +168,19 @@ class Trainer:
                             "a filesystem shared by all nodes (e.g. NFS)")
         if path is None:
             return None
+        # before loading: a checkpoint of another model fails there with DCP's size or key errors
+        self._check_checkpoint_model(read_meta(path), path)
         meta = self.checkpointer.load(path)
-        self._check_checkpoint_model(meta, path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
         self.loader.load_state_dict(meta["data"])
         return path
 
     def _check_checkpoint_model(self, meta: dict, path: Path) -> None:
-        saved, current = meta["model_config"], self.source.config.to_hf_dict()
-        diffs = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                             "head_dim", "intermediate_size", "vocab_size") if saved.get(k) != current.get(k)]
+        saved, current = meta.get("model_config", {}), self.source.config.to_hf_dict()
+        diffs = [f"{k} {saved.get(k)} vs {current.get(k)}" for k in ARCHITECTURE_KEYS if saved.get(k) != current.get(k)]
         if diffs:
-            raise UserError(f"{path} holds a different model ({', '.join(f'{k} {saved.get(k)} vs {current.get(k)}' for k in diffs)}); "
+            raise UserError(f"{path} holds a different model ({', '.join(diffs)}); "
                             "use another output_path or the matching model config")
 
     def save_checkpoint(self) -> None:
