@@ -107,9 +107,16 @@ class FlexDocumentAttention:
 
     def __init__(self, compile: bool = True) -> None:
         self.compile = compile
+        self._functions: tuple | None = None  # (create_block_mask, flex_attention), on first use
+
+    def functions(self) -> tuple:
+        # Resolved by prepare, outside the decoder layers: a compiled layer then only reads an attribute.
+        if self._functions is None:
+            self._functions = _flex_functions(self.compile)
+        return self._functions
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype):
-        create_block_mask, _ = _flex_functions(self.compile)
+        create_block_mask = self.functions()[0]
         doc = document_ids(positions)
 
         def same_document_causal(b, h, q_idx, kv_idx):
@@ -121,8 +128,7 @@ class FlexDocumentAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs) -> torch.Tensor:
         if docs is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=_is_gqa(q, k))
-        _, flex_attention = _flex_functions(self.compile)
-        return flex_attention(q, k, v, block_mask=docs, enable_gqa=_is_gqa(q, k))
+        return self.functions()[1](q, k, v, block_mask=docs, enable_gqa=_is_gqa(q, k))
 
 
 def document_ends(positions: torch.Tensor) -> list[int]:
@@ -167,15 +173,14 @@ def _npu_causal_mask(device: torch.device) -> torch.Tensor:
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
+_KERNELS = {"cuda": FlexDocumentAttention, "npu": NpuFusedDocumentAttention}
+
+
 def attention_kernel(device_type: str) -> AttentionKernel:
     """The kernel for a model that runs on ``device_type`` ("cpu", "cuda", "npu", ...)."""
-    if device_type == "cuda":
-        return FlexDocumentAttention(compile=True)
-    if device_type == "npu":
-        return NpuFusedDocumentAttention()
-    return SdpaAttention()
+    return _KERNELS.get(device_type, SdpaAttention)()
 
 
 def dense_document_mask(device_type: str) -> bool:
     """Whether document masking on ``device_type`` materializes a [batch, 1, seq, seq] mask (for the planner)."""
-    return attention_kernel(device_type).dense_document_mask
+    return _KERNELS.get(device_type, SdpaAttention).dense_document_mask
