@@ -133,8 +133,9 @@ class Qwen3Model(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Set from outside: return hidden states instead of logits (the loss applies the head in chunks);
-        # keep attention within each packed document (positions restart at 0 per document); and how many shards of the sequence a
-        # hidden-state input holds (sequence parallelism hands a pipeline stage 1/N of the sequence).
+        # keep attention within each packed document (positions restart at 0 per document); and how
+        # many shards of the sequence a hidden-state input holds (sequence parallelism hands a pipeline
+        # stage 1/N of the sequence).
         self.return_hidden = False
         self.document_mask = False
         self.sequence_shards = 1
