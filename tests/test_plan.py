@@ -15,6 +15,7 @@ from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, get_preset
 from qwen3_pretrain.models.qwen3.model import rope_cos_sin
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
 from qwen3_pretrain.plan.hardware import get_device
 from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
@@ -252,3 +253,23 @@ def test_user_errors_are_value_errors():
     with pytest.raises(UserError, match="pp=2 needs at least 2"):
         predict_memory(get_preset("qwen3-8b"), Layout(pp=2))
     assert predict_memory(get_preset("qwen3-0.6b"), Layout()).total / GiB > 1
+
+
+def test_document_mask_memory_follows_the_kernel_that_runs():
+    """Only the CPU's kernel materializes the document mask: one [seq, seq] per sample of each micro-batch
+    in flight, in the dtype attention computes in (fp32 when bf16 is multiplied in fp32). The accelerators'
+    kernels take the document boundaries and hold no seq x seq tensor."""
+    cfg = get_preset("qwen3-0.6b")
+    base = Layout(pp=2, micro_batch_size=4, pp_microbatch_size=2, seq_length=8192, activation_checkpointing="full")
+    plain = predict_memory(cfg, base, stage=0).activations
+    in_flight = 2  # 1F1B: the first of 2 stages holds 2 micro-batches
+    for dense, fp32_matmul, mask_bytes in ((False, False, 0), (True, False, 2), (True, True, 4)):
+        layout = base.replace(document_mask=True, dense_document_mask=dense, fp32_matmul=fp32_matmul)
+        extra = predict_memory(cfg, layout, stage=0).activations - \
+            predict_memory(cfg, base.replace(fp32_matmul=fp32_matmul), stage=0).activations
+        assert extra == in_flight * 2 * 8192 * 8192 * mask_bytes
+    assert predict_memory(cfg, base.replace(document_mask=True), stage=0).activations == plain
+    for device, dense in (("h100", False), ("910b3", False), ("cpu", True)):
+        args = build_parser().parse_args(["--device", device])
+        layout, _ = fixed_settings(args, {"document_mask": True})
+        assert layout.document_mask and layout.dense_document_mask == dense

@@ -19,8 +19,9 @@ from typing import Any
 
 from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import MissingFileError, UserError
+from qwen3_pretrain.models.qwen3.attention import dense_document_mask
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.plan.hardware import Hardware, get_device, with_overrides
+from qwen3_pretrain.plan.hardware import DEVICES, Hardware, get_device, with_overrides
 from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout, check_degrees,
                                         default_chunk_tokens, enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl = p.add_argument_group("cluster")
     cl.add_argument("--nodes", type=int, help="number of nodes (default 1)")
     cl.add_argument("--devices-per-node", type=int, help="devices per node (default: the config's rank_size, or 8)")
-    cl.add_argument("--device", default="h100", help="device kind: h100, h200, a100, 910b, cpu")
+    cl.add_argument("--device", default="h100", help=f"device kind: {', '.join(DEVICES)}")
     cl.add_argument("--device-memory-gib", type=float, help="override the device's memory")
     cl.add_argument("--peak-tflops", type=float, help="override the dense bf16 peak")
     cl.add_argument("--efficiency", type=float, help="override the achieved share of peak (0-1]")
@@ -195,6 +196,7 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
         loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", None) or default_chunk_tokens(args.device),
         document_mask=conf.get("document_mask", False),
+        dense_document_mask=dense_document_mask(get_device(args.device).device_type),
         reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
                                            False),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))

@@ -95,7 +95,9 @@ def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, head
     Counted from the operators of ``models/qwen3/model.py`` with sequence
     parallelism (norms see ``1/t`` of the tokens) and flash-style attention
     (no ``seq x seq`` scores; true of torch's SDPA on CUDA and of its CPU flash
-    kernel). With ``d`` the activation dtype's bytes:
+    kernel, and of the document-masking kernels on GPUs and NPUs; the NPU's
+    fused kernel keeps 16 fp32 softmax statistics per head and token instead
+    of one, not modelled). With ``d`` the activation dtype's bytes:
 
     * RMSNorm (attention and MLP): its fp32 input (4) and normalized input (d)
       per element, on the sequence shard: ``2 (4 + d) h / t``;

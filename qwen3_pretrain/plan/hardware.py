@@ -40,6 +40,8 @@ class Hardware:
     compute_efficiency: float = 0.40
     runtime_reserved_gib: float = 1.0  # device runtime context + communicator buffers, outside the allocator
     optimizer_impl: str = "fused"  # the engine's AdamW kernel there: fused on CPU and CUDA, torch's foreach elsewhere
+    device_type: str = "cuda"  # torch's device type: "cuda", "npu" or "cpu"
+    reported_names: tuple[str, ...] = ()  # exactly as torch.<device_type>.get_device_name reports it
     source: str = ""
 
     def compute_flops(self, mixed_precision: str) -> float:
@@ -54,34 +56,119 @@ def _cpu_memory_gib() -> float:
         return 16.0
 
 
+_HOPPER_NET = "one 400 Gb/s NDR NIC per GPU"
+_910B_NET = dict(memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0, inter_node_latency_us=50.0,
+                 optimizer_impl="foreach", device_type="npu")
+_ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is the commonly reported figure, "
+                "unverified: set peak_tflops (train) or --peak-tflops (plan) for yours")
+
+# Keys are the planner's short names (--device); ``reported_names`` are the exact names the device
+# reports (torch.cuda/torch.npu.get_device_name), which metrics match for MFU. Peaks are dense (no
+# sparsity). Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
         "h100", 79.6, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=3350.0,
-        source="H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3 (NVIDIA datasheet); "
-               "81,559 MiB as nvidia-smi reports; NVLink 4 at ~360 GB/s ring bus bandwidth; "
-               "one 400 Gb/s NDR NIC per GPU"),
+        reported_names=("NVIDIA H100 80GB HBM3",),
+        source="H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3 (NVIDIA H100 datasheet); "
+               "81,559 MiB as nvidia-smi reports; NVLink 4 at ~360 GB/s ring bus bandwidth; " + _HOPPER_NET),
+    "h100-pcie": Hardware(
+        "h100-pcie", 79.6, 756.0, 51.0, 50.0, 45.0, memory_bandwidth_gbps=2000.0,
+        reported_names=("NVIDIA H100 PCIe",),
+        source="H100 PCIe 80GB: 756 TFLOP/s dense bf16, 51 fp32, 2.0 TB/s HBM2e (NVIDIA H100 datasheet); "
+               "PCIe Gen5 between GPUs (no NVLink bridge assumed)"),
+    "h100-nvl": Hardware(
+        "h100-nvl", 93.6, 835.0, 60.0, 50.0, 45.0, memory_bandwidth_gbps=3900.0,
+        reported_names=("NVIDIA H100 NVL",),
+        source="H100 NVL 94GB: 835 TFLOP/s dense bf16, 60 fp32, 3.9 TB/s HBM3 (NVIDIA H100 datasheet); "
+               "95,830 MiB as nvidia-smi reports; PCIe Gen5 between bridge pairs"),
+    "h800": Hardware(
+        "h800", 79.6, 989.0, 67.0, 160.0, 45.0, memory_bandwidth_gbps=3350.0,
+        reported_names=("NVIDIA H800", "NVIDIA H800 80GB HBM3"),
+        source="H800 SXM5 80GB: the H100 SXM's compute and memory (989 dense bf16, 3.35 TB/s; NVIDIA H800 "
+               "product brief) with NVLink cut to 400 GB/s, ~160 GB/s ring bus bandwidth"),
+    "h20": Hardware(
+        "h20", 95.0, 148.0, 44.0, 360.0, 45.0, memory_bandwidth_gbps=4000.0,
+        reported_names=("NVIDIA H20",),
+        source="H20 96GB: 148 TFLOP/s dense bf16, 44 fp32, 4.0 TB/s HBM3, NVLink 900 GB/s (NVIDIA H20 "
+               "product brief as published by OEMs; not on nvidia.com)"),
     "h200": Hardware(
         "h200", 140.4, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=4800.0,
-        source="H200 SXM 141GB: 989 TFLOP/s dense bf16, 67 fp32, 4.8 TB/s HBM3e (NVIDIA datasheet); "
+        reported_names=("NVIDIA H200",),
+        source="H200 SXM 141GB: 989 TFLOP/s dense bf16, 67 fp32, 4.8 TB/s HBM3e (NVIDIA H200 datasheet); "
                "143,771 MiB as nvidia-smi reports; NVLink 4 and NDR networking as H100"),
     "a100": Hardware(
         "a100", 80.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=2039.0,
-        source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 2.04 TB/s HBM2e (NVIDIA datasheet); "
+        reported_names=("NVIDIA A100-SXM4-80GB",),
+        source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 2.04 TB/s HBM2e (NVIDIA A100 datasheet); "
                "NVLink 3 at ~230 GB/s ring bus bandwidth; one 200 Gb/s HDR NIC per GPU"),
+    "a100-40gb": Hardware(
+        "a100-40gb", 40.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=1555.0,
+        reported_names=("NVIDIA A100-SXM4-40GB",),
+        source="A100 SXM4 40GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.56 TB/s HBM2 (NVIDIA A100 datasheet)"),
+    "a100-pcie": Hardware(
+        "a100-pcie", 80.0, 312.0, 19.5, 25.0, 22.0, memory_bandwidth_gbps=1935.0,
+        reported_names=("NVIDIA A100 80GB PCIe",),
+        source="A100 PCIe 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.94 TB/s HBM2e (NVIDIA A100 datasheet); "
+               "PCIe Gen4 between GPUs"),
+    "a100-pcie-40gb": Hardware(
+        "a100-pcie-40gb", 40.0, 312.0, 19.5, 25.0, 22.0, memory_bandwidth_gbps=1555.0,
+        reported_names=("NVIDIA A100-PCIE-40GB",),
+        source="A100 PCIe 40GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.56 TB/s HBM2 (NVIDIA A100 datasheet)"),
+    "a800": Hardware(
+        "a800", 80.0, 312.0, 19.5, 160.0, 22.0, memory_bandwidth_gbps=2039.0,
+        reported_names=("NVIDIA A800-SXM4-80GB",),
+        source="A800 SXM4 80GB: the A100 SXM4's compute and memory (312 dense bf16; NVIDIA A800 product "
+               "brief) with NVLink cut to 400 GB/s, ~160 GB/s ring bus bandwidth"),
+    "b200": Hardware(
+        "b200", 179.1, 2250.0, 75.0, 720.0, 45.0, memory_bandwidth_gbps=8000.0,
+        reported_names=("NVIDIA B200",),
+        source="B200 (HGX B200): 2,250 TFLOP/s dense bf16 and 75 fp32 per GPU (NVIDIA HGX B200 datasheet, "
+               "8-GPU figures / 8, sparsity halved), 8 TB/s HBM3e; 183,359 MiB as nvidia-smi reports; "
+               "NVLink 5 at ~720 GB/s ring bus bandwidth"),
+    "l40s": Hardware(
+        "l40s", 45.0, 362.0, 91.6, 25.0, 22.0, memory_bandwidth_gbps=864.0,
+        reported_names=("NVIDIA L40S",),
+        source="L40S 48GB: 362 TFLOP/s dense bf16, 91.6 fp32, 864 GB/s GDDR6 (NVIDIA L40S datasheet); "
+               "46,068 MiB as nvidia-smi reports; PCIe Gen4 between GPUs"),
     "910b": Hardware(
-        "910b", 64.0, 313.0, 78.0, 100.0, 22.0, memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0,
-        inter_node_latency_us=50.0, optimizer_impl="foreach",
-        source="Ascend 910B (Atlas 800T A2 class): 64 GB HBM (~1.6 TB/s); 313 TFLOP/s fp16/bf16 used here "
-               "(published figures differ by SKU, about 280-376: set --peak-tflops for yours), fp32 assumed a "
-               "quarter of it; HCCS ring ~100 GB/s; one 200 Gb/s RoCE port per NPU"),
+        "910b", 64.0, 313.0, 78.0, 100.0, 22.0, **_910B_NET,
+        source="Ascend 910B, SKU unknown (Atlas 800T A2 class): 64 GB HBM (~1.6 TB/s); 313 TFLOP/s bf16 "
+               "(the 910B3 figure; " + _ASCEND_PEAK + "), fp32 assumed a quarter of it; HCCS ring "
+               "~100 GB/s; one 200 Gb/s RoCE port per NPU"),
+    "910b1": Hardware(
+        "910b1", 64.0, 414.0, 103.0, 100.0, 22.0, **_910B_NET, reported_names=("Ascend910B1",),
+        source="Ascend 910B1: 414 TFLOP/s bf16 (" + _ASCEND_PEAK + "); links as 910b"),
+    "910b2": Hardware(
+        "910b2", 64.0, 376.0, 94.0, 100.0, 22.0, **_910B_NET, reported_names=("Ascend910B2", "Ascend910B2C"),
+        source="Ascend 910B2: 376 TFLOP/s bf16 (" + _ASCEND_PEAK + "); links as 910b"),
+    "910b3": Hardware(
+        "910b3", 64.0, 313.0, 78.0, 100.0, 22.0, **_910B_NET, reported_names=("Ascend910B3",),
+        source="Ascend 910B3: 313 TFLOP/s bf16 (" + _ASCEND_PEAK + "); links as 910b"),
+    "910b4": Hardware(
+        "910b4", 32.0, 280.0, 70.0, 100.0, 22.0, **_910B_NET, reported_names=("Ascend910B4",),
+        source="Ascend 910B4: 280 TFLOP/s bf16, 32 GB HBM (" + _ASCEND_PEAK + "); links as 910b"),
+    "910c": Hardware(
+        "910c", 64.0, 376.0, 94.0, 100.0, 22.0, **_910B_NET,
+        reported_names=("Ascend910_9391", "Ascend910_9392", "Ascend910_9381", "Ascend910_9382"),
+        source="Ascend 910C (Atlas A3), per device: each of its two dies is one device with 64 GB; 376 "
+               "TFLOP/s bf16 per die, half the ~752 reported per package (" + _ASCEND_PEAK + "); links as 910b"),
     "cpu": Hardware(
         "cpu", _cpu_memory_gib(), 2.4, 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
-        inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0,
+        inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0, device_type="cpu",
         source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); fp32 steps measured "
                "no slower than bf16 ones, so fp32 uses the same peak; efficiency 0.07 from measured small-model "
                "training (vocabulary-sized elementwise work dominates, which a roofline does not see); memory is "
                "this machine's RAM; memory bandwidth and gloo links are placeholders: measure with commbench"),
 }
+
+
+def device_by_reported_name(name: str) -> Hardware | None:
+    """The table's entry for a device that reports exactly ``name`` (surrounding spaces aside), or None."""
+    name = name.strip()
+    for hw in DEVICES.values():
+        if name in hw.reported_names:
+            return hw
+    return None
 
 
 def get_device(name: str) -> Hardware:

@@ -50,7 +50,10 @@ class Layout:
     pp_microbatch_size: int = 1  # samples per pipeline micro-batch
     reshard_after_forward: bool = True  # FSDP frees gathered weights after each layer's forward
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
-    document_mask: bool = False  # attention mask per packed document: a [seq, seq] mask per sample
+    document_mask: bool = False  # attention kept within each packed document
+    # ... through a dense additive [seq, seq] mask per sample (the CPU's attention kernel; accelerators' kernels
+    # take the document boundaries instead: models/qwen3/attention.py)
+    dense_document_mask: bool = False
     reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
     fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: train/precision.py)
 

@@ -122,8 +122,10 @@ def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
     tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
     per_mb = shape.num_layers * tokens * _layer_bytes_per_token(cfg, layout, layout.activation_checkpointing)
     per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
-    if layout.document_mask:
-        per_mb += tokens * layout.seq_length  # bool [seq, seq] mask per sample
+    if layout.document_mask and layout.dense_document_mask:
+        # The CPU kernel's additive mask, [seq, seq] per sample in the dtype attention computes in, built
+        # once per micro-batch and kept for backward by every layer's attention.
+        per_mb += tokens * layout.seq_length * (4 if layout.fp32_matmul else d)
     if shape.has_head:
         # Final norm (fp32 input + normalized value, sequence-sharded) and the gradient of the
         # gathered hidden states that the fused loss computes in forward and keeps for backward.

@@ -90,13 +90,15 @@ class TrainConfig:
                                                "memory).")
     reset_position_ids: bool = field_help(False, "Restart RoPE positions at each packed document.")
     document_mask: bool = field_help(False, "Also stop attention across packed documents (implies "
-                                     "reset_position_ids; slower: builds a mask).")
+                                     "reset_position_ids). GPUs and NPUs take the document boundaries; a CPU "
+                                     "builds a seq x seq mask per sample.")
     keep_last_n: int = field_help(3, "Keep this many newest checkpoints; 0 keeps all.")
     async_save: bool = field_help(False, "Write checkpoints in the background while training goes on.")
     max_nonfinite_steps: int = field_help(5, "Stop cleanly after this many consecutive steps with a NaN/inf loss "
                                           "or gradient norm (each one is skipped).")
     peak_tflops: float | None = field_help(None, "Peak bf16 TFLOP/s per device for MFU; empty: from the device "
-                                           "table (CPU: measured at start-up).")
+                                           "table, by the exact name the device reports (an unknown device "
+                                           "warns and MFU is nan; CPU: measured at start-up).")
     collective_timeout_s: int = field_help(600, "Timeout of collectives: a dead rank stops the others after this.")
     init_timeout_s: int = field_help(300, "Timeout for reaching master_addr:master_port at start-up.")
     tensorboard: bool = field_help(False, "Also write TensorBoard events to output_path/tensorboard.")

@@ -11,6 +11,7 @@ the engine computes its bf16 matmuls in fp32: ``train/precision.py``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -20,22 +21,38 @@ from pathlib import Path
 
 import torch
 
-from qwen3_pretrain.plan.hardware import DEVICES
+from qwen3_pretrain.plan.hardware import device_by_reported_name
+
+log = logging.getLogger("qwen3_pretrain.train")
+_warned_unknown: set[str] = set()
+
 
 def device_peak_tflops(device: torch.device, configured: float | None,
                        cpu_dtype: torch.dtype | None = None) -> tuple[float, str]:
-    """(peak TFLOP/s per device, where the figure comes from). On a CPU: a matmul in ``cpu_dtype``
+    """(peak TFLOP/s per device, where the figure comes from). An accelerator is looked up by the exact
+    name it reports (a near name could be another SKU with another peak); an unknown one gives nan and
+    a warning, once per name, that names the ``peak_tflops`` key. On a CPU: a matmul in ``cpu_dtype``
     (default bf16; fp32 where the engine computes its bf16 matmuls in fp32) measured now."""
     if configured:
         return configured, "config"
     if device.type in ("cuda", "npu"):
         name = getattr(torch, device.type).get_device_name(device)
-        for key, hw in DEVICES.items():
-            if key != "cpu" and key.upper() in name.upper().replace(" ", ""):
-                return hw.peak_tflops, f"device table ({name})"
+        hw = device_by_reported_name(name)
+        if hw is not None:
+            return hw.peak_tflops, f"device table: {hw.name} ({name})"
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            log.warning("MFU is not computed: the device table (plan/hardware.py) does not know %r; set "
+                        "peak_tflops in the training config to its dense bf16 peak in TFLOP/s", name)
         return float("nan"), f"unknown device {name!r}: set peak_tflops"
     dtype = cpu_dtype or torch.bfloat16
     return measure_cpu_tflops(dtype=dtype), f"measured {str(dtype).removeprefix('torch.')} matmul"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on an accelerator (CUDA or NPU); nothing to wait for on a CPU."""
+    if device.type in ("cuda", "npu"):
+        getattr(torch, device.type).synchronize(device)
 
 
 def measure_cpu_tflops(n: int = 1024, reps: int = 8, dtype: torch.dtype = torch.bfloat16) -> float:

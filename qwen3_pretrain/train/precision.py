@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen3_pretrain.models.qwen3.attention import LOW_PRECISION, SdpaAttention
 from qwen3_pretrain.models.qwen3.model import Attention
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose matmuls this module moves to fp32
 
 
 def cpu_has_native_bf16() -> bool:
@@ -84,12 +83,11 @@ def _fp32_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return fp32_linear(x, self.weight, self.bias)
 
 
-def fp32_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` on fp32 copies of low-precision inputs, returned in their dtype.
-    What it saves for backward is fp32 (twice the bf16 size; a small part of a layer's activations)."""
-    if q.dtype not in LOW_PRECISION:
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+def fp32_attention() -> SdpaAttention:
+    """SDPA on fp32 copies of low-precision inputs, returned in their dtype (a document mask is built in
+    fp32 once per forward). What it saves for backward is fp32 (twice the bf16 size; a small part of a
+    layer's activations)."""
+    return SdpaAttention(compute_dtype=torch.float32)
 
 
 def compute_in_fp32(model: nn.Module) -> int:
@@ -98,6 +96,7 @@ def compute_in_fp32(model: nn.Module) -> int:
     in fp32, and turn on the ``fp32_matmul`` option of modules that have one (the fused-loss LM
     heads). Returns how many modules were changed."""
     count = 0
+    kernel = fp32_attention()  # one for all layers: the model prepares a document mask with the first one's
     for module in model.modules():
         if hasattr(module, "fp32_matmul"):
             module.fp32_matmul = True
@@ -106,6 +105,6 @@ def compute_in_fp32(model: nn.Module) -> int:
             module.forward = types.MethodType(_fp32_linear_forward, module)
             count += 1
         elif isinstance(module, Attention):
-            module.sdpa = fp32_sdpa
+            module.kernel = kernel
             count += 1
     return count

@@ -23,9 +23,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest, read_meta
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
+from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 from qwen3_pretrain.data.reader_manifest import validate_manifest
 from qwen3_pretrain.errors import ConfigError, UserError
+from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
 from qwen3_pretrain.parallel import env
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
@@ -41,7 +43,7 @@ from qwen3_pretrain.parallel.pipeline import build_schedule
 from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed, default_chunk_tokens
 from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
-from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib
+from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib, synchronize
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import build_optimizer, lr_at, optimizer_impl, set_lr
 from qwen3_pretrain.train.precision import use_fp32_matmul
@@ -117,7 +119,7 @@ class Trainer:
         self.parts = []
         for idx in self.stage_indices:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
-                               self.loss_chunk_tokens, self.fp32_matmul)
+                               self.loss_chunk_tokens, self.fp32_matmul, attention_kernel(self.device.type))
             part.document_mask = cfg.document_mask
             part.pass_positions = self._uses_positions and part.lm_head is None
             parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision, cfg.compile)
@@ -143,7 +145,8 @@ class Trainer:
         self.global_batch = cfg.batch_size * dims.dp * cfg.gradient_accumulation_steps
         dp_rank = self.mesh.get_local_rank("dp_replicate") * dims.dp_shard + self.mesh.get_local_rank("dp_shard")
         micro = cfg.batch_size
-        self.loader = GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro)
+        # The next steps' batches are read in a thread while this one runs (data/prefetch.py).
+        self.loader = Prefetcher(GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro), self.device)
         self.eval_loader_args = None
         if cfg.eval_steps:
             valid = PackedDataset(cfg.data_path, cfg.seq_length, seed=cfg.seed, split="valid",
@@ -299,8 +302,7 @@ class Trainer:
                 opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)  # the step's time is the device's, not the time to queue its work
         self.step += 1
         self.tokens_seen += self.global_tokens
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
@@ -315,7 +317,9 @@ class Trainer:
             signal.signal(signum, self._request_stop)
         self._log_start()
         history: list[dict] = []
-        peak, _ = device_peak_tflops(self.device, cfg.peak_tflops, torch.float32 if self.fp32_matmul else None)
+        # Only the logging rank reports MFU: only it looks the device up (and warns if it is unknown).
+        peak = device_peak_tflops(self.device, cfg.peak_tflops, torch.float32 if self.fp32_matmul else None)[0] \
+            if self.is_log_rank else float("nan")
         flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
         avg_step = None
         saved_at = started_at = self.step
@@ -413,6 +417,7 @@ class Trainer:
                       mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
                       virtual_stages=self.stages_per_rank, loss_chunk_tokens=self.loss_chunk_tokens,
                       pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
+                      dense_document_mask=dense_document_mask(self.device.type),
                       reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
                       optimizer_impl=optimizer_impl(self.device.type), fp32_matmul=self.fp32_matmul)
 
@@ -438,6 +443,7 @@ class Trainer:
                      self.step, memory_gib(self.device), self.predicted_memory.allocated / 2**30)
 
     def close(self) -> None:
+        self.loader.close()
         if self.metrics is not None:
             self.metrics.close()
         env.destroy()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
 
@@ -54,21 +55,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
-    """Causal mask that also stops attention across packed documents.
-
-    A document starts wherever ``positions`` restarts at 0. Returns a bool mask
-    [batch, 1, seq, seq], True where attention is allowed.
-    """
-    doc = torch.cumsum(positions == 0, dim=-1)  # [batch, seq]
-    same_doc = doc[:, :, None] == doc[:, None, :]
-    seq = positions.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
-    return (same_doc & causal)[:, None]
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         h, hd = cfg.hidden_size, cfg.head_dim
@@ -78,11 +66,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        # The attention kernel; the engine may swap in one with other numerics (train/precision.py).
-        self.sdpa = F.scaled_dot_product_attention
+        # The attention kernel (attention.py), chosen for the device; the engine may swap in one with
+        # other numerics (train/precision.py).
+        self.kernel = kernel
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Head counts come from the shapes, so a tensor-parallel shard runs unchanged.
         q = self.q_norm(self.q_proj(x).view(bsz, seq, -1, self.head_dim)).transpose(1, 2)
@@ -90,11 +78,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            out = self.sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = self.sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = self.kernel(q, k, v, docs)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -110,16 +94,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, attention: AttentionKernel) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -132,23 +115,27 @@ class Qwen3Model(nn.Module):
     loss applies the head itself in chunks) it returns hidden states, and with
     ``pass_positions`` set (a stage before the last, with per-document
     positions) the pair (hidden states, positions) for the next stage.
+    ``attention`` is the attention kernel every layer uses (``attention.py``:
+    ``attention_kernel(device_type)``); torch's SDPA when not given.
     """
 
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, attention: AttentionKernel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        attention = attention if attention is not None else SdpaAttention()
         # Passing the weight skips nn.Embedding's random init, which on the meta device costs seconds
         # (it imports the compiler stack); init_weights below or a checkpoint sets the values.
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention) for i in range(cfg.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Set from outside: return hidden states instead of logits (the loss applies the head in chunks);
-        # build a per-document attention mask from the positions; and how many shards of the sequence a
-        # hidden-state input holds (sequence parallelism hands a pipeline stage 1/N of the sequence).
+        # keep attention within each packed document (positions restart at 0 per document); and how
+        # many shards of the sequence a hidden-state input holds (sequence parallelism hands a pipeline
+        # stage 1/N of the sequence).
         self.return_hidden = False
         self.document_mask = False
         self.sequence_shards = 1
@@ -168,9 +155,11 @@ class Qwen3Model(nn.Module):
         if positions is None:
             positions = torch.arange(seq, device=h.device).expand(bsz, seq)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
-        mask = document_causal_mask(positions) if self.document_mask else None
+        docs = None
+        if self.document_mask:  # prepared once, by the kernel the layers use, and shared by them
+            docs = next(iter(self.layers.values())).attn.kernel.prepare(positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, docs)
         if self.norm is not None:
             h = self.norm(h)
         if self.pass_positions and self.lm_head is None:
