@@ -1,4 +1,5 @@
-"""Helpers of the training tests: a tiny synthetic corpus, a tiny model config, launching the trainer."""
+"""Helpers of the training tests: a tiny synthetic corpus, a tiny model config, launching the trainer,
+reading and comparing what runs logged."""
 
 from __future__ import annotations
 
@@ -39,10 +40,24 @@ def write_config(path: Path, data_path: Path, output_path: Path, **overrides) ->
     return path
 
 
+# Sockets of the ports handed out by free_port, kept bound until this test process exits.
+_HELD_PORTS: list[socket.socket] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that no other process can take before the launch this test is about to make uses it.
+
+    Closing a probe socket and passing its port on would leave a window in which any other process
+    (a parallel test, an outgoing connection) may take it. Instead the socket stays bound, not
+    listening, with SO_REUSEADDR, until the test session ends: the kernel hands the port to no other
+    bind or connect, while the rendezvous store (torch's TCPStore, which binds with SO_REUSEADDR too)
+    can still listen on it.
+    """
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    _HELD_PORTS.append(sock)
+    return sock.getsockname()[1]
 
 
 def child_env() -> dict:
@@ -62,14 +77,48 @@ def run_train(config: Path, nproc: int = 1, *overrides: str, timeout: int = 300)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
 
 
-def losses(output_path: Path) -> list[float]:
-    """Per-step losses of the last run in ``output_path`` (later records of a step win)."""
+def step_records(output_path: Path) -> list[dict]:
+    """Per-step metrics records (loss, grad_norm, lr, ...) of the last run in ``output_path``, by step
+    (later records of a step win)."""
     by_step = {}
     for line in (Path(output_path) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if "event" not in rec:
-            by_step[rec["step"]] = rec["loss"]
+            by_step[rec["step"]] = rec
     return [by_step[k] for k in sorted(by_step)]
+
+
+def losses(output_path: Path) -> list[float]:
+    """Per-step losses of the last run in ``output_path`` (later records of a step win)."""
+    return [rec["loss"] for rec in step_records(output_path)]
+
+
+def worst_relative_diff(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want), f"{len(got)} values vs {len(want)}: {got} vs {want}"
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+
+# fp32 runs that differ only in the order of sums (reductions over ranks and micro-batches, recompute,
+# another implementation) agree to ~1e-7 in the loss and ~3e-6 in the gradient norm over 5 steps.
+FP32_LOSS_RTOL = 1e-5
+FP32_GRAD_RTOL = 3e-5
+
+
+def assert_same_training(got: list[dict], want: list[dict], rtol: float = FP32_LOSS_RTOL,
+                         grad_rtol: float = FP32_GRAD_RTOL, label: str = "") -> None:
+    """Loss (within ``rtol``) and gradient norm (within ``grad_rtol``) agree step by step, relative.
+
+    The gradient norm is what shows a gradient scaled by a constant (a missing or doubled
+    reduction): AdamW's update is nearly scale-free and clipping caps the rest, so the losses
+    alone move only slightly under such a bug.
+    """
+    assert len(got) == len(want) and got, f"{label}: {len(got)} logged steps vs {len(want)}"
+    assert [r["step"] for r in got] == [r["step"] for r in want], (label, got, want)
+    for key, tol in (("loss", rtol), ("grad_norm", grad_rtol)):
+        worst = worst_relative_diff([r[key] for r in got], [r[key] for r in want])
+        print(f"{label}: max relative {key} diff {worst:.2e} (tolerance {tol:.0e})")
+        assert worst <= tol, f"{label}: {key} differs by {worst:.2e} > {tol:.0e}: " \
+                             f"{[r[key] for r in got]} vs {[r[key] for r in want]}"
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

@@ -45,3 +45,12 @@ def tiny_config() -> Callable[..., Any]:
         return Qwen3Config(**fields)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory):
+    """Training runs of every parallel layout from one shared set-up, each made once per session when
+    a test first asks for it (equivalence tests and merge tests read the same runs)."""
+    from tests._train_runs import LayoutRuns
+
+    return LayoutRuns(tmp_path_factory.mktemp("layout_runs"))

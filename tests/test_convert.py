@@ -22,6 +22,7 @@ from qwen3_pretrain.data import convert as convert_module
 from qwen3_pretrain.data import wiki
 from qwen3_pretrain.data.convert import DataConvertConfig, convert
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
+from qwen3_pretrain.data.reader_manifest import validate_manifest
 from qwen3_pretrain.errors import ConfigError, UserError
 from test_wiki import write_extracted
 
@@ -109,9 +110,8 @@ def test_manifest_schema(corpus: Path, tmp_path: Path) -> None:
 
 
 def test_training_reader_accepts_the_output(corpus: Path, tmp_path: Path) -> None:
-    reader_manifest = pytest.importorskip("qwen3_pretrain.data.reader_manifest")
     run(corpus, tmp_path / "out", shards=2, workers=1)
-    reader_manifest.validate_manifest(tmp_path / "out", 151936, tokenizer_path=QWEN, seq_length=8192)
+    validate_manifest(tmp_path / "out", 151936, tokenizer_path=QWEN, seq_length=8192)
 
 
 def test_byte_identical_whatever_workers_or_chunk_size(corpus: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from qwen3_pretrain.errors import UserError
@@ -108,7 +109,6 @@ def test_bf16_save_roundtrip(tiny_config, tmp_path):
 
 
 def test_sharded_save_loads_in_transformers_and_here(tiny_config, tmp_path):
-    transformers = pytest.importorskip("transformers")
     model = make_model(tiny_config())
     total = sum(p.numel() * 4 for p in model.parameters())
     path = save_hf_model(model, tmp_path / "sharded", dtype=torch.float32, max_shard_size=total // 4)

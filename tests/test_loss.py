@@ -6,8 +6,6 @@ reduction="sum")`` run by autograd on the full weight in one process.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +17,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.train.loss import ChunkedLMHead, fused_linear_cross_entropy
+from tests._train_helpers import free_port
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
@@ -175,10 +174,7 @@ def test_chunked_lm_head_logits_loss_and_from_linear():
 
 def run_distributed(world_size: int, fn, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a failure in any fails the test."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_init_and_run, args=(world_size, port, fn, args), nprocs=world_size, join=True)
+    mp.spawn(_init_and_run, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
 
 
 def _init_and_run(rank: int, world_size: int, port: int, fn, args) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import warnings
@@ -22,6 +21,7 @@ from qwen3_pretrain.checkpoint.merge import main, merge_checkpoint
 from qwen3_pretrain.cli import run_command
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
+from tests._train_helpers import free_port
 
 VOCAB, PADDED = 300, 304  # the trainer pads the vocabulary rows to a multiple of tp
 STEP = 20
@@ -331,9 +331,7 @@ def _save_sharded(rank: int, world_size: int, port: int, ckpt: str) -> None:
 def test_checkpoint_sharded_over_two_ranks_merges_bit_exact(tmp_path):
     run = tmp_path / "run"
     ckpt = run / f"step_{STEP:07d}"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # fork: the children need nothing this process has not imported already, so they start in no time
     mp.start_processes(_save_sharded, args=(2, port, str(ckpt)), nprocs=2, join=True, start_method="fork")
     model = tiny_model(False, seed=5)

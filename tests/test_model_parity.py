@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from qwen3_pretrain.models.qwen3.hf_io import load_hf_model, save_hf_model  # noqa: E402
-from qwen3_pretrain.models.qwen3.model import Qwen3Model  # noqa: E402
+from qwen3_pretrain.models.qwen3.hf_io import load_hf_model, save_hf_model
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
 TOL = 1e-5
 

@@ -17,6 +17,7 @@ import pytest
 
 from qwen3_pretrain.analysis.parse_log import main, parse_metrics
 from qwen3_pretrain.analysis.report import KNOWN_COLUMNS, format_summary, summarize
+from qwen3_pretrain.train.metrics import format_line
 
 LOG_STEPS = 10
 TOTAL = 100000
@@ -178,7 +179,6 @@ def test_metrics_jsonl(tmp_path: Path, restart: list[dict]) -> None:
 
 def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
     """The contract with the training engine: the line it prints parses back to the record it wrote."""
-    format_line = pytest.importorskip("qwen3_pretrain.train.metrics").format_line
     base = {"total_steps": 1000, "lr": 1.234e-5, "tokens_per_sec": 732.4, "tokens_per_sec_per_device": 91.55,
             "step_time_s": 0.804, "mfu": 0.41234, "memory_gib": 41.96}  # fmt: skip
     cases = [  # (loss, grad_norm, eta_s, skipped) -> eta in whole units as the engine shows it

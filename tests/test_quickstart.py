@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer
 
 from qwen3_pretrain.cli import run_command
@@ -119,7 +120,6 @@ def prompt_ids(model_dir: Path) -> list[int]:
 
 
 def test_greedy_generation_matches_transformers(tiny_model_dir: Path) -> None:
-    transformers = pytest.importorskip("transformers")
     ids = prompt_ids(tiny_model_dir)
     ours = generate(load_hf_model(tiny_model_dir), ids, SamplingConfig(max_new_tokens=12))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -8,11 +8,13 @@ import sys
 
 import pytest
 import torch
+import transformers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from qwen3_pretrain import save_hf_model
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
-from tests._train_helpers import TINY_MODEL, check_ok, child_env, losses, make_corpus, run_train, write_config
+from tests._train_helpers import (TINY_MODEL, assert_same_training, check_ok, child_env, make_corpus, run_train,
+                                  step_records, write_config)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,7 @@ def test_continue_from_hf_weights_equals_the_same_init(corpus, hf_dir, tmp_path)
     proc = run_train(cfg, 2, "tp=2")
     check_ok(proc)
     assert "(continued pre-training)" in proc.stdout
-    got, want = losses(from_hf), losses(random_init)
-    assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-5, (got, want)
+    assert_same_training(step_records(from_hf), step_records(random_init), label="tp2 from HF vs random init")
 
 
 def test_model_name_contradicting_the_checkpoint_is_an_error(corpus, hf_dir, tmp_path):
@@ -53,28 +54,27 @@ def test_model_name_contradicting_the_checkpoint_is_an_error(corpus, hf_dir, tmp
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("nproc, layout", [(4, {"tp": 2, "pp": 2}), (1, {})], ids=["tp2-pp2", "one-stage"])
-def test_merge_after_training_loads_in_transformers(nproc, layout, corpus, tmp_path):
-    """Under pp 2 the tied head is a parameter of its own on the last stage; on one stage it is the
-    embedding, stored once: both merge into the same HF layout."""
-    transformers = pytest.importorskip("transformers")
-    out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=2, **layout)
-    check_ok(run_train(cfg, nproc))
+@pytest.mark.parametrize("layout", ["tp2-pp2-dp2", "pp2-interleaved", "dp2-distributed-optimizer", "single"])
+def test_merge_after_training_loads_in_transformers(layout, layout_runs, tmp_path):
+    """The final checkpoint of a layout's run (see tests/_train_runs.py). Under pp 2 the tied head is a
+    parameter of its own on the last stage (interleaved: on the last virtual stage); on one stage it is
+    the embedding, stored once; under dp 2 every tensor is sharded over the ranks: all merge into the
+    same HF layout."""
+    out = layout_runs.output(layout)
     merged = tmp_path / "merged"
     proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "merge", "--input_path", str(out),
-                           "--output_path", str(merged), "--model_name", "qwen3-0.6b", "--dtype", "fp32"],
+                           "--output_path", str(merged), "--model_name", "tiny-test", "--dtype", "fp32"],
                           capture_output=True, text=True, env=child_env(), timeout=120)
     check_ok(proc)
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32,
                                                                  output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     # The training model's weights straight from the sharded checkpoint, in the plain model.
-    dcp_to_torch_save(out / "step_0000002", tmp_path / "flat.pt")
+    dcp_to_torch_save(out / (out / "latest").read_text().strip(), tmp_path / "flat.pt")
     state = torch.load(tmp_path / "flat.pt", weights_only=False)["model"]
-    assert ("lm_head.weight" in state) == bool(layout.get("pp")), sorted(state)[:3]
+    assert ("lm_head.weight" in state) == ("pp2" in layout), sorted(state)[:3]
     state.setdefault("lm_head.weight", state["embed_tokens.weight"])  # the plain model names the tie twice
-    model = Qwen3Model(Qwen3Config(**TINY_MODEL))
+    model = Qwen3Model(Qwen3Config.from_json_file(layout_runs.hf_init / "config.json"))
     model.load_state_dict(state, strict=True)
     tokens = torch.randint(0, 500, (2, 32))
     with torch.no_grad():
