@@ -157,3 +157,32 @@ def test_without_an_accelerator_the_device_check_says_so_and_stops(tmp_path):
     env = by_name(summary)["env"]
     assert not env["ok"] and "sees no CUDA or NPU device" in env["error"] and "--cpu" in env["error"]
     assert [r["name"] for r in summary["not_run"]] == ["convert"] and proc.returncode == 1
+
+
+def write_metrics(run: Path, sequence: list, loss_of) -> None:
+    """metrics.jsonl of a run that logged ``sequence``: step numbers, and ("resume", step) events."""
+    run.mkdir(parents=True)
+    lines = [{"event": "resume", "step": item[1]} if isinstance(item, tuple) else
+             {"step": item, "loss": loss_of(item), "tokens_per_sec_per_device": 10.0, "mfu": 0.1, "memory_gib": 1.0}
+             for item in sequence]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_the_resume_comparison_catches_one_ulp_and_a_missing_resume(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from device_check_stages import StageFailed, compare_runs
+
+    loss = {k: 3.0 - 0.1 * k for k in range(1, 7)}
+    write_metrics(tmp_path / "ref", list(range(1, 7)), loss.get)
+    # stopped after 2, resumed; killed after 4 with a checkpoint at 3, resumed: step 4 is logged twice
+    interrupted = [1, 2, ("resume", 2), 3, 4, ("resume", 3), 4, 5, 6]
+    write_metrics(tmp_path / "same", interrupted, loss.get)
+    figures = compare_runs(tmp_path / "ref", tmp_path / "same", 6)
+    assert figures["exact"] and figures["first_run_equal"] and figures["resumed_at"] == [2, 3]
+    off = {**loss, 5: float(np.nextafter(loss[5], 10.0))}
+    write_metrics(tmp_path / "off", interrupted, off.get)
+    with pytest.raises(StageFailed, match="at 1 of 6 steps, first at step 5"):
+        compare_runs(tmp_path / "ref", tmp_path / "off", 6)
+    write_metrics(tmp_path / "once", [1, 2, ("resume", 2), 3, 4, 5, 6], loss.get)
+    with pytest.raises(StageFailed, match="expected two resumes"):
+        compare_runs(tmp_path / "ref", tmp_path / "once", 6)
