@@ -98,13 +98,20 @@ class Stage:
 
 
 def descendants(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    """Every process below ``pid``, from the parent ids in /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            pass
-    return kids + [d for k in kids for d in descendants(k)]
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
