@@ -76,7 +76,10 @@ class Budget:
 def run_stage(stage, ctx: Context, timeout: float) -> dict:
     start = time.monotonic()
     try:
-        figures = ctx.inject(stage.name, start + timeout) if stage.name in ctx.injected else stage.run(ctx, start + timeout)
+        if stage.name in ctx.injected:
+            figures = ctx.inject(stage.name, start + timeout)
+        else:
+            figures = stage.run(ctx, start + timeout)
         result = {"ok": True, **(figures or {})}
     except StageFailed as exc:
         result = {"ok": False, "error": exc.message, **exc.figures, "tail": exc.tail}

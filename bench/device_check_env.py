@@ -25,21 +25,33 @@ def command_output(cmd: list[str], timeout: float = 20) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+def fact(get):
+    """One optional fact; its failure is recorded instead of failing the stage (and so the device run)."""
+    try:
+        return get()
+    except Exception as exc:
+        return f"unavailable: {type(exc).__name__}: {exc}"
+
+
+def version_text(version) -> str:
+    return str(version) if isinstance(version, int) else ".".join(map(str, version))
+
+
 def software() -> dict:
     import torch
 
     facts = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
              "cuda_build": torch.version.cuda, "commit": command_output(["git", "rev-parse", "HEAD"])}
     if torch.cuda.is_available():
-        facts["cudnn"] = torch.backends.cudnn.version()
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        facts["cudnn"] = fact(torch.backends.cudnn.version)
+        facts["nccl"] = fact(lambda: version_text(torch.cuda.nccl.version()))
         facts["driver"] = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     try:
         import torch_npu
     except ImportError:
         return facts
     facts["torch_npu"] = getattr(torch_npu, "__version__", "?")
-    facts["cann"] = cann_version()
+    facts["cann"] = fact(cann_version)
     return facts
 
 
@@ -63,14 +75,16 @@ def accelerator(device) -> dict:
     facts = {"device_name": module.get_device_name(device), "device_count": module.device_count(),
              "memory_gib": round(props.total_memory / 2**30, 2)}
     if device.type == "cuda":
-        facts["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        facts["bf16_supported"] = torch.cuda.is_bf16_supported()
+        facts["capability"] = fact(lambda: version_text(torch.cuda.get_device_capability(device)))
+        facts["bf16_supported"] = fact(torch.cuda.is_bf16_supported)
     return facts
 
 
 def host_cpu() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else None
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                 platform.processor())
     return {"device_name": model, "cpu_cores": os.cpu_count()}
 
 

@@ -220,7 +220,8 @@ def junit_counts(xml: Path) -> dict:
 def stage_tests(ctx: Context, deadline: float) -> dict:
     work = fresh(ctx.out / "tests")
     # Only the files that hold device tests: collecting the others costs time and needs their extras.
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.device" in p.read_text())
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                   if "mark.device" in p.read_text())
     if not files:
         raise StageFailed("no test is marked device (pytest.mark.device) under tests/")
     rc = ctx.run([ctx.python, "-m", "pytest", "-m", "device", "-q", "-p", "no:cacheprovider", "-rs",
@@ -251,8 +252,9 @@ def stage_convert(ctx: Context, deadline: float) -> dict:
 
 def train_config(ctx: Context, name: str) -> Path:
     s, cli = ctx.sizes, ctx.out / "cli"
-    cfg = {"model_name": TRAIN_CHECK_MODEL, "model_overrides": s.train_model, "data_path": str(cli / "data" / "d_convert"),
-           "tokenizer_path": "assets/qwen3-tokenizer", "output_path": str(cli / name), "seq_length": s.seq_length,
+    cfg = {"model_name": TRAIN_CHECK_MODEL, "model_overrides": s.train_model,
+           "data_path": str(cli / "data" / "d_convert"), "tokenizer_path": "assets/qwen3-tokenizer",
+           "output_path": str(cli / name), "seq_length": s.seq_length,
            "batch_size": s.batch_size, "total_steps": s.total_steps, "save_steps": s.save_steps, "keep_last_n": 2,
            "learning_rate": 3e-3, "warmup_steps": 2, "mixed_precision": "bf16", "log_steps": 1, "seed": 1234,
            "device": "cpu" if ctx.mode == "cpu" else "auto"}
@@ -430,8 +432,9 @@ def throughput(v: Variant) -> Callable[[Context, float], dict]:
     def run(ctx: Context, deadline: float) -> dict:
         s = ctx.sizes
         work = fresh(ctx.out / "bench" / variant_name(v, s.bench_model is not None).split("/")[1])
-        cfg = {"model_name": v.model, "model_overrides": s.bench_model or {}, "data_path": str(ctx.out / "bench" / "data"),
-               "output_path": str(work), "seq_length": v.seq_length, "batch_size": v.batch_size,
+        cfg = {"model_name": v.model, "model_overrides": s.bench_model or {},
+               "data_path": str(ctx.out / "bench" / "data"), "output_path": str(work),
+               "seq_length": v.seq_length, "batch_size": v.batch_size,
                "mixed_precision": "bf16", "activation_checkpointing": "full", "compile": v.compile,
                "learning_rate": 1e-4, "warmup_steps": 100, "total_steps": 100_000, "log_steps": 1, "save_steps": 0,
                "device": "cpu" if ctx.mode == "cpu" else "auto"}
