@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/device_check.sh", description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path, help="folder for summary.json and every stage's files (created)")
     parser.add_argument("--cpu", action="store_true", help="run every stage on the CPU with tiny sizes")
+    parser.add_argument("--work", type=Path, help="folder for the bulky files: data, checkpoints, merged models, "
+                                                  "compiled kernels (default: a new temporary folder)")
     parser.add_argument("--budget", type=float, help="seconds for all stages (default: 480 on a device, 300 --cpu)")
     parser.add_argument("--only", help="comma-separated stages to run (a prefix such as 'throughput' selects all "
                                        "its variants); env always runs")
@@ -154,12 +157,16 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = args.outdir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "inductor_cache", ignore_errors=True)  # may hold a kernel half-written by a killed run
+    # OUTDIR keeps only small files (summary, logs, configs), so it can be copied off a device machine whole.
+    work = (args.work or Path(tempfile.mkdtemp(prefix="device_check_"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "inductor_cache", ignore_errors=True)  # may hold a kernel half-written by a killed run
     mode = "cpu" if args.cpu else "device"
     budget_s = args.budget or (300.0 if args.cpu else 480.0)
-    ctx = Context(mode=mode, out=out, sizes=CPU_SIZES if args.cpu else DEVICE_SIZES, python=sys.executable,
+    ctx = Context(mode=mode, out=out, work=work, sizes=CPU_SIZES if args.cpu else DEVICE_SIZES, python=sys.executable,
                   injected=args.inject, caps=args.timeout)
-    summary = Summary(out / "summary.json", {"mode": mode, "budget_s": budget_s, "python": sys.executable})
+    summary = Summary(out / "summary.json", {"mode": mode, "budget_s": budget_s, "python": sys.executable,
+                                             "work": str(work)})
     selected = None if args.only is None else ["env", *args.only.split(",")]
     print(f"device check ({mode}), budget {budget_s:.0f} s -> {out / 'summary.json'}", flush=True)
     run_all(ctx, Budget(time.monotonic() + budget_s), summary, selected)

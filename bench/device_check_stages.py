@@ -123,6 +123,13 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
             pass
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it has ended
+        return b""
+
+
 def tail(log: Path, chars: int = 3000) -> str:
     return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
 
@@ -130,7 +137,8 @@ def tail(log: Path, chars: int = 3000) -> str:
 @dataclass
 class Context:
     mode: str  # "cpu" | "device"
-    out: Path
+    out: Path  # summary, logs, configs: small files
+    work: Path  # data, checkpoints, merged models, compiled kernels
     sizes: Sizes
     python: str
     injected: dict[str, str]
@@ -143,7 +151,7 @@ class Context:
         env["PYTHONUNBUFFERED"] = "1"
         # A compile killed at its stage's timeout can leave a truncated kernel in torch's shared cache
         # ("file too short" at the next load): each check compiles into a cache of its own.
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(self.out / "inductor_cache")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(self.work / "inductor_cache")
         return {**env, **(extra or {})}
 
     def start(self, cmd: list, log: Path, extra_env: dict | None = None) -> subprocess.Popen:
@@ -238,8 +246,8 @@ def stage_tests(ctx: Context, deadline: float) -> dict:
 
 
 def stage_convert(ctx: Context, deadline: float) -> dict:
-    data = fresh(ctx.out / "cli") / "data"
-    log = ctx.out / "cli" / "convert.log"
+    data = fresh(ctx.work / "cli") / "data"
+    log = fresh(ctx.out / "cli") / "convert.log"
     dump = sorted((ROOT / "assets" / "enwiki-sample").glob("*.bz2"))[0]
     ctx.run([ctx.python, "-m", "qwen3_pretrain", "wiki2parquet", "--input", dump, "--output", data / "wiki.parquet"],
             deadline, log)
@@ -251,14 +259,14 @@ def stage_convert(ctx: Context, deadline: float) -> dict:
 
 
 def train_config(ctx: Context, name: str) -> Path:
-    s, cli = ctx.sizes, ctx.out / "cli"
+    s, cli = ctx.sizes, ctx.work / "cli"
     cfg = {"model_name": TRAIN_CHECK_MODEL, "model_overrides": s.train_model,
            "data_path": str(cli / "data" / "d_convert"), "tokenizer_path": "assets/qwen3-tokenizer",
            "output_path": str(cli / name), "seq_length": s.seq_length,
            "batch_size": s.batch_size, "total_steps": s.total_steps, "save_steps": s.save_steps, "keep_last_n": 2,
            "learning_rate": 3e-3, "warmup_steps": 2, "mixed_precision": "bf16", "log_steps": 1, "seed": 1234,
            "device": "cpu" if ctx.mode == "cpu" else "auto"}
-    path = cli / f"{name}.yaml"
+    path = ctx.out / "cli" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -300,7 +308,7 @@ def interrupt(ctx: Context, cmd: list, log: Path, deadline: float, sig: int, rea
         if sig == signal.SIGKILL:
             kill_tree(proc.pid)
         else:
-            ranks = [p for p in descendants(proc.pid) if b"qwen3_pretrain" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            ranks = [p for p in descendants(proc.pid) if b"qwen3_pretrain" in cmdline(p)]
             if not ranks:
                 raise StageFailed("found no training rank under the launcher to signal", tail(log))
             os.kill(ranks[0], sig)
@@ -314,10 +322,23 @@ def interrupt(ctx: Context, cmd: list, log: Path, deadline: float, sig: int, rea
 
 
 def stage_train_resume(ctx: Context, deadline: float) -> dict:
+    cli = ctx.out / "cli"
+    ref, run = ctx.work / "cli" / "ref", ctx.work / "cli" / "run"
+    for path in (ref, run):
+        shutil.rmtree(path, ignore_errors=True)
+    for name in ("train.log", "ref.log"):
+        (cli / name).unlink(missing_ok=True)
+    try:
+        return train_and_interrupt(ctx, deadline, ref, run)
+    finally:  # small and telling, whatever happened: kept beside the logs
+        for path in (ref, run):
+            if (path / "metrics.jsonl").is_file():
+                shutil.copy(path / "metrics.jsonl", cli / f"{path.name}_metrics.jsonl")
+
+
+def train_and_interrupt(ctx: Context, deadline: float, ref: Path, run: Path) -> dict:
     s, cli = ctx.sizes, ctx.out / "cli"
-    ref, run, log = cli / "ref", cli / "run", cli / "train.log"
-    for name in ("ref", "run"):
-        shutil.rmtree(cli / name, ignore_errors=True)
+    log = cli / "train.log"
     ctx.run(ctx.torchrun("-m", "qwen3_pretrain", "train", "--config", train_config(ctx, "ref")), deadline,
             cli / "ref.log")
     train = ctx.torchrun("-m", "qwen3_pretrain", "train", "--config", train_config(ctx, "run"))
@@ -376,11 +397,12 @@ def stage_merge(ctx: Context, deadline: float) -> dict:
     from safetensors.numpy import load_file
     import numpy as np
 
-    cli, tensors = ctx.out / "cli", {}
+    cli, tensors = ctx.work / "cli", {}
+    (ctx.out / "cli" / "merge.log").unlink(missing_ok=True)
     for name in ("ref", "run"):
         ctx.run([ctx.python, "-m", "qwen3_pretrain", "merge", "--input_path", cli / name, "--output_path",
                  cli / f"{name}_merged", "--model_name", TRAIN_CHECK_MODEL, "--dtype", "fp32", "--no_progress"],
-                deadline, cli / "merge.log")
+                deadline, ctx.out / "cli" / "merge.log")
         tensors[name] = {k: v for f in sorted((cli / f"{name}_merged").glob("*.safetensors"))
                          for k, v in load_file(f).items()}
     want, got = tensors["ref"], tensors["run"]
@@ -402,7 +424,7 @@ def stage_parse_log(ctx: Context, deadline: float) -> dict:
              table, "--plot", plot], deadline, cli / "parse_log.log")
     with open(table, newline="") as f:
         rows = {int(float(r["step"])): float(r["loss"]) for r in csv.DictReader(f)}
-    want = losses(metrics(cli / "run"))
+    want = losses(metrics(ctx.work / "cli" / "run"))
     # The log line shows the loss to 4 decimals; across the three runs of train.log the last record of a step wins.
     wrong = [k for k in want if k not in rows or abs(rows[k] - want[k]) > 1e-4]
     figures = {"rows": len(rows), "plot_bytes": plot.stat().st_size if plot.is_file() else 0}
@@ -417,9 +439,9 @@ def stage_parse_log(ctx: Context, deadline: float) -> dict:
 
 
 def stage_bench_data(ctx: Context, deadline: float) -> dict:
-    bench = fresh(ctx.out / "bench")
-    ctx.run([ctx.python, "bench/train_gpu.py", "data", "--out", bench / "data", "--tokens", ctx.sizes.bench_tokens],
-            deadline, bench / "data.log")
+    data = fresh(ctx.work / "bench") / "data"
+    ctx.run([ctx.python, "bench/train_gpu.py", "data", "--out", data, "--tokens", ctx.sizes.bench_tokens],
+            deadline, fresh(ctx.out / "bench") / "data.log")
     return {"tokens": ctx.sizes.bench_tokens}
 
 
@@ -431,23 +453,28 @@ def variant_name(v: Variant, tiny: bool) -> str:
 def throughput(v: Variant) -> Callable[[Context, float], dict]:
     def run(ctx: Context, deadline: float) -> dict:
         s = ctx.sizes
-        work = fresh(ctx.out / "bench" / variant_name(v, s.bench_model is not None).split("/")[1])
+        short = variant_name(v, s.bench_model is not None).split("/")[1]
+        work, logs = fresh(ctx.work / "bench" / short), fresh(ctx.out / "bench" / short)
         cfg = {"model_name": v.model, "model_overrides": s.bench_model or {},
-               "data_path": str(ctx.out / "bench" / "data"), "output_path": str(work),
+               "data_path": str(ctx.work / "bench" / "data"), "output_path": str(work),
                "seq_length": v.seq_length, "batch_size": v.batch_size,
                "mixed_precision": "bf16", "activation_checkpointing": "full", "compile": v.compile,
                "learning_rate": 1e-4, "warmup_steps": 100, "total_steps": 100_000, "log_steps": 1, "save_steps": 0,
                "device": "cpu" if ctx.mode == "cpu" else "auto"}
-        (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
         warmup, timed = s.bench_steps
-        ctx.run(ctx.torchrun("bench/train_gpu.py", "run", "--config", work / "config.yaml", "--steps", timed,
-                             "--warmup", warmup), deadline, work / "log.txt")
+        try:
+            ctx.run(ctx.torchrun("bench/train_gpu.py", "run", "--config", logs / "config.yaml", "--steps", timed,
+                                 "--warmup", warmup), deadline, logs / "log.txt")
+        finally:
+            if (work / "metrics.jsonl").is_file():
+                shutil.copy(work / "metrics.jsonl", logs / "metrics.jsonl")
         sys.path.insert(0, str(ROOT / "bench"))
         from train_gpu import summarize
 
         figures = summarize(work / "metrics.jsonl")
         if figures is None or not math.isfinite(figures["last_loss"]):
-            raise StageFailed(f"no finite timed step in {work / 'metrics.jsonl'}", tail(work / "log.txt"), figures)
+            raise StageFailed(f"no finite timed step in {work / 'metrics.jsonl'}", tail(logs / "log.txt"), figures)
         return {"model": v.model, "seq_length": v.seq_length, "batch_size": v.batch_size, "compile": v.compile,
                 **figures}
 

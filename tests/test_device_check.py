@@ -25,7 +25,7 @@ CLI_STAGES = ["env", "tests", "convert", "train_resume", "merge", "parse_log", "
 
 
 def command(out: Path, *args: str) -> list[str]:
-    return ["bash", str(REPO / "bench" / "device_check.sh"), *args, str(out)]
+    return ["bash", str(REPO / "bench" / "device_check.sh"), "--work", str(out / "work"), *args, str(out)]
 
 
 def script_env() -> dict:
@@ -78,16 +78,19 @@ def test_the_run_stopped_by_sigterm_then_killed_resumes_to_identical_losses_and_
     stage = by_name(summary)["train_resume"]
     assert stage["ok"] and stage["exact"], stage
     total = stage["total_steps"]
-    want, got = losses(out / "cli" / "ref" / "metrics.jsonl"), losses(out / "cli" / "run" / "metrics.jsonl")
+    work = Path(summary["work"])
+    # the bulky files (checkpoints) are in the work folder, not beside the summary and logs
+    assert work == out / "work" and list((work / "cli").rglob("*.distcp")) and not list((out / "cli").rglob("*.distcp"))
+    want, got = losses(work / "cli" / "ref" / "metrics.jsonl"), losses(work / "cli" / "run" / "metrics.jsonl")
     assert sorted(want) == list(range(1, total + 1)) and got == want  # exact float equality
-    events = [json.loads(line) for line in (out / "cli" / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (work / "cli" / "run" / "metrics.jsonl").read_text().splitlines()]
     resumes = [r["step"] for r in events if r.get("event") == "resume"]
     assert len(resumes) == 2 and 0 < resumes[0] < resumes[1] < total, resumes
     log = (out / "cli" / "train.log").read_text()
     assert "stopped on request" in log and log.count("resumed from") == 2
     # the killed run logged a step after its last checkpoint, which the resumed run re-did
     assert stage["sigkill_after"] > stage["checkpoint_at_kill"] == resumes[1]
-    merged = [{k: v for f in sorted((out / "cli" / name).glob("*.safetensors")) for k, v in load_file(f).items()}
+    merged = [{k: v for f in sorted((work / "cli" / name).glob("*.safetensors")) for k, v in load_file(f).items()}
               for name in ("ref_merged", "run_merged")]
     assert merged[0] and merged[0].keys() == merged[1].keys()
     assert all(np.array_equal(merged[0][k], merged[1][k]) for k in merged[0])
