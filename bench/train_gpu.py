@@ -36,6 +36,8 @@ def write_data(out: Path, num_tokens: int = 4_000_000, vocab: int = 151_643, eod
 
 
 def run(config: str, steps: int, warmup: int) -> None:
+    import torch
+
     from qwen3_pretrain.config.loader import load_config
     from qwen3_pretrain.train.config import TrainConfig
     from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, memory_gib
@@ -43,7 +45,8 @@ def run(config: str, steps: int, warmup: int) -> None:
 
     trainer = Trainer(load_config(TrainConfig, config))
     cfg, world = trainer.cfg, trainer.launch.world_size
-    peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops)
+    # On a CPU, the peak is measured in the dtype the engine multiplies in (as the trainer's fit() does).
+    peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops, torch.float32 if trainer.fp32_matmul else None)
     flops_per_token = trainer.source.config.flops_per_token(cfg.seq_length)
     writer = MetricsWriter(cfg.output_path) if trainer.launch.rank == 0 else None
     try:
@@ -63,18 +66,26 @@ def run(config: str, steps: int, warmup: int) -> None:
         trainer.close()
 
 
+def summarize(metrics: Path) -> dict | None:
+    """Medians over the timed steps of one run's metrics.jsonl (None without a timed step)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    timed = [r for r in records if "step" in r and not r.get("warmup")]
+    if not timed:
+        return None
+    summary = {k: statistics.median(r[k] for r in timed) for k in ("step_time_s", "tokens_per_sec_per_device", "mfu")}
+    return {"steps": len(timed), **summary, "memory_gib": max(r["memory_gib"] for r in timed),
+            "last_loss": timed[-1]["loss"]}
+
+
 def table(runs: Path) -> None:
     print(f"{'run':<34} {'steps':>5} {'step s':>7} {'tokens/s/device':>15} {'MFU':>6} {'peak GiB':>9}")
     for metrics in sorted(runs.glob("*/metrics.jsonl")):
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        timed = [r for r in records if "step" in r and not r.get("warmup")]
-        if not timed:
+        med = summarize(metrics)
+        if med is None:
             print(f"{metrics.parent.name:<34} no timed steps (see {metrics.parent}/log.txt)")
             continue
-        med = {k: statistics.median(r[k] for r in timed) for k in ("step_time_s", "tokens_per_sec_per_device", "mfu")}
-        print(f"{metrics.parent.name:<34} {len(timed):>5} {med['step_time_s']:>7.3f} "
-              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% "
-              f"{max(r['memory_gib'] for r in timed):>9.1f}")
+        print(f"{metrics.parent.name:<34} {med['steps']:>5} {med['step_time_s']:>7.3f} "
+              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% {med['memory_gib']:>9.1f}")
     print("target: >= 45% MFU (bf16 dense peak: H100/H200 989 TFLOP/s)")
 
 
@@ -82,13 +93,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["data", "run", "table"])
     parser.add_argument("--out", type=Path, help="data: folder to write")
+    parser.add_argument("--tokens", type=int, default=4_000_000, help="data: tokens to write")
     parser.add_argument("--config", help="run: training config YAML")
     parser.add_argument("--steps", type=int, default=10, help="run: timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="run: untimed steps first")
     parser.add_argument("--runs", type=Path, help="table: folder of run folders")
     args = parser.parse_args(argv)
     if args.what == "data":
-        write_data(args.out)
+        write_data(args.out, args.tokens)
     elif args.what == "run":
         run(args.config, args.steps, args.warmup)
     else:

@@ -54,3 +54,18 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory):
     from tests._train_runs import LayoutRuns
 
     return LayoutRuns(tmp_path_factory.mktemp("layout_runs"))
+
+
+@pytest.fixture(scope="session")
+def test_device() -> Any:
+    """The device of tests marked ``device``: QWEN3_PRETRAIN_TEST_DEVICE (cpu, cuda or npu) if set, else
+    the first of CUDA and an Ascend NPU; such a test is skipped on a machine with neither."""
+    import torch
+
+    from qwen3_pretrain.parallel.env import pick_device
+
+    wanted = os.environ.get("QWEN3_PRETRAIN_TEST_DEVICE", "auto")
+    device = pick_device(wanted, 0)
+    if wanted == "auto" and device.type == "cpu":
+        pytest.skip("no CUDA or NPU device (set QWEN3_PRETRAIN_TEST_DEVICE=cpu to run it on the CPU)")
+    return torch.device(device)

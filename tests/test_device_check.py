@@ -1,0 +1,191 @@
+"""``bench/device_check.sh``: the script that spends a device slot runs every stage on a CPU (``--cpu``),
+records each stage in summary.json as it ends, and keeps going past a stage that fails or hangs.
+
+The resume and the merge are checked here from the runs' own files (metrics.jsonl, the merged
+safetensors), not only from the figures the script reports about them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+CLI_STAGES = ["env", "tests", "convert", "train_resume", "merge", "parse_log", "bench_data"]
+
+
+def command(out: Path, *args: str) -> list[str]:
+    return ["bash", str(REPO / "bench" / "device_check.sh"), "--work", str(out / "work"), *args, str(out)]
+
+
+def script_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "QWEN3_PRETRAIN_DEBUG")}
+    return {**env, "PYTHON": sys.executable}
+
+
+def run_check(out: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run(command(out, *args), capture_output=True, text=True, timeout=timeout, env=script_env())
+    return proc, json.loads((out / "summary.json").read_text())
+
+
+def by_name(summary: dict) -> dict[str, dict]:
+    return {s["name"]: s for s in summary["stages"]}
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    """Loss per step, a later record of a step (re-done after a resume) replacing the earlier one."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """The whole check on the CPU, once; the budget is generous because a shared test machine may be slow."""
+    out = tmp_path_factory.mktemp("device_check")
+    proc, summary = run_check(out, "--cpu", "--budget", "1500", timeout=1800)
+    return proc, summary, out
+
+
+@pytest.mark.slow
+def test_every_stage_passes_on_the_cpu(cpu_run):
+    proc, summary, _ = cpu_run
+    failed = {s["name"]: (s.get("error"), s.get("tail", "")[-1500:]) for s in summary["stages"] if not s["ok"]}
+    assert not failed, failed
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = [s["name"] for s in summary["stages"]]
+    assert names[:len(CLI_STAGES)] == CLI_STAGES
+    variants = names[len(CLI_STAGES):]
+    assert variants and [n.startswith("throughput/") for n in variants] == [True] * len(variants), variants
+    assert summary["finished"] and summary["all_ok"] and summary["not_run"] == [] and summary["mode"] == "cpu"
+    for stage in summary["stages"]:
+        assert stage["seconds"] >= 0 and stage["timeout_s"] > 0, stage
+    assert by_name(summary)["tests"]["passed"] > 0 and by_name(summary)["tests"]["failed"] == 0
+
+
+@pytest.mark.slow
+def test_the_run_stopped_by_sigterm_then_killed_resumes_to_identical_losses_and_weights(cpu_run):
+    _, summary, out = cpu_run
+    stage = by_name(summary)["train_resume"]
+    assert stage["ok"] and stage["exact"], stage
+    total = stage["total_steps"]
+    work = Path(summary["work"])
+    # the bulky files (checkpoints) are in the work folder, not beside the summary and logs
+    assert work == out / "work" and list((work / "cli").rglob("*.distcp")) and not list((out / "cli").rglob("*.distcp"))
+    want, got = losses(work / "cli" / "ref" / "metrics.jsonl"), losses(work / "cli" / "run" / "metrics.jsonl")
+    assert sorted(want) == list(range(1, total + 1)) and got == want  # exact float equality
+    events = [json.loads(line) for line in (work / "cli" / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumes = [r["step"] for r in events if r.get("event") == "resume"]
+    assert len(resumes) == 2 and 0 < resumes[0] < resumes[1] < total, resumes
+    log = (out / "cli" / "train.log").read_text()
+    assert "stopped on request" in log and log.count("resumed from") == 2
+    # the killed run logged a step after its last checkpoint, which the resumed run re-did
+    assert stage["sigkill_after"] > stage["checkpoint_at_kill"] == resumes[1]
+    merged = [{k: v for f in sorted((work / "cli" / name).glob("*.safetensors")) for k, v in load_file(f).items()}
+              for name in ("ref_merged", "run_merged")]
+    assert merged[0] and merged[0].keys() == merged[1].keys()
+    assert all(np.array_equal(merged[0][k], merged[1][k]) for k in merged[0])
+    assert by_name(summary)["merge"]["weights_equal"]
+
+
+@pytest.mark.slow
+def test_parse_log_and_throughput_report_figures(cpu_run):
+    _, summary, out = cpu_run
+    stages = by_name(summary)
+    assert stages["parse_log"]["rows"] == stages["train_resume"]["total_steps"]
+    assert (out / "cli" / "train_metrics.png").stat().st_size > 0
+    for name, stage in stages.items():
+        if name.startswith("throughput/"):
+            assert stage["tokens_per_sec_per_device"] > 0 and stage["steps"] > 0, stage
+            assert math.isfinite(stage["mfu"]) and math.isfinite(stage["last_loss"]), stage
+            assert (out / "bench" / name.split("/")[1] / "metrics.jsonl").is_file()
+
+
+def test_a_failed_stage_is_recorded_and_the_next_stage_still_runs(tmp_path):
+    proc, summary = run_check(tmp_path, "--cpu", "--only", "tests,bench_data", "--inject", "tests=fail")
+    stages = by_name(summary)
+    assert list(stages) == ["env", "tests", "bench_data"]
+    assert not stages["tests"]["ok"] and "exit 3" in stages["tests"]["error"]
+    assert "injected failure" in stages["tests"]["tail"]
+    assert stages["bench_data"]["ok"] and stages["env"]["ok"]
+    assert proc.returncode == 1 and summary["finished"] and not summary["all_ok"]
+
+
+def test_a_stage_past_its_timeout_is_stopped_and_the_next_stage_still_runs(tmp_path):
+    proc, summary = run_check(tmp_path, "--cpu", "--only", "tests,bench_data", "--inject", "tests=hang",
+                              "--timeout", "tests=3")
+    stages = by_name(summary)
+    assert not stages["tests"]["ok"] and stages["tests"]["error"].startswith("timed out after 3 s")
+    assert stages["tests"]["seconds"] < 30 and stages["bench_data"]["ok"]
+    assert proc.returncode == 1
+
+
+def test_summary_is_written_as_each_stage_ends(tmp_path):
+    """Killed in the middle of its second stage, the check has already recorded the first."""
+    proc = subprocess.Popen(command(tmp_path, "--cpu", "--only", "bench_data", "--inject", "bench_data=hang"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=script_env(),
+                            start_new_session=True)
+    summary_path, deadline = tmp_path / "summary.json", time.time() + 300
+    try:
+        while not (summary_path.is_file() and json.loads(summary_path.read_text())["stages"]):
+            assert proc.poll() is None and time.time() < deadline, "no stage was recorded"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    summary = json.loads(summary_path.read_text())
+    assert [s["name"] for s in summary["stages"]] == ["env"] and summary["stages"][0]["ok"]
+    assert summary["finished"] is False
+
+
+def test_stages_the_budget_cannot_cover_are_listed_as_not_run(tmp_path):
+    proc, summary = run_check(tmp_path, "--cpu", "--budget", "2")
+    assert summary["stages"] == [] and proc.returncode == 1
+    reasons = {r["name"]: r["reason"] for r in summary["not_run"]}
+    assert "budget" in reasons["env"] and "needs env" in reasons["convert"]
+    assert any(name.startswith("throughput/") for name in reasons)
+
+
+def test_without_an_accelerator_the_device_check_says_so_and_stops(tmp_path):
+    proc, summary = run_check(tmp_path, "--only", "convert")
+    env = by_name(summary)["env"]
+    assert not env["ok"] and "sees no CUDA or NPU device" in env["error"] and "--cpu" in env["error"]
+    assert [r["name"] for r in summary["not_run"]] == ["convert"] and proc.returncode == 1
+
+
+def write_metrics(run: Path, sequence: list, loss_of) -> None:
+    """metrics.jsonl of a run that logged ``sequence``: step numbers, and ("resume", step) events."""
+    run.mkdir(parents=True)
+    lines = [{"event": "resume", "step": item[1]} if isinstance(item, tuple) else
+             {"step": item, "loss": loss_of(item), "tokens_per_sec_per_device": 10.0, "mfu": 0.1, "memory_gib": 1.0}
+             for item in sequence]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_the_resume_comparison_catches_one_ulp_and_a_missing_resume(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from device_check_stages import StageFailed, compare_runs
+
+    loss = {k: 3.0 - 0.1 * k for k in range(1, 7)}
+    write_metrics(tmp_path / "ref", list(range(1, 7)), loss.get)
+    # stopped after 2, resumed; killed after 4 with a checkpoint at 3, resumed: step 4 is logged twice
+    interrupted = [1, 2, ("resume", 2), 3, 4, ("resume", 3), 4, 5, 6]
+    write_metrics(tmp_path / "same", interrupted, loss.get)
+    figures = compare_runs(tmp_path / "ref", tmp_path / "same", 6)
+    assert figures["exact"] and figures["first_run_equal"] and figures["resumed_at"] == [2, 3]
+    off = {**loss, 5: float(np.nextafter(loss[5], 10.0))}
+    write_metrics(tmp_path / "off", interrupted, off.get)
+    with pytest.raises(StageFailed, match="at 1 of 6 steps, first at step 5"):
+        compare_runs(tmp_path / "ref", tmp_path / "off", 6)
+    write_metrics(tmp_path / "once", [1, 2, ("resume", 2), 3, 4, 5, 6], loss.get)
+    with pytest.raises(StageFailed, match="expected two resumes"):
+        compare_runs(tmp_path / "ref", tmp_path / "once", 6)
