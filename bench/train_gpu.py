@@ -41,12 +41,14 @@ def run(config: str, steps: int, warmup: int) -> None:
     from qwen3_pretrain.config.loader import load_config
     from qwen3_pretrain.train.config import TrainConfig
     from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, memory_gib
+    from qwen3_pretrain.train.precision import matmul_dtype
     from qwen3_pretrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(TrainConfig, config))
     cfg, world = trainer.cfg, trainer.launch.world_size
     # On a CPU, the peak is measured in the dtype the engine multiplies in (as the trainer's fit() does).
-    peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops, torch.float32 if trainer.fp32_matmul else None)
+    peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops,
+                                 matmul_dtype(cfg.mixed_precision, trainer.fp32_matmul))
     flops_per_token = trainer.source.config.flops_per_token(cfg.seq_length)
     writer = MetricsWriter(cfg.output_path) if trainer.launch.rank == 0 else None
     try:

@@ -84,3 +84,25 @@ def test_the_planner_takes_the_short_names(monkeypatch):
         assert get_device(key.upper()).name == key
     with pytest.raises(UserError, match="did you mean 'h100-pcie'"):
         get_device("h100-pci")
+
+
+def test_a_cpu_peak_is_measured_in_the_dtype_the_matmuls_run_in(monkeypatch):
+    """fp32 training (and bf16 computed on fp32 copies) must not be rated against a bf16 matmul: on a CPU
+    without native bf16 that figure is tens of times lower, and measuring it took half a minute per run."""
+    from qwen3_pretrain.train.precision import matmul_dtype
+
+    assert matmul_dtype("fp32", False) == torch.float32
+    assert matmul_dtype("bf16", True) == torch.float32
+    assert matmul_dtype("bf16", False) == torch.bfloat16
+    seen = []
+    monkeypatch.setattr(metrics, "measure_cpu_tflops", lambda dtype: seen.append(dtype) or 1.0)
+    assert metrics.device_peak_tflops(torch.device("cpu"), None, torch.float32) == (1.0, "measured float32 matmul")
+    assert seen == [torch.float32]
+
+
+def test_the_cpu_measurement_stops_at_its_time_limit(monkeypatch):
+    """However slow the matmul, the measurement takes the warm-up and one timed product past the limit."""
+    clock = iter(range(0, 1000, 10))  # every reading 10 s after the previous one
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    tflops = metrics.measure_cpu_tflops(n=64, reps=8, dtype=torch.float32, max_seconds=0.5)
+    assert tflops == pytest.approx(2 * 64**3 / 10 / 1e12)  # one product, 10 s

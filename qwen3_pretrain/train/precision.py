@@ -49,6 +49,11 @@ def use_fp32_matmul(device: torch.device, mixed_precision: str, setting: str) ->
     return setting == "fp32" or not cpu_has_native_bf16()
 
 
+def matmul_dtype(mixed_precision: str, fp32_matmul: bool) -> torch.dtype:
+    """The dtype the engine's matmuls multiply in (what a CPU's peak must be measured in)."""
+    return torch.bfloat16 if mixed_precision == "bf16" and not fp32_matmul else torch.float32
+
+
 class _Fp32Linear(torch.autograd.Function):
     """``F.linear(x, w)`` (no bias) multiplied in fp32, returned and differentiated in the inputs' dtypes.
     Saves the low-precision inputs, not their fp32 copies. Works on DTensors (tensor parallelism)."""

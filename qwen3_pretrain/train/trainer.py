@@ -46,7 +46,7 @@ from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib, synchronize
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import build_optimizer, lr_at, optimizer_impl, set_lr
-from qwen3_pretrain.train.precision import use_fp32_matmul
+from qwen3_pretrain.train.precision import matmul_dtype, use_fp32_matmul
 
 log = logging.getLogger("qwen3_pretrain.train")
 
@@ -318,7 +318,8 @@ class Trainer:
         self._log_start()
         history: list[dict] = []
         # Only the logging rank reports MFU: only it looks the device up (and warns if it is unknown).
-        peak = device_peak_tflops(self.device, cfg.peak_tflops, torch.float32 if self.fp32_matmul else None)[0] \
+        peak = device_peak_tflops(self.device, cfg.peak_tflops,
+                                  matmul_dtype(cfg.mixed_precision, self.fp32_matmul))[0] \
             if self.is_log_rank else float("nan")
         flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
         avg_step = None
