@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from qwen3_pretrain.errors import UserError
+
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to a temp file beside ``path``, flush it to disk, then rename it over ``path``."""
@@ -36,3 +38,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def make_dirs(path: str | os.PathLike, what: str) -> Path:
+    """Create directory ``path`` and its parents; a path that cannot be created is the user's error,
+    named by ``what`` (the config key or option that gave it)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{what} {str(path)!r}: cannot create this directory ({exc.strerror or exc}); "
+                        f"choose a writable location") from None
+    return path

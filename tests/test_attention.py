@@ -72,7 +72,7 @@ def test_cpu_kernel_matches_the_dense_reference_with_gradients(heads):
     ref = reference_attention(*leaves, reference_mask(SAMPLES))
     ref.backward(grad_out)
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
-    for got, leaf in zip(grads, leaves):
+    for got, leaf in zip(grads, leaves, strict=True):
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=2e-5)
 
 

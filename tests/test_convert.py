@@ -125,7 +125,7 @@ def test_long_documents_are_split_not_dropped(corpus: Path, reference_ids: list[
     manifest = run(corpus, tmp_path / "out", shards=3, max_doc_length=500, workers=2, chunk_size=20)
     docs = [ids + [EOD] for ids in reference_ids]
     pieces = [[doc[i:i + 500] for i in range(0, len(doc) - 1, 500)] for doc in docs]
-    for doc, parts in zip(docs, pieces):  # EOD rides on the last piece, even when that makes 501 tokens
+    for doc, parts in zip(docs, pieces, strict=True):  # EOD rides on the last piece, even when that makes 501 tokens
         if (len(doc) - 1) % 500 == 0:
             parts[-1] = parts[-1] + [EOD]
     expected = [[p for d in members for p in pieces[d]] for members in by_hand(list(map(len, docs)), 3)]
@@ -159,7 +159,7 @@ def test_shards_follow_the_megatron_layout_byte_for_byte(corpus: Path, reference
         data = (tmp_path / "out" / f"shard_{i:05d}.bin").read_bytes()
         assert (idx["version"], idx["code"]) == (1, 4)  # int32 for Qwen's vocabulary
         tokens = struct.unpack(f"<{len(data) // 4}i", data)
-        sequences = [list(tokens[p // 4:p // 4 + n]) for p, n in zip(idx["pointers"], idx["lengths"])]
+        sequences = [list(tokens[p // 4:p // 4 + n]) for p, n in zip(idx["pointers"], idx["lengths"], strict=True)]
         assert [t for seq in sequences for t in seq] == [t for d in members for t in docs[d]]
         bounds = [0]
         for d in members:  # a document longer than 700 tokens is several sequences, still one document

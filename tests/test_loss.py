@@ -57,7 +57,7 @@ def test_matches_naive(dtype, chunk_tokens):
     h, w, labels = make_inputs(dtype=dtype)
     got = fused(h, w, labels, scale=0.37, chunk_tokens=chunk_tokens)
     want = naive(h, w, labels, scale=0.37)
-    for g, e in zip(got, want):
+    for g, e in zip(got, want, strict=True):
         assert g.dtype == e.dtype
         torch.testing.assert_close(g, e, **TOL[dtype])
 
@@ -67,14 +67,14 @@ def test_any_leading_dims(shape):
     h, w, labels = make_inputs(shape=shape, dtype=torch.float64)
     got = fused(h, w, labels, chunk_tokens=7)
     want = naive(h, w, labels)
-    for g, e in zip(got, want):
+    for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e, **TOL[torch.float64])
 
 
 def test_repeated_runs_are_bit_identical():
     h, w, labels = make_inputs(shape=(4, 16), hidden=32, vocab=500, dtype=torch.float32)
     first, second = fused(h, w, labels, chunk_tokens=9), fused(h, w, labels, chunk_tokens=9)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_bf16_close_to_naive_bf16():
@@ -109,7 +109,7 @@ def test_custom_ignore_index():
     labels[0, :4] = 7
     got = fused(h, w, labels, ignore_index=7)
     want = naive(h, w, torch.where(labels == 7, -100, labels))
-    for g, e in zip(got, want):
+    for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e, **TOL[torch.float64])
 
 

@@ -192,7 +192,7 @@ def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
     (tmp_path / "a.log").write_text("\n".join(lines) + "\n")
     rows = parse_metrics(tmp_path / "a.log").rows
     assert len(rows) == len(cases)
-    for row, (loss, grad_norm, _, skipped, eta) in zip(rows, cases):
+    for row, (loss, grad_norm, _, skipped, eta) in zip(rows, cases, strict=True):
         assert row["loss"] == pytest.approx(loss, abs=5e-5, nan_ok=True)
         assert row["grad_norm"] == pytest.approx(grad_norm, rel=5e-3)
         assert (row["eta_s"], row["skipped"], row["total_steps"]) == (eta, skipped, 1000)

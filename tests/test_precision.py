@@ -113,7 +113,7 @@ def test_training_with_fp32_matmuls_matches_native_bf16_and_works_under_tp(corpu
     assert "bf16 matmuls are computed in fp32" in log
     tp2, _ = _bf16_run(corpus, tmp_path / "tp2", 2, "cpu_bf16_matmul=fp32", "tp=2", "gradient_accumulation_steps=2")
     for got in (fp32, tp2):
-        worst = max(abs(a - b) / b for a, b in zip(got, native))
+        worst = max(abs(a - b) / b for a, b in zip(got, native, strict=True))
         print(f"max relative loss diff vs native bf16: {worst:.2e}")
         assert len(got) == len(native) and worst < 2e-2, (got, native)
     assert fp32[-1] < fp32[0]
@@ -130,5 +130,5 @@ def test_fp32_attention_matches_fp32_attention_of_the_bf16_inputs():
     ref.backward(_bf16(2, 4, 9, 16, seed=3).float())
     assert out.dtype == q.grad.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)
-    for got, want in zip((q.grad, k.grad, v.grad), leaves):
+    for got, want in zip((q.grad, k.grad, v.grad), leaves, strict=True):
         torch.testing.assert_close(got, want.grad.bfloat16(), rtol=1e-2, atol=1e-3)

@@ -31,7 +31,7 @@ def loader(dataset, consumed: int = 0) -> GlobalBatchLoader:
 
 def assert_same(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

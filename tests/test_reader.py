@@ -173,7 +173,7 @@ def reference_batches(ds, steps, global_batch_size=8, consumed=0):
 
 def assert_same_batches(got, want):
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         for k in w:
             assert torch.equal(g[k], w[k]), k
 

@@ -153,6 +153,7 @@ BAD = {
     "vocab": (1, ["model_overrides={vocab_size: 256}"], "tokenized with a tokenizer"),
     "microbatches": (2, ["pp=2", "batch_size=1"], "pp=2 needs at least 2 pipeline micro-batches per step, got 1"),
     "interleaved": (2, ["pp=2", "pp_schedule=interleaved", "batch_size=5"], "cannot split 5 pipeline micro-batches"),
+    "output_path": (1, ["output_path=/dev/null/run"], "output_path '/dev/null/run': cannot create this directory"),
 }
 
 

@@ -42,7 +42,7 @@ from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import ConfigError, MissingFileError, UserError
-from qwen3_pretrain.fsutil import write_json_atomic
+from qwen3_pretrain.fsutil import make_dirs, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
@@ -241,7 +241,7 @@ def _prepare_output(output: Path, sha256: str) -> None:
             raise UserError(f"output_path {str(output)!r} holds shards made with another tokenizer "
                             f"(tokenizer.json sha256 {previous[:12]}..., this one {sha256[:12]}...); "
                             "choose another output_path or delete that folder")
-    output.mkdir(parents=True, exist_ok=True)
+    make_dirs(output, "output_path")
     manifest.unlink(missing_ok=True)  # first: from here on the folder is incomplete
     for path in output.iterdir():
         if _SHARD_FILE.match(path.name):

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.wikitext import is_redirect_text, wikitext_to_text
 from qwen3_pretrain.errors import MissingFileError, UserError
+from qwen3_pretrain.fsutil import make_dirs
 
 # (id, title, url, text)
 Article = tuple[str, str, str, str]
@@ -270,7 +271,7 @@ def _non_empty(articles: Iterable[Article], stats: WikiStats) -> Iterator[Articl
 
 def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -> None:
     """Write non-empty ``articles`` to ``output`` in row groups; atomic (temp file + rename)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(output.parent, "the output file's folder")
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
         with pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer:

@@ -27,6 +27,7 @@ from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 from qwen3_pretrain.data.reader_manifest import validate_manifest
 from qwen3_pretrain.errors import ConfigError, UserError
+from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
 from qwen3_pretrain.parallel import env
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size
@@ -74,7 +75,7 @@ class Trainer:
         self.stop_requested = self.stop_agreed = False
         coord = self.mesh.get_coordinate()
         self.is_log_rank = coord[0] == self.dims.pp - 1 and not any(coord[1:])
-        Path(cfg.output_path).mkdir(parents=True, exist_ok=True)
+        make_dirs(cfg.output_path, "output_path")
         self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
         # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
         # the last stage's head (weight and optimizer state) reads the embedding's.
