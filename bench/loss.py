@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from qwen3_pretrain.train.loss import fused_linear_cross_entropy
+from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

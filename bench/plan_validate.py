@@ -19,8 +19,8 @@ import json
 import sys
 import time
 
+from qwen3_pretrain.hardware import get_device
 from qwen3_pretrain.models.qwen3 import Qwen3Config
-from qwen3_pretrain.plan.hardware import get_device
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.step import predict_step
 from qwen3_pretrain.plan.validate import measure

@@ -41,7 +41,7 @@ def run(config: str, steps: int, warmup: int) -> None:
     from qwen3_pretrain.config.loader import load_config
     from qwen3_pretrain.train.config import TrainConfig
     from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, memory_gib
-    from qwen3_pretrain.train.precision import matmul_dtype
+    from qwen3_pretrain.models.ops.precision import matmul_dtype
     from qwen3_pretrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(TrainConfig, config))

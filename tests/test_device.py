@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
-from qwen3_pretrain.train.loss import fused_linear_cross_entropy
 
 pytestmark = pytest.mark.device
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.plan.hardware import DEVICES, get_device
+from qwen3_pretrain.hardware import DEVICES, get_device
 from qwen3_pretrain.train import metrics
 
 REQUIRED = ["h100", "h100-pcie", "h100-nvl", "h800", "h20", "h200", "a100", "a100-40gb", "a100-pcie",
@@ -89,7 +89,7 @@ def test_the_planner_takes_the_short_names(monkeypatch):
 def test_a_cpu_peak_is_measured_in_the_dtype_the_matmuls_run_in(monkeypatch):
     """fp32 training (and bf16 computed on fp32 copies) must not be rated against a bf16 matmul: on a CPU
     without native bf16 that figure is tens of times lower, and measuring it took half a minute per run."""
-    from qwen3_pretrain.train.precision import matmul_dtype
+    from qwen3_pretrain.models.ops.precision import matmul_dtype
 
     assert matmul_dtype("fp32", False) == torch.float32
     assert matmul_dtype("bf16", True) == torch.float32

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.train.loss import ChunkedLMHead, fused_linear_cross_entropy
+from qwen3_pretrain.models.ops.loss import ChunkedLMHead, fused_linear_cross_entropy
 from tests._train_helpers import free_port
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}

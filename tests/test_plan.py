@@ -12,16 +12,16 @@ import torch
 
 from qwen3_pretrain.cli import run_command
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.hardware import get_device
+from qwen3_pretrain.models.ops.precision import compute_in_fp32
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, get_preset
 from qwen3_pretrain.models.qwen3.model import rope_cos_sin
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
-from qwen3_pretrain.plan.hardware import get_device
 from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
 from qwen3_pretrain.plan.memory import GiB, predict_memory, stage_params
 from qwen3_pretrain.plan.step import predict_step
-from qwen3_pretrain.train.precision import compute_in_fp32
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ["--model", "qwen3-8b", "--nodes", "2", "--devices-per-node", "4", "--device", "910b", "--tp", "4",

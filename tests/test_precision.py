@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen3_pretrain.models.ops import precision
+from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
+from qwen3_pretrain.models.ops.precision import compute_in_fp32, fp32_linear, use_fp32_matmul
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
-from qwen3_pretrain.train import precision
-from qwen3_pretrain.train.loss import fused_linear_cross_entropy
-from qwen3_pretrain.train.precision import compute_in_fp32, fp32_linear, use_fp32_matmul
 from tests._train_helpers import TINY_MODEL, check_ok, losses, make_corpus, run_train, write_config
 
 

@@ -207,6 +207,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from qwen3_pretrain.cli import run_command
-
-    sys.exit(run_command("qwen3_pretrain.config.docs:main", sys.argv[1:]))
+    # Not through cli.run_command: config sits below cli and never imports it.
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -20,13 +20,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
+from qwen3_pretrain.models.ops.precision import compute_in_fp32
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
-from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.train.precision import compute_in_fp32
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
 ParamSource = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
@@ -59,7 +59,7 @@ def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int
 def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int,
                 fp32_matmul: bool = False, attention: AttentionKernel | None = None) -> Qwen3Model:
     """The stage's part of the model on the meta device, with an untied LM head swapped for the fused-loss head.
-    ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, see ``train/precision.py``);
+    ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, see ``models/ops/precision.py``);
     ``attention``: the attention kernel of the device it will run on (``models/qwen3/attention.py``)."""
     with torch.device("meta"):
         model = Qwen3Model(cfg, attention)

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from qwen3_pretrain.train.loss import TiedLMHead
+from qwen3_pretrain.models.ops.loss import TiedLMHead
 
 
 class VocabParallelEmbedding(RowwiseParallel):

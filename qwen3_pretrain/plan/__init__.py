@@ -8,7 +8,7 @@ Nothing here imports torch except ``memtrack`` (allocator-level measurement),
 ``validate`` and ``commbench``, which are imported on their own.
 """
 
-from qwen3_pretrain.plan.hardware import DEVICES, Hardware, get_device
+from qwen3_pretrain.hardware import DEVICES, Hardware, get_device
 from qwen3_pretrain.plan.layout import Cluster, Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.step import StepEstimate, predict_step

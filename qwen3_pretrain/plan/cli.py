@@ -19,11 +19,11 @@ from typing import Any
 
 from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import MissingFileError, UserError
+from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
 from qwen3_pretrain.models.qwen3.attention import dense_document_mask
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.plan.hardware import DEVICES, Hardware, get_device, with_overrides
 from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout, check_degrees,
-                                        default_chunk_tokens, enumerate_layouts)
+                                        enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.step import StepEstimate, predict_step
 

@@ -24,13 +24,6 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step
 
 
-def default_chunk_tokens(device: str) -> int:
-    """Tokens per loss chunk when the config leaves it empty: 4096 on accelerators, whose matmuls want
-    large operands; 1024 on a CPU (``device`` "cpu"), where smaller chunks are as fast and take a
-    quarter of the memory."""
-    return 1024 if device == "cpu" else 4096
-
-
 @dataclass(frozen=True)
 class Layout:
     """Everything about a training run that decides its memory and speed, besides the model."""
@@ -55,7 +48,7 @@ class Layout:
     # take the document boundaries instead: models/qwen3/attention.py)
     dense_document_mask: bool = False
     reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
-    fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: train/precision.py)
+    fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: models/ops/precision.py)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",

@@ -92,7 +92,7 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
     vocab = cfg.vocab_size * h / t
-    # A tied head beside its embedding applies the embedding's weight (train/loss.py:TiedLMHead); under
+    # A tied head beside its embedding applies the embedding's weight (models/ops/loss.py:TiedLMHead); under
     # pp > 1 it is a parameter of its own on the last stage (parallel/grads.py:TiedWeights).
     tied_head = cfg.tie_word_embeddings and shape.has_embedding and shape.has_head
     head = vocab if shape.has_head and not tied_head else 0.0
@@ -148,7 +148,7 @@ def _backward_working(cfg: Qwen3Config, layout: Layout) -> float:
 
 
 def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
-    """Peak of the fused LM head + cross-entropy (``train/loss.py``) beyond what it keeps for backward.
+    """Peak of the fused LM head + cross-entropy (``models/ops/loss.py``) beyond what it keeps for backward.
 
     One chunk of ``c`` tokens: its logits in fp32 (4) and, in bf16, the matmul's
     output before the upcast or the gradient after the downcast (d), per local

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qwen3_pretrain.hardware import GB, Hardware
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
-from qwen3_pretrain.plan.hardware import GB, Hardware
 from qwen3_pretrain.plan.layout import Cluster, Layout, StageShape, check_model_fits_layout, stage_shapes
 from qwen3_pretrain.plan.memory import stage_params
 

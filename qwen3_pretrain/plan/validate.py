@@ -23,12 +23,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
+from qwen3_pretrain.models.ops.precision import compute_in_fp32, use_fp32_matmul
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.memtrack import MemoryTracker
-from qwen3_pretrain.train.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.train.precision import compute_in_fp32, use_fp32_matmul
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ MFU = achieved model FLOP/s / peak FLOP/s, with FLOPs per token from
 ``Qwen3Config.flops_per_token`` (6 x matmul weights + attention, PaLM's
 convention) and the peak from the planner's device table, ``peak_tflops`` in
 the config, or, on a CPU, a matmul measured at start-up (bf16, or fp32 where
-the engine computes its bf16 matmuls in fp32: ``train/precision.py``).
+the engine computes its bf16 matmuls in fp32: ``models/ops/precision.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qwen3_pretrain.plan.hardware import device_by_reported_name
+from qwen3_pretrain.hardware import device_by_reported_name
 
 log = logging.getLogger("qwen3_pretrain.train")
 _warned_unknown: set[str] = set()
@@ -42,7 +42,7 @@ def device_peak_tflops(device: torch.device, configured: float | None,
             return hw.peak_tflops, f"device table: {hw.name} ({name})"
         if name not in _warned_unknown:
             _warned_unknown.add(name)
-            log.warning("MFU is not computed: the device table (plan/hardware.py) does not know %r; set "
+            log.warning("MFU is not computed: the device table (qwen3_pretrain/hardware.py) does not know %r; set "
                         "peak_tflops in the training config to its dense bf16 peak in TFLOP/s", name)
         return float("nan"), f"unknown device {name!r}: set peak_tflops"
     dtype = cpu_dtype or torch.bfloat16

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.train.config import TrainConfig
 
 
@@ -30,15 +31,6 @@ def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) ->
     fused = optimizer_impl((decay or no_decay)[0].device.type) == "fused"
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, cfg),
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
-
-
-def optimizer_impl(device_type: str) -> str:
-    """How AdamW runs on ``device_type``: the planner's ``Layout.optimizer_impl``.
-
-    The fused kernel makes one pass per tensor without temporaries (4x faster than the per-tensor
-    loop torch otherwise picks on a CPU); other devices keep torch's default, the foreach path.
-    """
-    return "fused" if device_type in ("cpu", "cuda") else "foreach"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -28,6 +28,7 @@ from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 from qwen3_pretrain.data.reader_manifest import validate_manifest
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
+from qwen3_pretrain.hardware import default_chunk_tokens, optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
 from qwen3_pretrain.parallel import env
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size
@@ -40,14 +41,14 @@ from qwen3_pretrain.parallel.parallelize import (
     parallelize_stage,
     stage_layer_ranges,
 )
+from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.parallel.pipeline import build_schedule
-from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed, default_chunk_tokens
+from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
 from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib, synchronize
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
-from qwen3_pretrain.train.optim import build_optimizer, lr_at, optimizer_impl, set_lr
-from qwen3_pretrain.train.precision import matmul_dtype, use_fp32_matmul
+from qwen3_pretrain.train.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger("qwen3_pretrain.train")
 

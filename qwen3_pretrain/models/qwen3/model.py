@@ -67,7 +67,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         # The attention kernel (attention.py), chosen for the device; the engine may swap in one with
-        # other numerics (train/precision.py).
+        # other numerics (models/ops/precision.py).
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:

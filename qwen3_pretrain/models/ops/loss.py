@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.train.precision import LOW_PRECISION, fp32_linear
+from qwen3_pretrain.models.ops.precision import LOW_PRECISION, fp32_linear
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def fused_linear_cross_entropy(
     inputs are cast to the autocast dtype first, as ``F.linear`` would. With
     ``fp32_matmul`` and bf16/fp16 inputs, the matmuls run on fp32 copies of
     the inputs and the logits' gradient stays fp32 (for CPUs without native
-    bf16, see ``train/precision.py``); the gradients are returned in the
+    bf16, see ``models/ops/precision.py``); the gradients are returned in the
     inputs' dtypes.
     """
     hidden, weight = _autocast_inputs(hidden, weight)
@@ -270,7 +270,7 @@ class _FusedLossHead:
     chunk_tokens: int
     valid_vocab: int | None
     ignore_index: int
-    fp32_matmul: bool = False  # multiply bf16 in fp32 (CPUs without native bf16, see train/precision.py)
+    fp32_matmul: bool = False  # multiply bf16 in fp32 (CPUs without native bf16, see models/ops/precision.py)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:

@@ -24,6 +24,22 @@ from qwen3_pretrain.errors import UserError
 GB = 1e9
 
 
+def optimizer_impl(device_type: str) -> str:
+    """How the engine's AdamW runs on ``device_type``, and the planner's ``Layout.optimizer_impl``.
+
+    The fused kernel makes one pass per tensor without temporaries (much faster than the per-tensor
+    loop torch otherwise picks on a CPU); other devices keep torch's default, the foreach path.
+    """
+    return "fused" if device_type in ("cpu", "cuda") else "foreach"
+
+
+def default_chunk_tokens(device: str) -> int:
+    """Tokens per loss chunk when the config leaves it empty: 4096 on accelerators, whose matmuls want
+    large operands; 1024 on a CPU (``device`` "cpu"), where smaller chunks are as fast and take a
+    quarter of the memory."""
+    return 1024 if device == "cpu" else 4096
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One kind of device, and the links between devices of a cluster made of it."""
@@ -39,10 +55,14 @@ class Hardware:
     inter_node_latency_us: float = 25.0
     compute_efficiency: float = 0.40
     runtime_reserved_gib: float = 1.0  # device runtime context + communicator buffers, outside the allocator
-    optimizer_impl: str = "fused"  # the engine's AdamW kernel there: fused on CPU and CUDA, torch's foreach elsewhere
     device_type: str = "cuda"  # torch's device type: "cuda", "npu" or "cpu"
     reported_names: tuple[str, ...] = ()  # exactly as torch.<device_type>.get_device_name reports it
     source: str = ""
+
+    @property
+    def optimizer_impl(self) -> str:
+        """The engine's AdamW kernel on this device: the planner prices its temporaries."""
+        return optimizer_impl(self.device_type)
 
     def compute_flops(self, mixed_precision: str) -> float:
         """The dense peak, FLOP/s, of the precision the matmuls run in."""
@@ -58,7 +78,7 @@ def _cpu_memory_gib() -> float:
 
 _HOPPER_NET = "one 400 Gb/s NDR NIC per GPU"
 _910B_NET = dict(memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0, inter_node_latency_us=50.0,
-                 optimizer_impl="foreach", device_type="npu")
+                 device_type="npu")
 _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is the commonly reported figure, "
                 "unverified: set peak_tflops (train) or --peak-tflops (plan) for yours")
 

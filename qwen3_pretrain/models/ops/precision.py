@@ -12,7 +12,7 @@ gradients keep their bf16 dtype, and the tensors saved for backward stay
 bf16 (the upcast copies are temporaries). Attention runs on fp32 copies of
 q, k, v too (its bf16 kernel is 2.5x slower there). The fused LM head +
 cross-entropy goes one step further and keeps its logits and their gradient
-in fp32 instead of rounding them to bf16 (see ``train/loss.py``).
+in fp32 instead of rounding them to bf16 (see ``models/ops/loss.py``).
 
 ``cpu_bf16_matmul`` in the training config chooses: ``auto`` (fp32 on an x86
 CPU without AVX512-BF16 and AMX, native elsewhere), ``bf16`` or ``fp32``. The
