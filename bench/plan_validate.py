@@ -1,7 +1,7 @@
 """Predicted vs measured peak memory of single-process training steps on CPU.
 
 For each case: build the step the engine would run (see
-``qwen3_pretrain/plan/validate.py``), measure its allocator-level peak with
+``bench/plan_harness.py``), measure its allocator-level peak with
 ``MemoryTracker`` over a step after the first, and compare with
 ``predict_memory(...).allocated`` (the prediction without its overhead
 allowance, which allocator statistics do not see). Also prints the measured
@@ -23,7 +23,8 @@ from qwen3_pretrain.hardware import get_device
 from qwen3_pretrain.models.qwen3 import Qwen3Config
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.step import predict_step
-from qwen3_pretrain.plan.validate import measure
+
+from plan_harness import measure  # bench/plan_harness.py: this script's folder is on sys.path
 
 MiB = 2**20
 

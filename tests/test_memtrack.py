@@ -94,10 +94,9 @@ def test_a_dtensor_counts_its_local_shard_not_its_global_shape():
 
     import torch.distributed as dist
 
-    from qwen3_pretrain.plan.validate import _ensure_process_group
-
     owned = not dist.is_initialized()  # later tests may start process groups of their own
-    _ensure_process_group()
+    if owned:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         mesh = init_device_mesh("cpu", (1,))
         # A shard of 1 MB that declares a 4 MB global tensor, as rank 0 of 4 would hold.

@@ -1,4 +1,5 @@
-"""Measure a single-process training step, to check the planner's predictions against.
+"""Measure a single-process training step, to check the planner's predictions against
+(``bench/plan_validate.py``). A measuring harness, so it lives beside the benchmarks, outside the package.
 
 The step is built the way the engine builds a stage, in a few plain lines:
 ``Qwen3Model`` with the fused chunked LM head, activation checkpointing by
