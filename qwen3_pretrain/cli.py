@@ -31,8 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # THP_MEM_ALLOC_ENABLE: torch's CPU allocator asks the kernel for transparent huge pages for buffers of
 # 2 MB and more (honoured when /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise").
 # Training on a CPU allocates hundreds of MB afresh every step (the loss's logits, FSDP's gathered
-# weights and casts); with 4 KiB pages their page faults cost as much as the arithmetic: 25% of the
-# step time of the CPU benchmark. It affects host memory only, never an accelerator's.
+# weights and casts); with 4 KiB pages their page faults cost about as much as the arithmetic
+# (bench/README.md has the figures). It affects host memory only, never an accelerator's.
 PROCESS_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 

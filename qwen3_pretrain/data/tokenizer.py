@@ -140,7 +140,7 @@ class FastTokenizer(_Tokenizer):
     def _segment(self, text: str, normalize: bool) -> np.ndarray:
         if normalize:
             text = unicodedata.normalize("NFC", text)
-        # The ids straight from tiktoken's buffer: 25% faster than building a list of Python ints.
+        # The ids straight from tiktoken's buffer, without building a list of Python ints.
         return self._encoding.encode_to_numpy(text, allowed_special=_NONE, disallowed_special=())
 
     def _needs_reference(self, text: str, normalize: bool) -> bool:
