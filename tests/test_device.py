@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
+from tests.test_model_parity import randomize
 
 pytestmark = pytest.mark.device
 
@@ -27,15 +28,6 @@ REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     return ((got - want).norm() / want.norm()).item()
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Random weights, norms included, so a kernel that ignores one of them shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
 
 
 def logits_and_grads(model: Qwen3Model, ids: torch.Tensor, probe: torch.Tensor,
