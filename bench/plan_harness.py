@@ -1,15 +1,13 @@
 """Measure a single-process training step, to check the planner's predictions against
 (``bench/plan_validate.py``). A measuring harness, so it lives beside the benchmarks, outside the package.
 
-The step is built the way the engine builds a stage, in a few plain lines:
-``Qwen3Model`` with the fused chunked LM head, activation checkpointing by
-``torch.utils.checkpoint`` (each layer for ``full``, each MLP for
-``selective``), FSDP2 ``fully_shard`` on each layer, the head and the root with
-the layout's mixed precision over a one-process group, AdamW, gradient
-accumulation without gradient sync until the last micro-batch, gradient
-clipping. ``MemoryTracker`` measures the allocator-level peak of whole steps
-after the first (so AdamW's state exists, as in the steady state the planner
-describes).
+The step runs the engine's own stage: ``build_stage`` (the fused chunked LM
+head, the layout's recompute, precision and document masking chosen at
+construction), ``parallelize_stage`` (FSDP2 units and mixed precision as in
+training) over a one-process mesh, then AdamW, gradient accumulation without
+gradient sync until the last micro-batch, gradient clipping.
+``MemoryTracker`` measures the allocator-level peak of whole steps after the
+first (so AdamW's state exists, as in the steady state the planner describes).
 """
 
 from __future__ import annotations
@@ -19,14 +17,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
-from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.models.ops.precision import compute_in_fp32, use_fp32_matmul
-from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
+from qwen3_pretrain.models.ops.precision import use_fp32_matmul
+from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, init_param
+from qwen3_pretrain.models.qwen3.attention import attention_kernel
+from qwen3_pretrain.parallel.dims import ParallelDims
+from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, materialize, parallelize_stage
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.memtrack import MemoryTracker
@@ -44,36 +40,18 @@ class Measurement:
         return (self.predicted.allocated - self.measured_peak_bytes) / self.measured_peak_bytes
 
 
-def _checkpointed(module: nn.Module) -> None:
-    forward = module.forward
-    module.forward = lambda *args, **kw: checkpoint(forward, *args, use_reentrant=False, **kw)
-
-
 def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
-    """A one-process stage: fused loss head, recompute, FSDP2 with the layout's precision."""
+    """The engine's one-stage model for ``layout`` on one process (the process group must exist)."""
     if layout.world_size != 1:
         raise ValueError(f"validation runs one process; got tp={layout.tp}, pp={layout.pp}, dp={layout.dp}")
-    torch.manual_seed(0)
-    model = Qwen3Model(cfg)  # torch's default initialization: the values do not matter here
-    if cfg.tie_word_embeddings:  # as in the engine: the head applies the embedding's weight
-        head = TiedLMHead(model.embed_tokens, chunk_tokens=layout.loss_chunk_tokens)
-    else:
-        head = ChunkedLMHead.from_linear(model.lm_head, chunk_tokens=layout.loss_chunk_tokens)
-    model.lm_head, model.return_hidden = head, True
-    if layout.fp32_matmul:
-        compute_in_fp32(model)
-    model.document_mask = layout.document_mask
-    for layer in model.layers.values():
-        if layout.activation_checkpointing != "none":
-            _checkpointed(layer if layout.activation_checkpointing == "full" else layer.mlp)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if layout.mixed_precision == "bf16" else MixedPrecisionPolicy()
-    mesh = init_device_mesh("cpu", (1,))
-    if cfg.tie_word_embeddings:  # gathered from its forward to its backward, for the head (as in the engine)
-        fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    units = [*model.layers.values(), *([] if cfg.tie_word_embeddings else [model.lm_head]), model]
-    for module in units:
-        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward)
+    dims = ParallelDims(1, 1, 1, layout.distributed_optimizer)
+    mesh = dims.build_mesh("cpu")
+    model = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, layout.loss_chunk_tokens,
+                        attention=attention_kernel("cpu"), fp32_matmul=layout.fp32_matmul,
+                        ac_mode=layout.activation_checkpointing, document_mask=layout.document_mask)
+    dp_mesh = mesh["dp_shard"] if layout.distributed_optimizer else mesh["dp_replicate", "dp_shard"]
+    parallelize_stage(model, mesh, dp_mesh, layout.mixed_precision)
+    materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, cfg, 0)[slices])
     return model
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from qwen3_pretrain.models.qwen3 import attention as attn
-from qwen3_pretrain.models.qwen3.model import Qwen3Model
+from qwen3_pretrain.models.qwen3.model import ModelOptions, Qwen3Model
 
 # (query heads, KV heads): GQA 4/2; a tp-2 shard of it, 2/1; multi-head 3/3.
 HEADS = {"gqa": (4, 2), "gqa-tp2-shard": (2, 1), "mha": (3, 3)}
@@ -135,8 +135,7 @@ def test_fp32_kernel_builds_its_mask_in_fp32_and_returns_bf16():
 def test_one_dense_mask_per_forward_shared_by_every_layer(tiny_config):
     """What the planner counts for the CPU kernel: one [batch, 1, seq, seq] mask in the compute dtype per
     forward, the only seq x seq tensor autograd keeps, however many layers there are."""
-    model = Qwen3Model(tiny_config(num_hidden_layers=3))
-    model.document_mask = True
+    model = Qwen3Model(tiny_config(num_hidden_layers=3), ModelOptions(document_mask=True))
     saved: dict[int, torch.Tensor] = {}
 
     def keep(t: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ import torch
 from qwen3_pretrain.cli import run_command
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.hardware import get_device
-from qwen3_pretrain.models.ops.precision import compute_in_fp32
+from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, get_preset
-from qwen3_pretrain.models.qwen3.model import rope_cos_sin
+from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
@@ -60,9 +60,8 @@ def test_qwen3_layer_formula_matches_what_autograd_saves(dtype, fp32_matmul):
     inputs excluded) and compare with the per-token formula; also with bf16 computed on fp32 copies."""
     cfg = Qwen3Config(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, intermediate_size=768, vocab_size=128)
-    layer = Qwen3Model(cfg).to(dtype).layers["0"]
-    if fp32_matmul:
-        compute_in_fp32(layer)
+    options = ModelOptions(linear=Fp32Linear, attention=fp32_attention()) if fp32_matmul else ModelOptions()
+    layer = Qwen3Model(cfg, options).to(dtype).layers["0"]
     seq = 128
     x = torch.randn(1, seq, 256, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(seq)[None], 64, cfg.rope_theta, dtype)

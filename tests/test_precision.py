@@ -10,8 +10,8 @@ from torch import nn
 
 from qwen3_pretrain.models.ops import precision
 from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
-from qwen3_pretrain.models.ops.precision import compute_in_fp32, fp32_linear, use_fp32_matmul
-from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
+from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear, use_fp32_matmul
+from qwen3_pretrain.models.qwen3 import ModelOptions, Qwen3Config, Qwen3Model
 from tests._train_helpers import TINY_MODEL, check_ok, losses, make_corpus, run_train, write_config
 
 
@@ -66,16 +66,18 @@ def test_fused_loss_in_fp32_matches_fp32_cross_entropy_of_the_bf16_inputs(chunk_
     assert abs(loss - ref) <= abs(native - ref)
 
 
-def test_only_plain_linears_change_and_the_model_computes_the_same():
+def test_a_model_built_with_fp32_linears_keeps_its_names_and_computes_the_same():
     cfg = Qwen3Config(**TINY_MODEL)
-    model = Qwen3Model(cfg).bfloat16()
+    native = Qwen3Model(cfg).bfloat16()
+    fp32 = Qwen3Model(cfg, ModelOptions(linear=Fp32Linear, attention=precision.fp32_attention())).bfloat16()
+    fp32.load_state_dict(native.state_dict())
+    assert [n for n, _ in fp32.named_parameters()] == [n for n, _ in native.named_parameters()]
+    linears = [m for m in fp32.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 7 * cfg.num_hidden_layers + 1 and all(type(m) is Fp32Linear for m in linears)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    native = model(ids)
-    names = [n for n, _ in model.named_parameters()]
-    changed = compute_in_fp32(model)
-    assert changed == 8 * cfg.num_hidden_layers + (0 if model.lm_head is None else 1)  # 7 linears + attention
-    assert [n for n, _ in model.named_parameters()] == names
-    torch.testing.assert_close(model(ids), native, rtol=5e-2, atol=5e-2)
+    out = fp32(ids)
+    assert "Fp32Linear" in out.grad_fn.name()  # the forward that ran is the fp32 one, down to the head
+    torch.testing.assert_close(out, native(ids), rtol=5e-2, atol=5e-2)
 
 
 def test_the_choice_follows_device_precision_setting_and_cpu_features(monkeypatch):

@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import Shard
 
 from qwen3_pretrain.parallel.tensor_parallel import VocabParallelEmbedding
 from test_loss import run_distributed
@@ -20,9 +19,8 @@ def _check(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     reference = nn.Embedding(VOCAB, HIDDEN)
-    sharded = nn.Embedding(VOCAB, HIDDEN)
-    sharded.load_state_dict(reference.state_dict())
-    parallelize_module(sharded, mesh, VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Shard(1)))
+    sharded = VocabParallelEmbedding(reference, mesh)
+    assert [n for n, _ in sharded.named_parameters()] == ["weight"]  # the same name as nn.Embedding's
     ids = torch.randint(0, VOCAB, (2, 8 * world_size))
     ids[0, :4] = torch.tensor([0, VOCAB // world_size - 1, VOCAB // world_size, VOCAB - 1])  # shard edges
     out = sharded(ids)  # this rank's slice of the sequence
@@ -36,8 +34,7 @@ def _check(rank: int, world_size: int) -> None:
     assert grad.placements == (Shard(0),) and grad.to_local().shape == (VOCAB // world_size, HIDDEN)
     torch.testing.assert_close(grad.full_tensor(), want, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="padding_idx"):
-        parallelize_module(nn.Embedding(VOCAB, HIDDEN, padding_idx=0), mesh,
-                           VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Shard(1)))
+        VocabParallelEmbedding(nn.Embedding(VOCAB, HIDDEN, padding_idx=0), mesh)
 
 
 @pytest.mark.distributed

@@ -1,10 +1,13 @@
-"""Build the local part of the model for this rank: stage split -> TP -> activation checkpointing -> FSDP.
+"""Build the local part of the model for this rank: the stage (with its numerics, recompute and fused-loss
+head chosen at construction) -> TP -> FSDP.
 
 The order follows the composition rules of torch.distributed: tensor
-parallelism first (parameters become DTensors on the tp axis), then
-checkpointing, then FSDP2 over the data-parallel axes (parameters become 2-D
-DTensors). Everything is built on the ``meta`` device and only this rank's
-slices are materialized, so an 8B model never exists whole on one rank.
+parallelism first (parameters become DTensors on the tp axis), then FSDP2 over
+the data-parallel axes (parameters become 2-D DTensors). Activation
+checkpointing is part of how the stage is built (``ModelOptions.recompute``):
+the checkpoint sits inside each layer's forward, under FSDP's and TP's hooks.
+Everything is built on the ``meta`` device and only this rank's slices are
+materialized, so an 8B model never exists whole on one rank.
 """
 
 from __future__ import annotations
@@ -21,11 +24,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.models.ops.precision import compute_in_fp32
+from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import Qwen3Model
-from qwen3_pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
@@ -56,34 +58,36 @@ def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int,
-                fp32_matmul: bool = False, attention: AttentionKernel | None = None) -> Qwen3Model:
-    """The stage's part of the model on the meta device, with an untied LM head swapped for the fused-loss head.
-    ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, see ``models/ops/precision.py``);
-    ``attention``: the attention kernel of the device it will run on (``models/qwen3/attention.py``)."""
+# ac_mode (the config's activation_checkpointing) -> what the model recomputes in backward
+RECOMPUTE = {"none": "none", "full": "layer", "selective": "mlp"}
+
+
+def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int, *,
+                attention: AttentionKernel | None = None, fp32_matmul: bool = False, ac_mode: str = "none",
+                document_mask: bool = False) -> Qwen3Model:
+    """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
+    (the loss applies it, in chunks, to the hidden states the stage returns).
+
+    ``attention``: the kernel of the device it will run on (``models/qwen3/attention.py``);
+    ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, ``models/ops/precision.py``);
+    ``ac_mode``: what is recomputed in backward; ``document_mask``: attention within each document."""
+    options = ModelOptions(attention=fp32_attention() if fp32_matmul else attention,
+                           linear=Fp32Linear if fp32_matmul else nn.Linear, recompute=RECOMPUTE[ac_mode],
+                           document_mask=document_mask)
+    last = spec.stage_index == spec.num_stages - 1
+    part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last, output="hidden")
     with torch.device("meta"):
-        model = Qwen3Model(cfg, attention)
-    for name in list(model.layers):
-        if int(name) not in spec.layers:
-            del model.layers[name]
-    if spec.stage_index != 0:
-        model.embed_tokens = None
-    if spec.stage_index != spec.num_stages - 1:
-        model.norm = None
-        model.lm_head = None
-    else:
-        valid = valid_vocab if valid_vocab < cfg.vocab_size else None
+        model = Qwen3Model(cfg, options, part)
+    if last:
+        head = dict(chunk_tokens=loss_chunk_tokens, valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size else None,
+                    fp32_matmul=fp32_matmul)
         if cfg.tie_word_embeddings and model.embed_tokens is not None:
             # One stage: the head applies the embedding's weight itself, one parameter as in HF.
-            model.lm_head = TiedLMHead(model.embed_tokens, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
+            model.lm_head = TiedLMHead(model.embed_tokens, **head)
         else:
-            # Under pp > 1 a tied head gets a parameter of its own on the last stage, kept equal to the
+            # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the
             # embedding by summing the two gradients (see TiedWeights).
-            head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-            model.lm_head = ChunkedLMHead.from_linear(head, chunk_tokens=loss_chunk_tokens, valid_vocab=valid)
-    if fp32_matmul:
-        compute_in_fp32(model)
-    model.return_hidden = True
+            model.lm_head = ChunkedLMHead.from_linear(model.lm_head, **head)
     return model
 
 
@@ -130,11 +134,10 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> 
                 module.set_custom_reduce_scatter(AllReduceScatter())
 
 
-def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, ac_mode: str,
-                      mixed_precision: str, compile_layers: bool = False) -> None:
+def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, mixed_precision: str,
+                      compile_layers: bool = False) -> None:
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    apply_activation_checkpointing(model, ac_mode)
     if compile_layers:
         # Each decoder layer on its own (they share one graph); in place, so parameter names stay.
         for layer in model.layers.values():

@@ -121,10 +121,9 @@ class Trainer:
         self.parts = []
         for idx in self.stage_indices:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
-                               self.loss_chunk_tokens, self.fp32_matmul, attention_kernel(self.device.type))
-            part.document_mask = cfg.document_mask
-            part.pass_positions = self._uses_positions and part.lm_head is None
-            parallelize_stage(part, self.mesh, dp_mesh, cfg.ac_mode, cfg.mixed_precision, cfg.compile)
+                               self.loss_chunk_tokens, attention=attention_kernel(self.device.type),
+                               fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask)
+            parallelize_stage(part, self.mesh, dp_mesh, cfg.mixed_precision, cfg.compile)
             materialize(part, self.device, source)
             self.parts.append(part)
         self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings and dims.pp > 1 else None

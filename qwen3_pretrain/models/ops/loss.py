@@ -16,7 +16,7 @@ are all-reduced over ``tp_group``; each rank's gradient of the hidden states is
 a partial sum over its vocab rows, so it is all-reduced once at the end. The
 gradient of the weight stays local, like the weight.
 
-``ChunkedLMHead`` is the ``nn.Linear`` the engine swaps in for ``lm_head``: plain
+``ChunkedLMHead`` is the ``nn.Linear`` the engine builds as a stage's ``lm_head``: plain
 logits without labels, the fused loss sum with them; it understands a weight
 that is a DTensor sharded over the vocab on a 1-D tensor-parallel mesh.
 ``TiedLMHead`` does the same with the embedding's weight, for a tied model
@@ -270,7 +270,7 @@ class _FusedLossHead:
     chunk_tokens: int
     valid_vocab: int | None
     ignore_index: int
-    fp32_matmul: bool = False  # multiply bf16 in fp32 (CPUs without native bf16, see models/ops/precision.py)
+    fp32_matmul: bool  # multiply bf16 in fp32 (CPUs without native bf16, see models/ops/precision.py)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -295,22 +295,24 @@ class ChunkedLMHead(_FusedLossHead, nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
                  chunk_tokens: int = 4096, valid_vocab: int | None = None, ignore_index: int = -100,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 fp32_matmul: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if bias:
             raise UserError("ChunkedLMHead has no bias: Qwen3's LM head has none")
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.chunk_tokens = chunk_tokens  # tokens per chunk: its logits take chunk_tokens x V_local x 6 B in bf16
         self.valid_vocab = valid_vocab  # real vocab size when the head is padded to a multiple of tp
         self.ignore_index = ignore_index
+        self.fp32_matmul = fp32_matmul
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
-                    ignore_index: int = -100) -> ChunkedLMHead:
+                    ignore_index: int = -100, fp32_matmul: bool = False) -> ChunkedLMHead:
         """A head sharing ``linear``'s weight Parameter (same object), so parameter names and ties survive."""
         if linear.bias is not None:
             raise UserError("cannot build a ChunkedLMHead from a Linear with a bias: Qwen3's LM head has none")
-        head = cls(linear.in_features, linear.out_features, chunk_tokens=chunk_tokens,
-                   valid_vocab=valid_vocab, ignore_index=ignore_index, device="meta")
+        head = cls(linear.in_features, linear.out_features, chunk_tokens=chunk_tokens, valid_vocab=valid_vocab,
+                   ignore_index=ignore_index, fp32_matmul=fp32_matmul, device="meta")
         head.weight = linear.weight
         return head
 
@@ -328,11 +330,16 @@ class TiedLMHead(_FusedLossHead, nn.Module):
     parameters and state dict hold the tied weight once (as ``embed_tokens.weight``).
     """
 
-    def __init__(self, embedding: nn.Embedding, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
-                 ignore_index: int = -100) -> None:
+    def __init__(self, embedding: nn.Module, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
+                 ignore_index: int = -100, fp32_matmul: bool = False) -> None:
         super().__init__()
-        self._embedding = (embedding,)  # a tuple: not a submodule
+        self.tie_to(embedding)
         self.chunk_tokens, self.valid_vocab, self.ignore_index = chunk_tokens, valid_vocab, ignore_index
+        self.fp32_matmul = fp32_matmul
+
+    def tie_to(self, embedding: nn.Module) -> None:
+        """Apply ``embedding``'s weight from now on (tensor parallelism replaces the embedding module)."""
+        self._embedding = (embedding,)  # a tuple: not a submodule
 
     @property
     def weight(self) -> torch.Tensor:

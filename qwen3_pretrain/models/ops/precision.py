@@ -23,14 +23,12 @@ one and stays bit-exact.
 from __future__ import annotations
 
 import platform
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwen3_pretrain.models.qwen3.attention import LOW_PRECISION, SdpaAttention
-from qwen3_pretrain.models.qwen3.model import Attention
 
 
 def cpu_has_native_bf16() -> bool:
@@ -84,8 +82,13 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
-def _fp32_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return fp32_linear(x, self.weight, self.bias)
+class Fp32Linear(nn.Linear):
+    """An ``nn.Linear`` that multiplies low-precision operands in fp32 (``fp32_linear``): the class of the
+    model's projections when it is built with ``ModelOptions(linear=Fp32Linear)``. Same parameters and
+    names as ``nn.Linear``, so tensor-parallel plans, FSDP and checkpoints treat it as one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp32_linear(x, self.weight, self.bias)
 
 
 def fp32_attention() -> SdpaAttention:
@@ -93,23 +96,3 @@ def fp32_attention() -> SdpaAttention:
     fp32 once per forward). What it saves for backward is fp32 (twice the bf16 size; a small part of a
     layer's activations)."""
     return SdpaAttention(compute_dtype=torch.float32)
-
-
-def compute_in_fp32(model: nn.Module) -> int:
-    """Make every plain ``nn.Linear`` of ``model`` multiply in fp32 (the module's own ``forward`` is
-    replaced, so parameter names, hooks and tensor-parallel plans are untouched), its attention run
-    in fp32, and turn on the ``fp32_matmul`` option of modules that have one (the fused-loss LM
-    heads). Returns how many modules were changed."""
-    count = 0
-    kernel = fp32_attention()  # one for all layers: the model prepares a document mask with the first one's
-    for module in model.modules():
-        if hasattr(module, "fp32_matmul"):
-            module.fp32_matmul = True
-            count += 1
-        elif type(module) is nn.Linear:
-            module.forward = types.MethodType(_fp32_linear_forward, module)
-            count += 1
-        elif isinstance(module, Attention):
-            module.kernel = kernel
-            count += 1
-    return count

@@ -69,11 +69,7 @@ def stop_ids(model: Qwen3Model, tokenizer: Tokenizer) -> set[int]:
 def next_token_logits(model: Qwen3Model, ids: torch.Tensor) -> torch.Tensor:
     """Logits [vocab] of the token after ``ids`` [seq], computing the LM head for the last position only."""
     window = ids[-model.config.max_position_embeddings:]
-    model.return_hidden = True
-    try:
-        hidden = model(window[None])  # [1, seq, hidden]
-    finally:
-        model.return_hidden = False
+    hidden, _ = model.hidden_states(window[None])  # [1, seq, hidden]
     return model.lm_head(hidden[0, -1]).float()
 
 

@@ -5,10 +5,17 @@ the model. Nothing here knows about ``torch.distributed``: tensor, pipeline and
 data parallelism are applied from outside by module name. For that:
 
 * layers live in a ``ModuleDict`` keyed by the layer index, so a pipeline stage
-  deletes the layers it does not own and parameter names stay the same;
-* ``embed_tokens``, ``norm`` and ``lm_head`` may be ``None`` on a stage;
+  holds only its own layers and parameter names stay the same;
+* a ``ModelPart`` says which part of the model is built: a stage without the
+  embedding takes hidden states, a stage without the head returns them;
 * attention derives the number of local heads from the projected tensor's
   shape, so it runs unchanged on a tensor-parallel shard of the heads.
+
+How the modules compute is chosen when the model is built, never patched in
+afterwards (``ModelOptions``): the attention kernel, the class of the
+projections (numerics), which blocks are recomputed in backward, and whether
+attention stays within each packed document. The ``forward`` below is the one
+that runs.
 
 Numerics follow HuggingFace's ``Qwen3ForCausalLM``: RMSNorm in fp32 then cast
 back, q/k RMSNorm per head before RoPE, RoPE tables computed in fp32.
@@ -17,13 +24,52 @@ back, q/k RMSNorm per head before RoPE, RoPE tables computed in fp32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
+
+RECOMPUTE = ("none", "layer", "mlp")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the model's modules compute; the engine chooses them per device and config."""
+
+    # The attention kernel every layer uses (attention.py: ``attention_kernel(device_type)``); SDPA when None.
+    attention: AttentionKernel | None = None
+    # The class of every projection: ``nn.Linear``, or one with other numerics (models/ops/precision.py).
+    linear: type[nn.Linear] = nn.Linear
+    # Recomputed in backward instead of kept: "layer" (each decoder layer keeps only its input), "mlp"
+    # (each MLP's intermediate activations, 3 x intermediate_size per token), or "none".
+    recompute: str = "none"
+    # Attention stays within each packed document (the positions restart at 0 where one starts).
+    document_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, not {self.recompute!r}")
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """The part of the model one module holds: all of it, or one pipeline stage."""
+
+    layers: range | None = None  # the decoder layers it holds; None: all
+    embedding: bool = True  # holds the embedding and takes token ids (else the previous part's output)
+    head: bool = True  # holds the final norm and the LM head (else hands on hidden states and positions)
+    # What the part with the head returns: "logits", or "hidden" (the final norm's output) when a loss
+    # applies the head itself, in chunks (models/ops/loss.py).
+    output: str = "logits"
+
+    def __post_init__(self) -> None:
+        if self.output not in ("logits", "hidden"):
+            raise ValueError(f"output must be 'logits' or 'hidden', not {self.output!r}")
 
 
 class RMSNorm(nn.Module):
@@ -56,19 +102,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel) -> None:
+    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: type[nn.Linear] = nn.Linear) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
+        self.q_proj = linear(h, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = linear(cfg.num_attention_heads * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        # The attention kernel (attention.py), chosen for the device; the engine may swap in one with
-        # other numerics (models/ops/precision.py).
-        self.kernel = kernel
+        self.kernel = kernel  # attention.py, chosen for the device the model runs on
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -83,90 +127,103 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, recompute: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute:  # only the input is kept for backward
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, attention: AttentionKernel) -> None:
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, attention)
+        self.attn = Attention(cfg, attention, options.linear)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, options.linear, recompute=options.recompute == "mlp")
+        self.recompute = options.recompute == "layer"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+        if self.recompute:  # only the input is kept for backward; the layer runs again there
+            return checkpoint(self._forward, x, cos, sin, docs, use_reentrant=False)
+        return self._forward(x, cos, sin, docs)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Qwen3Model(nn.Module):
-    """Embedding -> decoder layers -> final norm -> LM head.
+    """Embedding -> decoder layers -> final norm -> LM head, or the ``part`` of it a pipeline stage holds.
 
-    ``forward(input_ids)`` returns logits [batch, seq, vocab]. On a pipeline
-    stage without ``embed_tokens`` the first argument is the previous stage's
-    hidden states; without ``lm_head`` (or with ``return_hidden`` set, when the
-    loss applies the head itself in chunks) it returns hidden states, and with
-    ``pass_positions`` set (a stage before the last, with per-document
-    positions) the pair (hidden states, positions) for the next stage.
-    ``attention`` is the attention kernel every layer uses (``attention.py``:
-    ``attention_kernel(device_type)``); torch's SDPA when not given.
+    ``forward(x, positions=None)``: ``x`` is token ids [batch, seq] on a part
+    with the embedding, else the previous part's hidden states, and
+    ``positions`` [batch, seq] the RoPE positions (0..seq-1 in every sample
+    when not given; they restart at 0 per packed document when the data says
+    so). A part with the head returns logits [batch, seq, vocab] (or the final
+    hidden states, ``part.output = "hidden"``); a part without it returns the
+    pair (hidden states, positions) for the next part.
     """
 
-    def __init__(self, cfg: Qwen3Config, attention: AttentionKernel | None = None) -> None:
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions | None = None, part: ModelPart | None = None) -> None:
         super().__init__()
+        options, part = options or ModelOptions(), part or ModelPart()
         self.config = cfg
-        attention = attention if attention is not None else SdpaAttention()
+        self.output = part.output
+        self.document_mask = options.document_mask
+        # One kernel object for all layers: the model prepares the document mask once with it.
+        self.attention = options.attention if options.attention is not None else SdpaAttention()
         # Passing the weight skips nn.Embedding's random init, which on the meta device costs seconds
         # (it imports the compiler stack); init_weights below or a checkpoint sets the values.
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention) for i in range(cfg.num_hidden_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) \
+            if part.embedding else None
+        layers = part.layers if part.layers is not None else range(cfg.num_hidden_layers)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention) for i in layers})
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if part.head else None
+        self.lm_head: nn.Module | None = options.linear(cfg.hidden_size, cfg.vocab_size, bias=False) \
+            if part.head else None
+        if cfg.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
-        # Set from outside: return hidden states instead of logits (the loss applies the head in chunks);
-        # keep attention within each packed document (positions restart at 0 per document); and how
-        # many shards of the sequence a hidden-state input holds (sequence parallelism hands a pipeline
-        # stage 1/N of the sequence).
-        self.return_hidden = False
-        self.document_mask = False
-        self.sequence_shards = 1
-        # A pipeline stage before the last hands its positions on with its hidden states.
-        self.pass_positions = False
-        if self.embed_tokens.weight.device.type != "meta":
+        if next(self.parameters()).device.type != "meta":
             self.init_weights()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h, positions = self.hidden_states(x, positions)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return h, positions
+        return h if self.output == "hidden" else self.lm_head(h)
+
+    def hidden_states(self, x: torch.Tensor, positions: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after this part's layers (and the final norm, where the part has it), with
+        the positions used."""
         if self.embed_tokens is not None:
-            bsz, seq = x.shape
             h = self.embed_tokens(x)
+            if positions is None:
+                # contiguous: a pipeline stage sends them on to the next
+                positions = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)
         else:
             h = x
-            bsz, seq = x.shape[0], x.shape[1] * self.sequence_shards
-        if positions is None:
-            positions = torch.arange(seq, device=h.device).expand(bsz, seq)
+            if positions is None:  # the hidden states may hold a shard of the sequence: its length is unknown
+                raise ValueError("a model part without the embedding needs the positions the part before returned")
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
-        docs = None
-        if self.document_mask:  # prepared once, by the kernel the layers use, and shared by them
-            docs = next(iter(self.layers.values())).attn.kernel.prepare(positions, h.dtype)
+        docs = self.attention.prepare(positions, h.dtype) if self.document_mask else None  # shared by all layers
         for layer in self.layers.values():
             h = layer(h, cos, sin, docs)
         if self.norm is not None:
             h = self.norm(h)
-        if self.pass_positions and self.lm_head is None:
-            return h, positions
-        if self.lm_head is None or self.return_hidden:
-            return h
-        return self.lm_head(h)
+        return h, positions
 
     @property
     def output_weight(self) -> torch.Tensor:
