@@ -102,7 +102,7 @@ def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path)
 
 def test_blended_run_killed_then_resumed_gives_identical_losses_weights_and_mix(corpus, tmp_path):
     """Two datasets blended 0.7/0.3: the resumed run recomputes each source's position from the consumed
-    samples. Probe: a resume that restarts every source's sample counter at 0 changed the losses after the kill."""
+    samples. Probe: a blended resume one sample late changed the loss of the first step after the resume."""
     books = make_corpus(tmp_path / "books", num_docs=60, seed=1)  # small: it runs through several epochs
     data_path = f"0.7 {corpus} 0.3 {books}"
     total, kill_after = 16, 4
