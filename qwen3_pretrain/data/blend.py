@@ -43,8 +43,8 @@ class BlendSchedule:
         # Stable: equal ideal times go to the source listed first, on every machine.
         order = np.argsort((2 * k + 1) / (2.0 * self.quotas[source]), kind="stable")
         self.slot_source = source[order].astype(np.int32)  # [period] source of each slot
-        self.slot_sample = k[order]  # [period] its sample number within the period, in that source
-        self._slots_of = [np.flatnonzero(self.slot_source == s) for s in range(len(weights))]
+        self.slot_sample = k[order].astype(np.int32)  # [period] its sample number in that source's quota
+        self._slots_of = [np.flatnonzero(self.slot_source == s).astype(np.int32) for s in range(len(weights))]
 
     def locate(self, index: int) -> tuple[int, int]:
         """(source, sample number in that source) of global sample ``index``."""
@@ -111,8 +111,9 @@ def validate_sources(sources: Sequence[DataSource], model_vocab_size: int,
     for source, manifest in zip(sources[1:], manifests[1:]):
         for key in _SAME_TOKENIZER_KEYS:
             if manifest["tokenizer"][key] != first[key]:
+                ours = manifest["tokenizer"][key]
                 raise UserError(f"data_path: {source.path} was converted with another tokenizer than "
-                                f"{sources[0].path} (tokenizer {key} {manifest['tokenizer'][key]} vs {first[key]} in their "
+                                f"{sources[0].path} (tokenizer {key} {ours} vs {first[key]} in their "
                                 f"{MANIFEST_NAME}); blend only datasets converted with the same tokenizer: "
                                 "re-convert one of them")
     return manifests
