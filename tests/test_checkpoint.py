@@ -17,7 +17,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests._checkpoint_helpers import assert_identical_states, checkpoint_state, records, resume_from, step_dir
-from tests._train_helpers import check_ok, child_env, free_port, losses, make_corpus, run_train, write_config
+from tests._train_helpers import (check_ok, child_env, free_port, losses, make_corpus, run_train, step_records,
+                                  write_config)
 
 TOTAL = 6
 
@@ -95,6 +96,35 @@ def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path)
     check_ok(proc)
     assert "resumed from" in proc.stdout
     assert records(out) == records(ref)
+    assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
+                            checkpoint_state(step_dir(out, total), tmp_path))
+
+
+def test_blended_run_killed_then_resumed_gives_identical_losses_weights_and_mix(corpus, tmp_path):
+    """Two datasets blended 0.7/0.3: the resumed run recomputes each source's position from the consumed
+    samples. Probe: a blended resume one sample late changed the loss of the first step after the resume."""
+    books = make_corpus(tmp_path / "books", num_docs=60, seed=1)  # small: it runs through several epochs
+    data_path = f"0.7 {corpus} 0.3 {books}"
+    total, kill_after = 16, 4
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    check_ok(run_train(write_config(tmp_path / "r.yaml", data_path, ref, total_steps=total, save_steps=2), 1,
+                       timeout=900))
+    cfg = write_config(tmp_path / "c.yaml", data_path, out, total_steps=total, save_steps=2)
+    proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    _wait_for_step(out / "metrics.jsonl", kill_after, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended (exit {proc.returncode}) before it could be killed"
+    assert len(losses(out)) < total, "the run finished before it was killed"
+    proc = run_train(cfg, 1, timeout=900)
+    check_ok(proc)
+    assert "resumed from" in proc.stdout and f"| mix {corpus.name}=" in proc.stdout
+    assert records(out) == records(ref)
+    mixes = [r["samples_by_dataset"] for r in step_records(out)]
+    assert mixes == [r["samples_by_dataset"] for r in step_records(ref)]
+    drawn = total * 2  # global batch 2
+    assert sorted(mixes[-1]) == sorted([str(corpus), str(books)]) and sum(mixes[-1].values()) == drawn
+    assert abs(mixes[-1][str(books)] - 0.3 * drawn) <= 1, mixes[-1]
     assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
                             checkpoint_state(step_dir(out, total), tmp_path))
 

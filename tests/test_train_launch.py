@@ -144,6 +144,7 @@ BAD = {
     "layout": (2, ["tp=4"], "does not divide the 2 launched processes"),
     "layers": (2, ["pp=2", "model_overrides={num_hidden_layers: 1}"], "need at least as many layers"),
     "data": (1, ["data_path=/nonexistent/d_convert"], "/nonexistent/d_convert"),
+    "data_blend": (1, ["data_path=0.7 /data/wiki 0.3"], "data_path '0.7 /data/wiki 0.3': the flat form is pairs"),
     "seq": (1, ["seq_length=999999"], "max_position_embeddings"),
     "number": (1, ["learning_rate=fast"], "learning_rate"),
     "compile_tp": (2, ["tp=2", "compile=true"], "compile with tp > 1"),

@@ -253,10 +253,12 @@ class GlobalBatchLoader:
     takes the contiguous slice ``[r * G / dp, (r + 1) * G / dp)`` of it, as a
     list of micro-batches (dicts of ``[micro_batch_size, seq_length]``
     tensors). Ranks that differ only in tp or pp get the same data. The state
-    (``state_dict``) counts samples handed out, in global terms.
+    (``state_dict``) counts samples handed out, in global terms. ``dataset`` is
+    a ``PackedDataset`` or anything indexed the same way with ``seed`` and
+    ``seq_length`` (a ``BlendedDataset``, whose ``blend_state`` joins the state).
     """
 
-    def __init__(self, dataset: PackedDataset, global_batch_size: int, dp_rank: int, dp_size: int,
+    def __init__(self, dataset: PackedDataset | Any, global_batch_size: int, dp_rank: int, dp_size: int,
                  micro_batch_size: int, consumed_samples: int = 0) -> None:
         _check_batch_layout(global_batch_size, dp_rank, dp_size, micro_batch_size)
         if not isinstance(consumed_samples, int) or consumed_samples < 0:
@@ -283,10 +285,15 @@ class GlobalBatchLoader:
         return [{key: torch.stack([s[key] for s in samples[i:i + mbs]]) for key in samples[0]}
                 for i in range(0, per_rank, mbs)]
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the data stands, independent of the parallel layout."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where the data stands, independent of the parallel layout (a blend's per-source positions follow
+        from ``consumed_samples``: data/blend.py)."""
         return {"consumed_samples": self.consumed_samples, "seed": self.dataset.seed,
-                "seq_length": self.dataset.seq_length, "global_batch_size": self.global_batch_size}
+                "seq_length": self.dataset.seq_length, "global_batch_size": self.global_batch_size,
+                **self._blend_state()}
+
+    def _blend_state(self) -> dict[str, Any]:
+        return self.dataset.blend_state() if hasattr(self.dataset, "blend_state") else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after ``state["consumed_samples"]``; seed and seq_length must match, the batch size need not."""
@@ -297,10 +304,19 @@ class GlobalBatchLoader:
             if state[key] != ours:
                 raise UserError(f"cannot resume the data order: the checkpoint was trained with {key} {state[key]} "
                                 f"but this run has {key} {ours}; use the checkpoint's {key} to resume")
+        saved_weights, weights = state.get("blend_weights"), self._blend_state().get("blend_weights")
+        if saved_weights != weights:
+            raise UserError(f"cannot resume the data order: the checkpoint drew from {_describe_blend(saved_weights)} "
+                            f"but this run's data_path gives {_describe_blend(weights)}; use the checkpoint's "
+                            "data_path (its datasets and weights) to resume")
         consumed = state["consumed_samples"]
         if not isinstance(consumed, int) or consumed < 0:
             raise UserError(f"data loader state: consumed_samples must be a non-negative integer, got {consumed!r}")
         self.consumed_samples = consumed
+
+
+def _describe_blend(weights: list[float] | None) -> str:
+    return "one dataset" if weights is None else f"a blend of weights {', '.join(f'{w:.6g}' for w in weights)}"
 
 
 def _check_batch_layout(global_batch_size: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from qwen3_pretrain.config.loader import field_help
+from qwen3_pretrain.data.sources import DataSource, parse_data_path
 from qwen3_pretrain.errors import ConfigError
 
 
@@ -23,8 +24,10 @@ class TrainConfig:
                                         "pre-training from; empty: random init of the preset named by model_name.")
     output_path: str = field_help("runs/pretrain", "Directory for checkpoints (step_<N>/), metrics.jsonl and the "
                                   "resolved config.yaml.")
-    data_path: str = field_help("runs/data/d_convert", "Directory of shard_*.bin/.idx + manifest.json written by "
-                                "'qwen3-pretrain convert'.")
+    data_path: str | list[Any] = field_help(
+        "runs/data/d_convert", "Directory of shard_*.bin/.idx + manifest.json written by 'qwen3-pretrain convert'; "
+        "or several, blended by weight: a list of {path: DIR, weight: W} or Megatron's flat string "
+        "\"0.7 /data/wiki 0.3 /data/books\" (weights are normalized; see training.md, Blending datasets).")
     tokenizer_path: str | None = field_help(None, "Tokenizer directory; checked against the data's manifest and "
                                             "copied into merged models.")
     rank_size: int | None = field_help(None, "Total number of processes (devices); must equal the launched world "
@@ -110,6 +113,11 @@ class TrainConfig:
         self.validate()
 
     @property
+    def data_sources(self) -> tuple[DataSource, ...]:
+        """The datasets data_path names, with weights summing to 1."""
+        return parse_data_path(self.data_path)
+
+    @property
     def ac_mode(self) -> str:
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing
@@ -126,6 +134,7 @@ class TrainConfig:
                     "weight_decay", "min_lr", "clip_grad"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        parse_data_path(self.data_path)  # a bad data_path stops here, before anything starts
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.rank_size is not None and self.rank_size < 1:

@@ -100,7 +100,21 @@ def format_line(r: dict) -> str:
             f"grad_norm {r['grad_norm']:.3g} | tokens/s {r['tokens_per_sec']:.0f} "
             f"({r['tokens_per_sec_per_device']:.1f}/device) | step {r['step_time_s']:.2f} s | "
             f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.1f} GiB | eta {format_eta(r['eta_s'])}")
+    mix = r.get("samples_by_dataset", {})
+    if len(mix) > 1:
+        line += " | mix " + format_mix(mix)
     return line + (" | skipped" if r.get("skipped") else "")
+
+
+def format_mix(samples_by_dataset: dict[str, int]) -> str:
+    """``wiki=70.0% books=30.0%``: each dataset's share of the samples so far, named by its directory's
+    name (the whole path where two names are the same)."""
+    total = sum(samples_by_dataset.values()) or 1
+    names = [os.path.basename(os.path.normpath(path)) for path in samples_by_dataset]
+    if len(set(names)) < len(names):
+        names = list(samples_by_dataset)
+    return " ".join(f"{name.replace('|', '/')}={100 * count / total:.1f}%"
+                    for name, count in zip(names, samples_by_dataset.values()))
 
 
 class MetricsWriter:

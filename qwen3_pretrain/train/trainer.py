@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest, read_meta
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
+from qwen3_pretrain.data.blend import BlendedDataset, validate_sources
 from qwen3_pretrain.data.prefetch import Prefetcher
-from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
-from qwen3_pretrain.data.reader_manifest import validate_manifest
+from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens, optimizer_impl
@@ -107,7 +107,7 @@ class Trainer:
         self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
         check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
                             cfg.pp_microbatch_size, batch_key="batch_size")
-        self.manifest = validate_manifest(cfg.data_path, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
+        self.manifests = validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
 
     def _build_model(self) -> None:
         cfg, model_cfg, dims = self.cfg, self.source.config, self.dims
@@ -142,7 +142,8 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, dims = self.cfg, self.dims
-        dataset = PackedDataset(cfg.data_path, cfg.seq_length, seed=cfg.seed, valid_fraction=cfg.valid_fraction)
+        dataset = self.train_data = BlendedDataset.open(cfg.data_sources, cfg.seq_length, cfg.seed,
+                                                        valid_fraction=cfg.valid_fraction)
         self.global_batch = cfg.batch_size * dims.dp * cfg.gradient_accumulation_steps
         dp_rank = self.mesh.get_local_rank("dp_replicate") * dims.dp_shard + self.mesh.get_local_rank("dp_shard")
         micro = cfg.batch_size
@@ -150,8 +151,8 @@ class Trainer:
         self.loader = Prefetcher(GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro), self.device)
         self.eval_loader_args = None
         if cfg.eval_steps:
-            valid = PackedDataset(cfg.data_path, cfg.seq_length, seed=cfg.seed, split="valid",
-                                  valid_fraction=cfg.valid_fraction)
+            valid = BlendedDataset.open(cfg.data_sources, cfg.seq_length, cfg.seed, split="valid",
+                                        valid_fraction=cfg.valid_fraction)
             self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
         self.global_tokens = self.global_batch * cfg.seq_length
         # Each rank's loss is its token sum over the global batch's token count, times dp because
@@ -378,6 +379,7 @@ class Trainer:
             "step_time_s": rec["step_time_s"], "mfu": flops_per_token * tps / (peak_tflops * 1e12 * world),
             "memory_gib": memory_gib(self.device), "tokens_seen": self.tokens_seen,
             "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
+            "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
         }
         if rec["skipped"]:
             record["skipped"] = True
