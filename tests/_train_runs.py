@@ -31,6 +31,8 @@ LAYOUTS = {
     "dp2-reduce-every-microbatch": (2, ["batch_size=1", "gradient_accumulation_steps=2",
                                         "reduce_grads_every_microbatch=true"]),
     "tp2-pp2-dp2": (8, ["tp=2", "pp=2", "batch_size=2"]),
+    # HSDP: two shard groups of 2 ranks, the gradient shards all-reduced between them
+    "dp4-hsdp2": (4, ["batch_size=1", "dp_shard=2"]),
     "single-ac-full": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=full"]),
     "single-ac-selective": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=selective"]),
     # bf16 rounding depends on the shapes of the matmuls: every bf16 run works on one-sample micro-batches,

@@ -24,7 +24,8 @@ def test_single_process_matches_a_plain_transformers_loop(layout_runs):
 
 
 FP32_LAYOUTS = ["tp2", "pp2-1f1b", "pp2-interleaved", "pp2-gpipe", "dp2-distributed-optimizer", "dp2-replicated",
-                "dp2-reduce-every-microbatch", "tp2-pp2-dp2"]
+                "dp2-reduce-every-microbatch", "tp2-pp2-dp2",
+                "dp4-hsdp2"]
 
 
 @pytest.mark.distributed

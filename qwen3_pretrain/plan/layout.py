@@ -2,7 +2,8 @@
 
 The mesh is ``(pp, dp, tp)`` with ``tp`` innermost: the ``tp`` ranks of a group
 are consecutive, so they share a node whenever ``tp`` divides the devices of a
-node. ``micro_batch_size`` is the number of samples one data-parallel rank
+node. ``dp`` splits into ``dp_replicate`` x ``dp_shard`` (HSDP), ``dp_shard``
+inner, so a shard group of ``tp x dp_shard`` consecutive ranks can fill a node. ``micro_batch_size`` is the number of samples one data-parallel rank
 runs per forward/backward; the global batch is ``micro_batch_size * dp *
 gradient_accumulation_steps``. Under pipeline parallelism each of those
 samples is cut into pipeline micro-batches of ``pp_microbatch_size``.
@@ -36,6 +37,7 @@ class Layout:
     seq_length: int = 4096
     activation_checkpointing: Checkpointing = "full"
     distributed_optimizer: bool = True  # shard master weights, gradients and Adam state over dp (FSDP)
+    dp_shard: int | None = None  # HSDP: shard over this many dp ranks, replicate across; None: see ``shards``
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (used by the interleaved schedule only)
@@ -56,10 +58,29 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"layout: {name} must be a positive integer, got {value!r}")
+        if self.dp_shard is not None:
+            if self.dp_shard < 1 or self.dp % self.dp_shard:
+                raise UserError(f"layout: dp_shard {self.dp_shard} must be a positive divisor of dp {self.dp}")
+            if self.dp_shard > 1 and not self.distributed_optimizer:
+                raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
+                                "distributed optimizer")
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+
+    @property
+    def shards(self) -> int:
+        """Ranks that shard weights, gradients and optimizer state (FSDP's shard group): ``dp_shard`` when
+        set, else every dp rank with the distributed optimizer and none (full replicas) without."""
+        if self.dp_shard is not None:
+            return self.dp_shard
+        return self.dp if self.distributed_optimizer else 1
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each shard, all-reduced once per gradient reduction (1: plain FSDP)."""
+        return self.dp // self.shards
 
     @property
     def accumulates_unsharded(self) -> bool:
@@ -195,10 +216,13 @@ class Cluster:
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def axis_is_intra_node(self, layout: Layout, axis: Literal["tp", "dp", "pp"]) -> bool:
-        """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp, tp)."""
-        span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size}[axis]
-        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[axis]
+    def axis_is_intra_node(self, layout: Layout, axis: Literal["tp", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
+        """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp_replicate,
+        dp_shard, tp; ``dp`` is the two dp axes together)."""
+        span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shards,
+                "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size}[axis]
+        size = {"tp": layout.tp, "dp": layout.dp, "dp_shard": layout.shards, "dp_replicate": layout.replicas,
+                "pp": layout.pp}[axis]
         if size == 1:
             return True
         return span <= self.devices_per_node and self.devices_per_node % span == 0
@@ -222,7 +246,8 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
 
     ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``micro_batch_size``,
     ``gradient_accumulation_steps``, ``activation_checkpointing``,
-    ``distributed_optimizer``). With a
+    ``distributed_optimizer``, ``dp_shard``: layouts whose dp it does not divide are
+    skipped). With a
     ``global_batch_size`` the micro-batch sizes are the powers of two dividing
     each data-parallel rank's share and the rest is gradient accumulation;
     without one every micro-batch size up to ``max_micro_batch`` is tried with
@@ -266,7 +291,8 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
                     continue  # identical to True on one data-parallel rank
                 try:
                     candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
-                                               activation_checkpointing=ac, distributed_optimizer=dist_opt)
+                                               activation_checkpointing=ac, distributed_optimizer=dist_opt,
+                                               dp_shard=fixed.get("dp_shard"))
                     check_model_fits_layout(cfg, candidate)
                 except UserError:
                     continue

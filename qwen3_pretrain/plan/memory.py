@@ -188,7 +188,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     """
     sp = stage_params(cfg, layout, shape)
     d, m = layout.dtype_bytes, layout.num_microbatches
-    shard = layout.dp if layout.distributed_optimizer else 1
+    shard = layout.shards
     master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
     resident = layout.pp > 1 or not layout.reshard_after_forward
 
