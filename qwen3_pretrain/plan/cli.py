@@ -248,10 +248,18 @@ def search(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, An
 
 def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
             global_batch_size: int | None) -> str:
-    """The smallest change that makes some layout fit: relax one fixed setting, else add nodes."""
-    relaxations = [("activation_checkpointing", "full recompute (--activation-checkpointing full)"),
+    """The smallest change that makes some layout fit, cheapest first: gradients kept sharded between
+    micro-batches (no extra compute, the same fp32 sums), then relaxing one fixed setting, then more nodes."""
+    if not base.reduce_grads_every_microbatch:
+        per_microbatch = base.replace(reduce_grads_every_microbatch=True)
+        fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
+        if fitting:
+            return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
+                    + _describe(fitting[0]))
+    relaxations = [("activation_checkpointing", "recompute (drop --activation-checkpointing)"),
                    ("micro_batch_size", "a smaller micro-batch (drop --micro-batch-size)"),
                    ("distributed_optimizer", "the distributed optimizer (--distributed-optimizer)"),
+                   ("dp_shard", "sharding over all dp ranks (drop --dp-shard)"),
                    ("tp", "another tp (drop --tp)"), ("pp", "another pp (drop --pp)"), ("dp", "drop --dp")]
     for key, words in relaxations:
         if key not in fixed:
@@ -260,12 +268,6 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
         fitting = [c for c in search(cfg, cluster, base, relaxed, hw, global_batch_size) if c.fits]
         if fitting:
             return f"with {words} it fits, e.g. {_describe(fitting[0])}"
-    if not base.reduce_grads_every_microbatch:
-        per_microbatch = base.replace(reduce_grads_every_microbatch=True)
-        fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
-        if fitting:
-            return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
-                    + _describe(fitting[0]))
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = Cluster(cluster.nodes * factor, cluster.devices_per_node)
         free = {k: v for k, v in fixed.items() if k not in ("dp",)}
@@ -277,7 +279,8 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
 
 def _describe(c: Candidate) -> str:
     lay = c.layout
-    return (f"tp {lay.tp} pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+    shard = f" dp_shard {lay.shards}" if lay.replicas > 1 and lay.shards > 1 else ""
+    return (f"tp {lay.tp} pp {lay.pp} dp {lay.dp}{shard} micro-batch {lay.micro_batch_size} "
             f"recompute {lay.activation_checkpointing} at {c.memory.total / GiB:.1f} GiB")
 
 
