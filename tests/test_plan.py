@@ -263,6 +263,33 @@ def test_plan_says_what_would_make_it_fit(capsys):
     assert "nothing fits in 80.0 GiB per device" in out and "nodes it fits" in out
 
 
+MEGATRON_CARD = ["--model", "qwen3-8b", "--nodes", "2", "--devices-per-node", "8", "--device", "h100", "--seq-length",
+                 "4096", "--tp", "1", "--pp", "1", "--dp", "16", "--micro-batch-size", "1", "--global-batch-size",
+                 "1024", "--activation-checkpointing", "none", "--distributed-optimizer"]
+
+
+def test_a_long_accumulation_without_recompute_is_told_to_keep_gradients_sharded(capsys):
+    """Megatron-Bridge's Qwen3-8B layout (16 x H100, 64 micro-batches, no recompute): the unsharded fp32
+    gradients FSDP accumulates (4 bytes x 8.19B) push it over 80 GB; reducing them every micro-batch keeps
+    4/16 bytes per parameter and fits without recompute, and the planner says so before suggesting recompute."""
+    four_p = 4 * get_preset("qwen3-8b").num_params()
+    assert plan_main(MEGATRON_CARD + ["--json"]) == 0
+    out = capsys.readouterr()
+    rows = {r["dp_shard"]: r for r in json.loads(out.out)}
+    assert set(rows) == {16, 8}  # all 16 dp ranks, and HSDP with one node's 8 (dp spans two nodes)
+    assert not any(r["fits"] for r in rows.values())
+    assert rows[16]["memory_gib"]["gradients"] == pytest.approx(four_p / GiB, abs=1e-3)
+    assert "with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits" in out.err
+    assert plan_main(MEGATRON_CARD + ["--reduce-grads-every-microbatch", "--json"]) == 0
+    rows = {r["dp_shard"]: r for r in json.loads(capsys.readouterr().out)}
+    assert all(r["fits"] and r["activation_checkpointing"] == "none" for r in rows.values())
+    assert [rows[s]["memory_gib"]["gradients"] for s in (16, 8)] == pytest.approx([four_p / 16 / GiB,
+                                                                                  four_p / 8 / GiB], abs=1e-3)
+    # HSDP sends only the all-reduce of the 4P/8 shards across the two nodes, per micro-batch (64)
+    assert rows[8]["cross_node_gb_per_step"] == pytest.approx(64 * four_p / 8 / 1e9, abs=1e-3)
+    assert rows[16]["cross_node_gb_per_step"] > 10 * rows[8]["cross_node_gb_per_step"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--model", "qwen3-8b", "--tp", "3"], "does not divide"),
     (["--model", "qwen3-8b", "--devices-per-node", "8", "--tp", "4", "--pp", "4"], "does not divide the cluster"),

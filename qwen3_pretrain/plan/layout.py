@@ -247,7 +247,7 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
     ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``micro_batch_size``,
     ``gradient_accumulation_steps``, ``activation_checkpointing``,
     ``distributed_optimizer``, ``dp_shard``: layouts whose dp it does not divide are
-    skipped). With a
+    skipped; unfixed, a node's worth of dp ranks is tried besides all of them when dp spans nodes). With a
     ``global_batch_size`` the micro-batch sizes are the powers of two dividing
     each data-parallel rank's share and the rest is gradient accumulation;
     without one every micro-batch size up to ``max_micro_batch`` is tried with
@@ -259,12 +259,24 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
             dp = cluster.devices // (tp * pp)
             if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
                 continue
-            yield from _batch_variants(cfg, base.replace(tp=tp, pp=pp, dp=dp), global_batch_size, fixed,
-                                       max_micro_batch)
+            layout = base.replace(tp=tp, pp=pp, dp=dp)
+            yield from _batch_variants(cfg, layout, global_batch_size, fixed, max_micro_batch,
+                                       _shard_choices(layout, cluster, fixed))
+
+
+def _shard_choices(layout: Layout, cluster: Cluster, fixed: dict[str, object]) -> list[int | None]:
+    """dp_shard values to try with the distributed optimizer: the fixed one; else all dp ranks, and, when the
+    dp ranks span nodes, one node's worth of them (HSDP, whose shard groups then stay on a node)."""
+    if "dp_shard" in fixed:
+        return [fixed["dp_shard"]]  # type: ignore[list-item]
+    per_node = cluster.devices_per_node // layout.tp if cluster.devices_per_node % layout.tp == 0 else 0
+    if 1 < per_node < layout.dp and layout.dp % per_node == 0:
+        return [None, per_node]
+    return [None]
 
 
 def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | None, fixed: dict[str, object],
-                    max_micro_batch: int) -> Iterator[Layout]:
+                    max_micro_batch: int, shard_choices: list[int | None]) -> Iterator[Layout]:
     if global_batch_size is not None:
         if global_batch_size % layout.dp:
             return
@@ -289,11 +301,12 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
             for dist_opt in opt_choices:
                 if dist_opt is False and layout.dp == 1 and "distributed_optimizer" not in fixed:
                     continue  # identical to True on one data-parallel rank
-                try:
-                    candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
-                                               activation_checkpointing=ac, distributed_optimizer=dist_opt,
-                                               dp_shard=fixed.get("dp_shard"))
-                    check_model_fits_layout(cfg, candidate)
-                except UserError:
-                    continue
-                yield candidate
+                for shard in shard_choices if dist_opt else [fixed.get("dp_shard")]:
+                    try:
+                        candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                                                   activation_checkpointing=ac, distributed_optimizer=dist_opt,
+                                                   dp_shard=shard)
+                        check_model_fits_layout(cfg, candidate)
+                    except UserError:
+                        continue
+                    yield candidate
