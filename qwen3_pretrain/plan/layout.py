@@ -3,8 +3,9 @@
 The mesh is ``(pp, dp, tp)`` with ``tp`` innermost: the ``tp`` ranks of a group
 are consecutive, so they share a node whenever ``tp`` divides the devices of a
 node. ``dp`` splits into ``dp_replicate`` x ``dp_shard`` (HSDP), ``dp_shard``
-inner, so a shard group of ``tp x dp_shard`` consecutive ranks can fill a node. ``micro_batch_size`` is the number of samples one data-parallel rank
-runs per forward/backward; the global batch is ``micro_batch_size * dp *
+inner, so a shard group of ``tp x dp_shard`` consecutive ranks can fill a node.
+``micro_batch_size`` is the number of samples one data-parallel rank runs per
+forward/backward; the global batch is ``micro_batch_size * dp *
 gradient_accumulation_steps``. Under pipeline parallelism each of those
 samples is cut into pipeline micro-batches of ``pp_microbatch_size``.
 """

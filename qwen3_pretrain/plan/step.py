@@ -22,9 +22,14 @@ under pipeline parallelism, which keeps them gathered in between) and
 reduce-scatters fp32 gradients once per step (all-reduces them without the
 distributed optimizer); it overlaps with compute, so only what exceeds the
 step's compute time is exposed, plus one unit's gather and one's reduction at
-the ends. The optimizer step is bound by memory bandwidth (AdamW reads and
-writes 28 bytes per local parameter). Every collective costs
-``bytes x factor / bus bandwidth + latency`` (``formulas.collective_seconds``).
+the ends. Under HSDP the gathers and reduce-scatters run in the ``dp_shard``
+group and each reduction adds an all-reduce of the fp32 gradient shards across
+the replicas, each group on its own link. The optimizer step is bound by memory
+bandwidth (AdamW reads and writes 28 bytes per local parameter). Every
+collective costs ``bytes x factor / bus bandwidth + latency``
+(``formulas.collective_seconds``). Cross-node bytes are the bus bytes of the
+groups that span nodes: with one NIC per device, the share of the inter-node
+links each device loads.
 """
 
 from __future__ import annotations
