@@ -26,6 +26,8 @@ LAYOUTS = {  # name: (processes, overrides)
     "dp2-acc2": (2, ["batch_size=1", "gradient_accumulation_steps=2"]),
     "dp2-acc2-rs": (2, ["batch_size=1", "gradient_accumulation_steps=2", "reduce_grads_every_microbatch=true"]),
     "tp2-pp2": (4, ["tp=2", "pp=2"]),
+    "dp4-shard2": (4, ["batch_size=1", "dp_shard=2"]),  # HSDP: 2 replicas of 2 shards
+    "dp4-shard2-acc2": (4, ["batch_size=1", "dp_shard=2", "gradient_accumulation_steps=2"]),
 }
 
 

@@ -19,7 +19,7 @@ OPTIMIZER = {"learning_rate": 3e-3, "warmup_steps": 1, "total_steps": TOTAL_STEP
              "lr_decay_style": "cosine", "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.95,
              "adam_eps": 1e-8, "clip_grad": 1.0, "seq_length": 64, "seed": 7}
 
-# name -> (processes, overrides); each gives a global batch of 4 (batch_size 2 by default).
+# name -> (processes, overrides); each gives a global batch of 4 (batch_size 2 by default), unless named.
 LAYOUTS = {
     "single": (1, ["gradient_accumulation_steps=2"]),
     "tp2": (2, ["tp=2", "gradient_accumulation_steps=2"]),
@@ -31,6 +31,11 @@ LAYOUTS = {
     "dp2-reduce-every-microbatch": (2, ["batch_size=1", "gradient_accumulation_steps=2",
                                         "reduce_grads_every_microbatch=true"]),
     "tp2-pp2-dp2": (8, ["tp=2", "pp=2", "batch_size=2"]),
+    # HSDP: 2 replicas of 2 shards, each micro-batch's gradients reduce-scattered in the shard group and
+    # all-reduced across replicas; global batch 8, against the one-process run of the same batch
+    "dp4-hsdp2-reduce-every-microbatch": (4, ["batch_size=1", "gradient_accumulation_steps=2", "dp_shard=2",
+                                              "reduce_grads_every_microbatch=true"]),
+    "single-batch8": (1, ["gradient_accumulation_steps=4"]),
     "single-ac-full": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=full"]),
     "single-ac-selective": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=selective"]),
     # bf16 rounding depends on the shapes of the matmuls: every bf16 run works on one-sample micro-batches,

@@ -26,6 +26,8 @@ LAYOUTS = {  # processes, overrides; each gives a global batch of 4 samples
     "pp2": (2, ["pp=2", "gradient_accumulation_steps=2"]),
     "pp2 interleaved": (2, ["pp=2", "pp_schedule=interleaved", "gradient_accumulation_steps=2"]),
     "dp2": (2, []),
+    "dp4 shard2": (4, ["batch_size=1", "dp_shard=2"]),  # HSDP: 2 replicas of 2 shards
+    "dp4 shard4": (4, ["batch_size=1", "dp_shard=4"]),
 }
 # run -> (layout, (run, step) it resumes from, save_steps); the steps saved are the ones later runs need
 RUNS = {
@@ -37,6 +39,8 @@ RUNS = {
     "tp2->dp2": ("dp2", ("tp1->tp2", 3), 5),  # trimmed into FSDP's uneven shards (257 + 256 rows)
     "dp2->one process": ("one process", ("tp2->dp2", 5), 0),
     "tp1->pp2 interleaved": ("pp2 interleaved", ("reference", 2), 5),
+    "tp1->dp4 shard2": ("dp4 shard2", ("reference", 2), 5),
+    "dp4 shard2->shard4": ("dp4 shard4", ("tp1->dp4 shard2", 5), 0),  # the same ranks, another dp_shard
     # the same layout again, from a checkpoint the run above wrote on its way
     "tp2 again": ("tp2", ("tp1->tp2", 5), 0),
     "pp2 again": ("pp2", ("tp2->pp2", 5), 0),
@@ -109,7 +113,8 @@ def _assert_same_rows(got: dict, want: dict) -> None:
                 _assert_close(value, ref, f"{part}.{key}")
 
 
-RESHARDS = ["tp1->tp2", "tp2->tp1", "tp2->pp2", "pp2->tp2", "tp2->dp2", "dp2->one process", "tp1->pp2 interleaved"]
+RESHARDS = ["tp1->tp2", "tp2->tp1", "tp2->pp2", "pp2->tp2", "tp2->dp2", "dp2->one process", "tp1->pp2 interleaved",
+            "tp1->dp4 shard2", "dp4 shard2->shard4"]
 
 
 @pytest.mark.distributed

@@ -180,6 +180,35 @@ def test_step_estimate_is_consistent():
     assert wide.step_time_s > narrow.step_time_s
 
 
+def test_hsdp_shards_state_by_its_group_and_keeps_only_an_all_reduce_across_nodes():
+    """HSDP over 8 nodes x 8: memory follows the shard group (dp 64 sharded by 8 holds what dp 8 fully
+    sharded holds); cross-node bytes, by hand: flat FSDP over all 64 ranks sends everything across nodes
+    (two bf16 all-gathers and one fp32 reduce-scatter of the weights per step, (n-1)/n each); shard groups of
+    one node's 8 ranks leave only the all-reduce of the fp32 gradient shards, 2 (r-1)/r x 4P/8, r = 8."""
+    cfg, hw, cluster = get_preset("qwen3-8b"), get_device("h100"), Cluster(8, 8)
+    flat = Layout(dp=64, seq_length=4096)
+    hsdp = flat.replace(dp_shard=8)
+    assert (hsdp.shards, hsdp.replicas) == (8, 8)
+    assert predict_memory(cfg, hsdp) == predict_memory(cfg, Layout(dp=8, seq_length=4096))
+    p = cfg.num_params()
+    assert predict_memory(cfg, hsdp).optimizer == pytest.approx(8 * p / 8)
+    flat_est, hsdp_est = predict_step(cfg, flat, hw, cluster), predict_step(cfg, hsdp, hw, cluster)
+    assert flat_est.cross_node_bytes == pytest.approx((2 * 2 * p + 4 * p) * 63 / 64)
+    assert hsdp_est.cross_node_bytes == pytest.approx(2 * 7 / 8 * 4 * p / 8)
+    assert hsdp_est.dp_bytes_per_group["dp_shard"] == pytest.approx((2 * 2 * p + 4 * p) * 7 / 8)
+    # one node: nothing crosses, with or without HSDP
+    assert predict_step(cfg, Layout(dp=8, seq_length=4096, dp_shard=4), hw, Cluster(1, 8)).cross_node_bytes == 0
+
+
+@pytest.mark.parametrize("layout, words", [
+    (dict(dp=6, dp_shard=4), "dp_shard 4 must be a positive divisor of dp 6"),
+    (dict(dp=4, dp_shard=2, distributed_optimizer=False), "it needs the distributed optimizer"),
+])
+def test_hsdp_layout_errors_name_the_values(layout, words):
+    with pytest.raises(UserError, match=words):
+        Layout(**layout)
+
+
 def test_enumeration_respects_heads_devices_and_batch():
     cfg = get_preset("qwen3-8b")
     layouts = list(enumerate_layouts(cfg, Cluster(2, 4), Layout(seq_length=4096), global_batch_size=32))
@@ -196,7 +225,7 @@ def test_plan_reference_layout_table(capsys):
     out = capsys.readouterr().out
     assert "1 layout(s), 1 fit" in out
     row = [line for line in out.splitlines() if line.startswith(" 1 ")][0]
-    assert row.split()[1:6] == ["4", "2", "1", "4", "1"] and "yes" in row
+    assert row.split()[1:7] == ["4", "2", "1", "1", "4", "1"] and "yes" in row  # tp pp dp shard mbs gas
 
 
 def test_plan_json_keys_and_order(capsys):
@@ -233,12 +262,40 @@ def test_plan_says_what_would_make_it_fit(capsys):
     assert "nothing fits in 80.0 GiB per device" in out and "nodes it fits" in out
 
 
+MEGATRON_CARD = ["--model", "qwen3-8b", "--nodes", "2", "--devices-per-node", "8", "--device", "h100", "--seq-length",
+                 "4096", "--tp", "1", "--pp", "1", "--dp", "16", "--micro-batch-size", "1", "--global-batch-size",
+                 "1024", "--activation-checkpointing", "none", "--distributed-optimizer"]
+
+
+def test_a_long_accumulation_without_recompute_is_told_to_keep_gradients_sharded(capsys):
+    """Megatron-Bridge's Qwen3-8B layout (16 x H100, 64 micro-batches, no recompute): the unsharded fp32
+    gradients FSDP accumulates (4 bytes x 8.19B) push it over 80 GB; reducing them every micro-batch keeps
+    4/16 bytes per parameter and fits without recompute, and the planner says so before suggesting recompute."""
+    four_p = 4 * get_preset("qwen3-8b").num_params()
+    assert plan_main(MEGATRON_CARD + ["--json"]) == 0
+    out = capsys.readouterr()
+    rows = {r["dp_shard"]: r for r in json.loads(out.out)}
+    assert set(rows) == {16, 8}  # all 16 dp ranks, and HSDP with one node's 8 (dp spans two nodes)
+    assert not any(r["fits"] for r in rows.values())
+    assert rows[16]["memory_gib"]["gradients"] == pytest.approx(four_p / GiB, abs=1e-3)
+    assert "with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits" in out.err
+    assert plan_main(MEGATRON_CARD + ["--reduce-grads-every-microbatch", "--json"]) == 0
+    rows = {r["dp_shard"]: r for r in json.loads(capsys.readouterr().out)}
+    assert all(r["fits"] and r["activation_checkpointing"] == "none" for r in rows.values())
+    assert [rows[s]["memory_gib"]["gradients"] for s in (16, 8)] == pytest.approx([four_p / 16 / GiB,
+                                                                                  four_p / 8 / GiB], abs=1e-3)
+    # HSDP sends only the all-reduce of the 4P/8 shards across the two nodes, per micro-batch (64)
+    assert rows[8]["cross_node_gb_per_step"] == pytest.approx(64 * four_p / 8 / 1e9, abs=1e-3)
+    assert rows[16]["cross_node_gb_per_step"] > 10 * rows[8]["cross_node_gb_per_step"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--model", "qwen3-8b", "--tp", "3"], "does not divide"),
     (["--model", "qwen3-8b", "--devices-per-node", "8", "--tp", "4", "--pp", "4"], "does not divide the cluster"),
     (["--model", "qwen3-8b", "--device", "h10"], "did you mean 'h100'"),
     (["--model", "qwen3-9b"], "unknown model preset"),
     (["--model", "qwen3-8b", "--commbench", "/nonexistent.json"], "does not exist"),
+    (["--model", "qwen3-8b", "--dp", "8", "--dp-shard", "3"], "--dp-shard 3 must be a positive divisor of dp 8"),
 ])
 def test_plan_impossible_requests_are_one_line_errors(argv, words, capsys):
     assert run_command("qwen3_pretrain.plan.cli:main", argv) == 2

@@ -36,6 +36,17 @@ def test_layout_matches_single_process(name, layout_runs):
     assert_same_training(layout_runs.records(name), layout_runs.records("single"), label=name)
 
 
+@pytest.mark.distributed
+def test_hsdp_with_gradients_reduced_every_microbatch_matches_single_process(layout_runs):
+    """dp 4 as 2 replicas x 2 shards (dp_shard 2), accumulating 2 micro-batches with their gradients
+    reduce-scattered in the shard group and all-reduced across replicas after each (the layout that fits
+    Megatron-Bridge's Qwen3-8B card, docs/planner.md), against one process on the same global batch of 8.
+    Measured: loss within 7.8e-8, gradient norm within 1.3e-6 (relative). Probe: FSDP over the shard groups
+    alone (the replicas never all-reduced) moved the loss by 3.0e-3."""
+    assert_same_training(layout_runs.records("dp4-hsdp2-reduce-every-microbatch"),
+                         layout_runs.records("single-batch8"), label="dp4 hsdp2 reduce every micro-batch")
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_matches_none(mode, layout_runs):
     """Recomputing in the backward pass replays the same fp32 operations: equal to no recompute."""

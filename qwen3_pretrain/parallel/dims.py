@@ -1,10 +1,17 @@
 """Parallel degrees, their validation against the model and the world, and the device mesh.
 
 The mesh has four axes, outermost first: ``pp`` (pipeline stages), then the
-data-parallel ranks split into ``dp_replicate`` x ``dp_shard`` (FSDP's HSDP:
-with the distributed optimizer every dp rank holds a shard, without it every
-dp rank holds a full replica), then ``tp`` innermost so tensor-parallel peers,
-which talk every layer, sit on the same node.
+data-parallel ranks split into ``dp_replicate`` x ``dp_shard``, then ``tp``
+innermost so tensor-parallel peers, which talk every layer, sit on the same node.
+
+FSDP shards parameters, gradients and optimizer state over the ``dp_shard``
+ranks and keeps ``dp_replicate`` copies of those shards (FSDP2's hybrid
+sharding, HSDP): weights are gathered and gradients reduce-scattered inside a
+shard group, and the shards' gradients all-reduced across the replicas. By
+default every dp rank shards with the distributed optimizer (one group) and
+every dp rank holds a full replica without it; ``dp_shard`` between the two,
+e.g. the dp ranks of one node, keeps the per-layer traffic on the node's links
+and sends only one all-reduce of the gradient shards across nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class ParallelDims:
     tp: int
     pp: int
     distributed_optimizer: bool = True
+    shard_degree: int | None = None  # the config's dp_shard; None: dp with the distributed optimizer, 1 without
 
     @property
     def dp(self) -> int:
@@ -30,17 +38,29 @@ class ParallelDims:
 
     @property
     def dp_shard(self) -> int:
+        if self.shard_degree is not None:
+            return self.shard_degree
         return self.dp if self.distributed_optimizer else 1
 
     @property
     def dp_replicate(self) -> int:
-        return 1 if self.distributed_optimizer else self.dp
+        return self.dp // self.dp_shard
+
+    def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards over: 1-D (shard) when every dp rank shards, else 2-D (replicate, shard)."""
+        if self.dp_replicate == 1 and self.distributed_optimizer:
+            return mesh["dp_shard"]
+        return mesh["dp_replicate", "dp_shard"]
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
         """Every check that can fail before any heavy work, with the numbers in the message."""
         if self.world_size % (self.tp * self.pp):
             raise UserError(f"tp x pp = {self.tp} x {self.pp} = {self.tp * self.pp} does not divide the "
                             f"{self.world_size} launched processes; choose tp and pp whose product divides it")
+        if self.shard_degree is not None and self.dp % self.shard_degree:
+            raise UserError(f"dp_shard = {self.shard_degree} does not divide the data-parallel degree dp = "
+                            f"{self.dp} ({self.world_size} processes / (tp {self.tp} x pp {self.pp})); choose a "
+                            f"dp_shard that divides {self.dp}, e.g. the dp ranks of one node")
         for name in ("num_attention_heads", "num_key_value_heads"):
             if getattr(cfg, name) % self.tp:
                 raise UserError(f"tp = {self.tp} does not divide {name} = {getattr(cfg, name)}; "

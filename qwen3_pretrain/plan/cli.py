@@ -34,7 +34,7 @@ CONFIG_KEYS: dict[str, Any] = {
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
-    "reduce_grads_every_microbatch": bool,
+    "reduce_grads_every_microbatch": bool, "dp_shard": int | None,
 }
 
 
@@ -51,7 +51,7 @@ class Candidate:
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
             "gradient_accumulation_steps": lay.gradient_accumulation_steps,
             "activation_checkpointing": lay.activation_checkpointing,
-            "distributed_optimizer": lay.distributed_optimizer,
+            "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.shards,
             "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch, "memory_gib": self.memory.gib(),
             "bubble_fraction": round(self.step.bubble_fraction, 4), "step_time_s": round(self.step.step_time_s, 4),
             "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
@@ -59,6 +59,8 @@ class Candidate:
             "global_batch_size": lay.global_batch_size, "peak_stage": self.memory.stage,
             "peak_moment": self.memory.moment,
             "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.comm_bytes_per_axis.items()},
+            "dp_comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.dp_bytes_per_group.items()},
+            "cross_node_gb_per_step": round(self.step.cross_node_bytes / 1e9, 3),
         }
 
 
@@ -87,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         lay.add_argument(f"--{name}", type=int)
     lay.add_argument("--activation-checkpointing", choices=CHECKPOINTING)
     lay.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    lay.add_argument("--dp-shard", type=int, help="HSDP: shard over this many dp ranks (e.g. one node's), "
+                                                   "replicate across them; must divide dp (default: all dp ranks)")
     lay.add_argument("--reduce-grads-every-microbatch", action=argparse.BooleanOptionalAction, default=None,
                      help="with gradient accumulation and pp 1: keep only sharded gradients between micro-batches")
     lay.add_argument("--mixed-precision", choices=PRECISIONS)
@@ -178,11 +182,13 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     ac = conf.get("activation_checkpointing") or (
         ("full" if conf["gradient_checkpointing"] else "none") if "gradient_checkpointing" in conf else None)
     fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "micro_batch_size": conf.get("batch_size"),
-             "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer")}
+             "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer"),
+             "dp_shard": conf.get("dp_shard")}
     fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp),
                                     ("micro_batch_size", args.micro_batch_size),
                                     ("activation_checkpointing", args.activation_checkpointing),
-                                    ("distributed_optimizer", args.distributed_optimizer)) if v is not None})
+                                    ("distributed_optimizer", args.distributed_optimizer),
+                                    ("dp_shard", args.dp_shard)) if v is not None})
     fixed = {k: v for k, v in fixed.items() if v is not None}
     def pick(flag: Any, key: str, default: Any) -> Any:
         return flag if flag is not None else conf.get(key, default)
@@ -217,6 +223,11 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any]) -> No
     if "dp" in fixed and "tp" in fixed and "pp" in fixed and needed != cluster.devices:
         raise UserError(f"tp x pp x dp = {needed} but the cluster has {cluster.devices} devices")
     check_degrees(cfg, tp, pp)
+    shard = fixed.get("dp_shard")
+    if shard is not None and (shard < 1 or "dp" in fixed and dp % shard):
+        raise UserError(f"--dp-shard {shard} must be a positive divisor of dp {dp}")
+    if shard is not None and shard > 1 and fixed.get("distributed_optimizer") is False:
+        raise UserError(f"--dp-shard {shard} shards the optimizer state: it needs --distributed-optimizer")
 
 
 def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Cluster) -> list[Candidate]:
@@ -237,10 +248,18 @@ def search(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, An
 
 def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
             global_batch_size: int | None) -> str:
-    """The smallest change that makes some layout fit: relax one fixed setting, else add nodes."""
-    relaxations = [("activation_checkpointing", "full recompute (--activation-checkpointing full)"),
+    """The smallest change that makes some layout fit, cheapest first: gradients kept sharded between
+    micro-batches (no extra compute, the same fp32 sums), then relaxing one fixed setting, then more nodes."""
+    if not base.reduce_grads_every_microbatch:
+        per_microbatch = base.replace(reduce_grads_every_microbatch=True)
+        fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
+        if fitting:
+            return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
+                    + _describe(fitting[0]))
+    relaxations = [("activation_checkpointing", "recompute (drop --activation-checkpointing)"),
                    ("micro_batch_size", "a smaller micro-batch (drop --micro-batch-size)"),
                    ("distributed_optimizer", "the distributed optimizer (--distributed-optimizer)"),
+                   ("dp_shard", "sharding over all dp ranks (drop --dp-shard)"),
                    ("tp", "another tp (drop --tp)"), ("pp", "another pp (drop --pp)"), ("dp", "drop --dp")]
     for key, words in relaxations:
         if key not in fixed:
@@ -249,12 +268,6 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
         fitting = [c for c in search(cfg, cluster, base, relaxed, hw, global_batch_size) if c.fits]
         if fitting:
             return f"with {words} it fits, e.g. {_describe(fitting[0])}"
-    if not base.reduce_grads_every_microbatch:
-        per_microbatch = base.replace(reduce_grads_every_microbatch=True)
-        fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
-        if fitting:
-            return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
-                    + _describe(fitting[0]))
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = Cluster(cluster.nodes * factor, cluster.devices_per_node)
         free = {k: v for k, v in fixed.items() if k not in ("dp",)}
@@ -266,7 +279,8 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
 
 def _describe(c: Candidate) -> str:
     lay = c.layout
-    return (f"tp {lay.tp} pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+    shard = f" dp_shard {lay.shards}" if lay.replicas > 1 and lay.shards > 1 else ""
+    return (f"tp {lay.tp} pp {lay.pp} dp {lay.dp}{shard} micro-batch {lay.micro_batch_size} "
             f"recompute {lay.activation_checkpointing} at {c.memory.total / GiB:.1f} GiB")
 
 
@@ -281,20 +295,21 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
         f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
         "",
-        " #  tp pp dp  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
-        "| bubble  step s tok/s/dev   MFU | comm GB tp/pp/dp",
+        " #  tp pp dp shard  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
+        "| bubble  step s tok/s/dev   MFU | comm GB tp/pp/dp cross-node",
     ]
     for i, c in enumerate(candidates[:top], 1):
         lay, gib, step = c.layout, c.memory.gib(), c.step
         comm = "/".join(f"{v / 1e9:.1f}" for v in step.comm_bytes_per_axis.values())
         lines.append(
-            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.dp:2d} {lay.micro_batch_size:4d} "
+            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.dp:2d} {lay.shards:5d} {lay.micro_batch_size:4d} "
             f"{lay.gradient_accumulation_steps:3d} "
             f"{lay.activation_checkpointing:9s} {'yes' if lay.distributed_optimizer else 'no':8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))
             + f" | {gib['total']:6.2f} {'yes' if c.fits else 'NO':4s} | {step.bubble_fraction:6.1%} "
-            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} | {comm}")
+            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} | {comm} "
+            f"{step.cross_node_bytes / 1e9:.1f}")
     return "\n".join(lines)
 
 

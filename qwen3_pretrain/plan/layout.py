@@ -2,8 +2,10 @@
 
 The mesh is ``(pp, dp, tp)`` with ``tp`` innermost: the ``tp`` ranks of a group
 are consecutive, so they share a node whenever ``tp`` divides the devices of a
-node. ``micro_batch_size`` is the number of samples one data-parallel rank
-runs per forward/backward; the global batch is ``micro_batch_size * dp *
+node. ``dp`` splits into ``dp_replicate`` x ``dp_shard`` (HSDP), ``dp_shard``
+inner, so a shard group of ``tp x dp_shard`` consecutive ranks can fill a node.
+``micro_batch_size`` is the number of samples one data-parallel rank runs per
+forward/backward; the global batch is ``micro_batch_size * dp *
 gradient_accumulation_steps``. Under pipeline parallelism each of those
 samples is cut into pipeline micro-batches of ``pp_microbatch_size``.
 """
@@ -36,6 +38,7 @@ class Layout:
     seq_length: int = 4096
     activation_checkpointing: Checkpointing = "full"
     distributed_optimizer: bool = True  # shard master weights, gradients and Adam state over dp (FSDP)
+    dp_shard: int | None = None  # HSDP: shard over this many dp ranks, replicate across; None: see ``shards``
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (used by the interleaved schedule only)
@@ -56,10 +59,29 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"layout: {name} must be a positive integer, got {value!r}")
+        if self.dp_shard is not None:
+            if self.dp_shard < 1 or self.dp % self.dp_shard:
+                raise UserError(f"layout: dp_shard {self.dp_shard} must be a positive divisor of dp {self.dp}")
+            if self.dp_shard > 1 and not self.distributed_optimizer:
+                raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
+                                "distributed optimizer")
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+
+    @property
+    def shards(self) -> int:
+        """Ranks that shard weights, gradients and optimizer state (FSDP's shard group): ``dp_shard`` when
+        set, else every dp rank with the distributed optimizer and none (full replicas) without."""
+        if self.dp_shard is not None:
+            return self.dp_shard
+        return self.dp if self.distributed_optimizer else 1
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each shard, all-reduced once per gradient reduction (1: plain FSDP)."""
+        return self.dp // self.shards
 
     @property
     def accumulates_unsharded(self) -> bool:
@@ -195,10 +217,13 @@ class Cluster:
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def axis_is_intra_node(self, layout: Layout, axis: Literal["tp", "dp", "pp"]) -> bool:
-        """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp, tp)."""
-        span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size}[axis]
-        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[axis]
+    def axis_is_intra_node(self, layout: Layout, axis: Literal["tp", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
+        """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp_replicate,
+        dp_shard, tp; ``dp`` is the two dp axes together)."""
+        span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shards,
+                "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size}[axis]
+        size = {"tp": layout.tp, "dp": layout.dp, "dp_shard": layout.shards, "dp_replicate": layout.replicas,
+                "pp": layout.pp}[axis]
         if size == 1:
             return True
         return span <= self.devices_per_node and self.devices_per_node % span == 0
@@ -222,7 +247,8 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
 
     ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``micro_batch_size``,
     ``gradient_accumulation_steps``, ``activation_checkpointing``,
-    ``distributed_optimizer``). With a
+    ``distributed_optimizer``, ``dp_shard``: layouts whose dp it does not divide are
+    skipped; unfixed, a node's worth of dp ranks is tried besides all of them when dp spans nodes). With a
     ``global_batch_size`` the micro-batch sizes are the powers of two dividing
     each data-parallel rank's share and the rest is gradient accumulation;
     without one every micro-batch size up to ``max_micro_batch`` is tried with
@@ -234,12 +260,24 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
             dp = cluster.devices // (tp * pp)
             if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
                 continue
-            yield from _batch_variants(cfg, base.replace(tp=tp, pp=pp, dp=dp), global_batch_size, fixed,
-                                       max_micro_batch)
+            layout = base.replace(tp=tp, pp=pp, dp=dp)
+            yield from _batch_variants(cfg, layout, global_batch_size, fixed, max_micro_batch,
+                                       _shard_choices(layout, cluster, fixed))
+
+
+def _shard_choices(layout: Layout, cluster: Cluster, fixed: dict[str, object]) -> list[int | None]:
+    """dp_shard values to try with the distributed optimizer: the fixed one; else all dp ranks, and, when the
+    dp ranks span nodes, one node's worth of them (HSDP, whose shard groups then stay on a node)."""
+    if "dp_shard" in fixed:
+        return [fixed["dp_shard"]]  # type: ignore[list-item]
+    per_node = cluster.devices_per_node // layout.tp if cluster.devices_per_node % layout.tp == 0 else 0
+    if 1 < per_node < layout.dp and layout.dp % per_node == 0:
+        return [None, per_node]
+    return [None]
 
 
 def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | None, fixed: dict[str, object],
-                    max_micro_batch: int) -> Iterator[Layout]:
+                    max_micro_batch: int, shard_choices: list[int | None]) -> Iterator[Layout]:
     if global_batch_size is not None:
         if global_batch_size % layout.dp:
             return
@@ -264,10 +302,12 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
             for dist_opt in opt_choices:
                 if dist_opt is False and layout.dp == 1 and "distributed_optimizer" not in fixed:
                     continue  # identical to True on one data-parallel rank
-                try:
-                    candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
-                                               activation_checkpointing=ac, distributed_optimizer=dist_opt)
-                    check_model_fits_layout(cfg, candidate)
-                except UserError:
-                    continue
-                yield candidate
+                for shard in shard_choices if dist_opt else [fixed.get("dp_shard")]:
+                    try:
+                        candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                                                   activation_checkpointing=ac, distributed_optimizer=dist_opt,
+                                                   dp_shard=shard)
+                        check_model_fits_layout(cfg, candidate)
+                    except UserError:
+                        continue
+                    yield candidate

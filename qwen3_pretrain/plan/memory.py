@@ -3,7 +3,7 @@
 What the engine keeps, per pipeline rank (all counts local to one tp rank;
 ``P`` its parameters, ``d`` the compute dtype's bytes, ``dp`` the ranks that
 shard the weights: the data-parallel degree with the distributed optimizer,
-1 without):
+1 without, ``dp_shard`` under HSDP, whose replicas hold the same shards):
 
 * **parameters**: fp32 master weights sharded by FSDP (``4 P / dp``), plus the
   unsharded working weights FSDP gathers in the compute dtype: the two largest
@@ -188,7 +188,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     """
     sp = stage_params(cfg, layout, shape)
     d, m = layout.dtype_bytes, layout.num_microbatches
-    shard = layout.dp if layout.distributed_optimizer else 1
+    shard = layout.shards
     master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
     resident = layout.pp > 1 or not layout.reshard_after_forward
 

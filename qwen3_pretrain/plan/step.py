@@ -22,9 +22,14 @@ under pipeline parallelism, which keeps them gathered in between) and
 reduce-scatters fp32 gradients once per step (all-reduces them without the
 distributed optimizer); it overlaps with compute, so only what exceeds the
 step's compute time is exposed, plus one unit's gather and one's reduction at
-the ends. The optimizer step is bound by memory bandwidth (AdamW reads and
-writes 28 bytes per local parameter). Every collective costs
-``bytes x factor / bus bandwidth + latency`` (``formulas.collective_seconds``).
+the ends. Under HSDP the gathers and reduce-scatters run in the ``dp_shard``
+group and each reduction adds an all-reduce of the fp32 gradient shards across
+the replicas, each group on its own link. The optimizer step is bound by memory
+bandwidth (AdamW reads and writes 28 bytes per local parameter). Every
+collective costs ``bytes x factor / bus bandwidth + latency``
+(``formulas.collective_seconds``). Cross-node bytes are the bus bytes of the
+groups that span nodes: with one NIC per device, the share of the inter-node
+links each device loads.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class StepEstimate:
     compute_time_s: float  # busy compute time of the slowest stage per step
     comm_time_s: dict[str, float]  # exposed communication seconds per step, per mesh axis
     comm_bytes_per_axis: dict[str, float]  # bytes each device moves per step, per mesh axis (bus bytes)
+    dp_bytes_per_group: dict[str, float]  # the dp axis's bytes split by group: dp_shard, dp_replicate
+    cross_node_bytes: float  # the bytes above on groups that span nodes (each device's share of its NIC's load)
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,8 @@ class _Link:
 def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
     intra = _Link(hw.intra_node_gbps * GB, hw.intra_node_latency_us * 1e-6)
     inter = _Link(hw.inter_node_gbps * GB, hw.inter_node_latency_us * 1e-6)
-    return {axis: intra if cluster.axis_is_intra_node(layout, axis) else inter for axis in ("tp", "dp", "pp")}
+    return {axis: intra if cluster.axis_is_intra_node(layout, axis) else inter
+            for axis in ("tp", "dp_shard", "dp_replicate", "pp")}
 
 
 def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
@@ -106,28 +114,43 @@ def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, link: _Link) -> tuple[f
     return 2 * msg, 2 * F.collective_seconds("p2p", msg, 2, link.bandwidth, link.latency)
 
 
-def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float, float]:
-    """(bus bytes per step, total seconds, seconds that cannot overlap) of FSDP's collectives."""
-    n = layout.dp
-    if n == 1:
-        return 0.0, 0.0, 0.0
+def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> list[tuple[str, F.Collective, float]]:
+    """FSDP's collectives of one step as (mesh axis, kind, bytes): weight all-gathers and gradient
+    reduce-scatters inside the shard group, then (HSDP) an all-reduce of the gradient shards across the
+    replicas, as FSDP2 runs them per unit. Without the distributed optimizer the shard group is one rank:
+    only the all-reduce of the whole gradients is left."""
     sp = stage_params(cfg, layout, shape)
-    m = layout.num_microbatches
-    units = shape.num_layers + 2
+    m, shards, replicas = layout.num_microbatches, layout.shards, layout.replicas
     grads = 4.0 * sp.total
     reductions = 1 if layout.accumulates_unsharded else m
-    if not layout.distributed_optimizer:
-        calls: list[tuple[F.Collective, float]] = [("all_reduce", grads)] * reductions
-    else:
-        weights = layout.dtype_bytes * sp.total
+    calls: list[tuple[str, F.Collective, float]] = []
+    if shards > 1:
         gathers = 2 * m if layout.pp == 1 else m + layout.pp - shape.stage
-        calls = [("all_gather", weights)] * gathers + [("reduce_scatter", grads)] * reductions
-    nbytes = sum(b * F.bus_bandwidth_factor(kind, n) for kind, b in calls)
-    # Each of these runs as one collective per FSDP unit: the latency is paid per unit.
-    seconds = sum(F.collective_seconds(kind, b, n, link.bandwidth, link.latency * units) for kind, b in calls)
+        calls += [("dp_shard", "all_gather", layout.dtype_bytes * sp.total)] * gathers
+        calls += [("dp_shard", "reduce_scatter", grads)] * reductions
+    if replicas > 1:
+        calls += [("dp_replicate", "all_reduce", grads / shards)] * reductions
+    return calls
+
+
+def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
+                       links: dict[str, _Link]) -> tuple[dict[str, float], float, float]:
+    """(bus bytes per step by dp axis, total seconds, seconds that cannot overlap) of FSDP's collectives."""
+    calls = _dp_calls(cfg, layout, shape)
+    nbytes = {"dp_shard": 0.0, "dp_replicate": 0.0}
+    if not calls:
+        return nbytes, 0.0, 0.0
+    size = {"dp_shard": layout.shards, "dp_replicate": layout.replicas}
+    units = shape.num_layers + 2
+    seconds = 0.0
+    for axis, kind, b in calls:
+        nbytes[axis] += b * F.bus_bandwidth_factor(kind, size[axis])
+        # Each of these runs as one collective per FSDP unit: the latency is paid per unit.
+        seconds += F.collective_seconds(kind, b, size[axis], links[axis].bandwidth, links[axis].latency * units)
     # Exposed: the first unit's gather before compute starts and the last unit's reduction after it ends.
-    exposed = [calls[-1]] if calls[0][0] == calls[-1][0] else [calls[0], calls[-1]]
-    edges = sum(F.collective_seconds(kind, b / units, n, link.bandwidth, link.latency) for kind, b in exposed)
+    exposed = [calls[-1]] if calls[0][1] == calls[-1][1] else [calls[0], calls[-1]]
+    edges = sum(F.collective_seconds(kind, b / units, size[axis], links[axis].bandwidth, links[axis].latency)
+                for axis, kind, b in exposed)
     return nbytes, seconds, edges
 
 
@@ -144,7 +167,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         compute = _stage_flops_per_microbatch(cfg, layout, shape) / speed
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, links["pp"])
-        dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links["dp"])
+        dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links)
         per_stage.append((compute, tp_time, pp_time, dp_time, dp_edges, tp_bytes, pp_bytes, dp_bytes, shape))
     # The slowest stage paces the pipeline; its numbers describe the step.
     compute, tp_time, pp_time, dp_time, dp_edges, tp_bytes, pp_bytes, dp_bytes, shape = max(
@@ -153,7 +176,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     busy = m * compute
     dp_exposed = max(0.0, dp_time - busy) + dp_edges
     total_params = stage_params(cfg, layout, shape).total
-    shard = layout.dp if layout.distributed_optimizer else 1
+    shard = layout.shards
     optimizer = ADAMW_BYTES_PER_PARAM * total_params / shard / (hardware.memory_bandwidth_gbps * GB)
     step = slots * (compute + tp_time + pp_time) + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
@@ -164,5 +187,8 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
         compute_time_s=busy,
         comm_time_s={"tp": m * tp_time, "pp": m * pp_time, "dp": dp_exposed},
-        comm_bytes_per_axis={"tp": m * tp_bytes, "pp": m * pp_bytes, "dp": dp_bytes},
+        comm_bytes_per_axis={"tp": m * tp_bytes, "pp": m * pp_bytes, "dp": sum(dp_bytes.values())},
+        dp_bytes_per_group=dp_bytes,
+        cross_node_bytes=sum(b for axis, b in {"tp": m * tp_bytes, "pp": m * pp_bytes, **dp_bytes}.items()
+                             if not cluster.axis_is_intra_node(layout, axis)),
     )

@@ -54,6 +54,12 @@ class TrainConfig:
                 "AVX512-BF16 or AMX); auto: fp32 on such CPUs, bf16 elsewhere.")
     distributed_optimizer: bool = field_help(True, "Shard optimizer state, gradients and master weights over the "
                                              "data-parallel ranks (ZeRO/FSDP); false keeps full replicas.")
+    dp_shard: int | None = field_help(
+        None, "Hybrid sharding (HSDP): shard over groups of this many data-parallel ranks (e.g. the dp ranks of one "
+              "node) and replicate the shards across groups; must divide dp. Weights are gathered and gradients "
+              "reduce-scattered inside a group, and only the gradient shards are all-reduced between groups. "
+              "Empty: all dp ranks with distributed_optimizer, 1 (full replicas) without; a value above 1 needs "
+              "distributed_optimizer true.")
     gradient_checkpointing: bool = field_help(False, "Recompute each layer's activations in the backward pass "
                                               "(same as activation_checkpointing: full).")
     weight_decay: float = field_help(0.01, "AdamW weight decay of matrices (not of norms and embeddings).")
@@ -144,6 +150,12 @@ class TrainConfig:
         if self.compile and self.tp > 1:
             raise ConfigError("compile with tp > 1: the compiled tensor-parallel layers gave gradients that differ "
                               "from eager ones (torch 2.13, measured); set compile false or tp 1")
+        if self.dp_shard is not None and self.dp_shard < 1:
+            raise ConfigError(f"dp_shard must be >= 1, got {self.dp_shard}")
+        if self.dp_shard is not None and self.dp_shard > 1 and not self.distributed_optimizer:
+            raise ConfigError(f"dp_shard {self.dp_shard} shards weights, gradients and optimizer state, but "
+                              "distributed_optimizer is false (full replicas); set distributed_optimizer true, or "
+                              "drop dp_shard")
         if self.reduce_grads_every_microbatch and self.pp > 1:
             raise ConfigError("reduce_grads_every_microbatch needs pp 1: the pipeline schedule accumulates "
                               "gradients unsharded and reduces them once per step; set it to False")

@@ -98,7 +98,7 @@ class Trainer:
         if cfg.seq_length > model_cfg.max_position_embeddings:
             raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
                               f"{model_cfg.max_position_embeddings}")
-        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer)
+        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard)
         self.stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
         self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
         if cfg.eval_steps and not cfg.valid_fraction:
@@ -116,7 +116,7 @@ class Trainer:
         num_stages = dims.pp * self.stages_per_rank
         ranges = stage_layer_ranges(model_cfg.num_hidden_layers, num_stages)
         self.stage_indices = local_stage_indices(self.mesh.get_local_rank("pp"), dims.pp, self.stages_per_rank)
-        dp_mesh = self.mesh["dp_shard"] if cfg.distributed_optimizer else self.mesh["dp_replicate", "dp_shard"]
+        dp_mesh = dims.dp_mesh(self.mesh)
         source = self.source.tensor_source(padded, cfg.seed)
         self.parts = []
         for idx in self.stage_indices:
@@ -195,7 +195,8 @@ class Trainer:
             "model_config": self.source.config.to_hf_dict(), "padded_vocab_size": self.padded_vocab,
             "tied": self.source.config.tie_word_embeddings, "tokenizer_path": cfg.tokenizer_path,
             "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
-                       "distributed_optimizer": dims.distributed_optimizer, "pp_schedule": cfg.pp_schedule},
+                       "dp_shard": dims.dp_shard, "distributed_optimizer": dims.distributed_optimizer,
+                       "pp_schedule": cfg.pp_schedule},
             "data": self.loader.state_dict(), "config": to_dict(cfg), "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
         self.checkpointer.save(self.step, meta)
@@ -418,6 +419,7 @@ class Trainer:
         return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=cfg.batch_size,
                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
                       activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
+                      dp_shard=cfg.dp_shard,
                       mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
                       virtual_stages=self.stages_per_rank, loss_chunk_tokens=self.loss_chunk_tokens,
                       pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
