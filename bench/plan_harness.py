@@ -49,8 +49,7 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     model = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, layout.loss_chunk_tokens,
                         attention=attention_kernel("cpu"), fp32_matmul=layout.fp32_matmul,
                         ac_mode=layout.activation_checkpointing, document_mask=layout.document_mask)
-    dp_mesh = mesh["dp_shard"] if layout.distributed_optimizer else mesh["dp_replicate", "dp_shard"]
-    parallelize_stage(model, mesh, dp_mesh, layout.mixed_precision)
+    parallelize_stage(model, mesh, dims.dp_mesh(mesh), layout.mixed_precision)
     materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, cfg, 0)[slices])
     return model
 
