@@ -13,13 +13,10 @@ from qwen3_pretrain.errors import UserError
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to a temp file beside ``path``, flush it to disk, then rename it over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any, indent: int = 2) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from qwen3_pretrain.analysis.report import format_summary, summarize, write_csv
+from qwen3_pretrain.analysis.report import ParsedLog, format_summary, summarize, write_csv
 from qwen3_pretrain.errors import MissingFileError, UserError
 
 EXAMPLE_LINE = (
@@ -115,27 +115,6 @@ def _parse_record(step: str, total: str, text: str) -> dict | None:
             break  # the rest is another process's output
         row.update(fields)
     return row if "loss" in row else None
-
-
-@dataclass
-class ParsedLog:
-    """Step rows of one run, later segments winning, plus where it restarted."""
-
-    source: str  # "log" or "jsonl"
-    rows: list[dict[str, Any]]  # one per logged step, sorted by step
-    warmup_steps: set[int]  # steps whose row is the first record of its segment
-    restart_steps: list[int]  # per restart: the step it resumed from, else its first logged step
-    num_restarts: int
-    num_ignored: int  # damaged step records (log) or unreadable lines (jsonl)
-    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out evaluations, sorted by step
-
-    def csv_rows(self) -> list[dict[str, Any]]:
-        """The step rows with each evaluation's ``eval_loss``/``eval_ppl`` on the row of its step (a row of
-        its own when that step was not logged)."""
-        rows = {r["step"]: dict(r) for r in self.rows}
-        for ev in self.evals:
-            rows.setdefault(ev["step"], {"step": ev["step"]}).update(ev)
-        return [rows[s] for s in sorted(rows)]
 
 
 @dataclass

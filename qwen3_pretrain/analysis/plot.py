@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from qwen3_pretrain.analysis.report import atomic_output
+from qwen3_pretrain.analysis.report import ParsedLog, atomic_output
 
-if TYPE_CHECKING:
-    from qwen3_pretrain.analysis.parse_log import ParsedLog
 
 # (column, y-axis label) of each panel, top to bottom
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_sec", "tokens/s"))

@@ -14,13 +14,10 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import atomic_path
-
-if TYPE_CHECKING:
-    from qwen3_pretrain.analysis.parse_log import ParsedLog
 
 KNOWN_COLUMNS = (
     "step", "total_steps", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device",
@@ -47,6 +44,28 @@ class Summary:
     skipped_steps: list[int]
     nonfinite_steps: list[int]  # loss or grad_norm is nan/inf
     evals: list[dict[str, Any]] = field(default_factory=list)  # held-out evaluations by step
+
+
+
+@dataclass
+class ParsedLog:
+    """Step rows of one run, later segments winning, plus where it restarted."""
+
+    source: str  # "log" or "jsonl"
+    rows: list[dict[str, Any]]  # one per logged step, sorted by step
+    warmup_steps: set[int]  # steps whose row is the first record of its segment
+    restart_steps: list[int]  # per restart: the step it resumed from, else its first logged step
+    num_restarts: int
+    num_ignored: int  # damaged step records (log) or unreadable lines (jsonl)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out evaluations, sorted by step
+
+    def csv_rows(self) -> list[dict[str, Any]]:
+        """The step rows with each evaluation's ``eval_loss``/``eval_ppl`` on the row of its step (a row of
+        its own when that step was not logged)."""
+        rows = {r["step"]: dict(r) for r in self.rows}
+        for ev in self.evals:
+            rows.setdefault(ev["step"], {"step": ev["step"]}).update(ev)
+        return [rows[s] for s in sorted(rows)]
 
 
 def _finite(value: Any) -> bool:

@@ -14,17 +14,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
+from qwen3_pretrain.config.loader import type_kind
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import write_text_atomic
 
 DEFAULT_PATH = "docs/configuration.md"
 REGENERATE = "python -m qwen3_pretrain.config.docs docs/configuration.md"
@@ -79,17 +79,16 @@ def load_class(target: str) -> type:
 
 def type_text(tp: Any) -> str:
     """A reader's name for type ``tp``: ``integer``, ``` `bf16`, `fp32` ```, ``string, or empty``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
-        text = " or ".join(type_text(arg) for arg in args)
-        return f"{text}, or empty" if len(args) < len(typing.get_args(tp)) else text
-    if origin is Literal:
-        return ", ".join(f"`{choice}`" for choice in typing.get_args(tp))
-    if origin in (list, tuple):
-        (item,) = typing.get_args(tp)[:1] or (Any,)
-        return f"list of {type_text(item)}"
-    if origin is dict:
+    kind, args = type_kind(tp)
+    if kind == "union":
+        members = [arg for arg in args if arg is not type(None)]
+        text = " or ".join(type_text(arg) for arg in members)
+        return f"{text}, or empty" if len(members) < len(args) else text
+    if kind == "literal":
+        return ", ".join(f"`{choice}`" for choice in args)
+    if kind == "list":
+        return f"list of {type_text(args[0])}"
+    if kind == "mapping":
         return "mapping"
     if tp in _SIMPLE_TYPES:
         return _SIMPLE_TYPES[tp]
@@ -182,9 +181,7 @@ def check(path: Path, expected: str) -> str | None:
 def write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temp file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 def main(argv: list[str]) -> int:

@@ -47,11 +47,26 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert ``value`` to type ``tp`` or raise ConfigError naming ``key``."""
+def type_kind(tp: Any) -> tuple[str, tuple[Any, ...]]:
+    """The grammar of config field types, in one place for the loader (``coerce``) and the generated
+    reference (``config/docs.py``): ("union", members), ("literal", choices), ("mapping", ()),
+    ("list", (item type, list or tuple)), or ("scalar", (tp,)) for bool, int, float, str, Path, Any."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
+        return "union", typing.get_args(tp)
+    if origin is Literal:
+        return "literal", typing.get_args(tp)
+    if origin is dict or tp is dict:
+        return "mapping", ()
+    if origin in (list, tuple):
+        return "list", ((typing.get_args(tp) or (Any,))[0], origin)
+    return "scalar", (tp,)
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert ``value`` to type ``tp`` or raise ConfigError naming ``key``."""
+    kind, args = type_kind(tp)
+    if kind == "union":
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
             if type(None) in args:
                 return None
@@ -64,22 +79,22 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{key}: {value!r} is not allowed")
-    if origin is Literal:
-        choices = typing.get_args(tp)
+    if kind == "literal":
+        choices = args
         normalized = value.lower() if isinstance(value, str) else value
         for choice in choices:
             if normalized == choice or (isinstance(choice, str) and normalized == choice.lower()):
                 return choice
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
-    if origin is dict or tp is dict:
+    if kind == "mapping":
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of key: value, got {value!r}")
         return dict(value)
-    if origin in (list, tuple):
+    if kind == "list":
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        return origin(coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+        item_tp, container = args
+        return container(coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is Any:
         return value
     if tp is bool:

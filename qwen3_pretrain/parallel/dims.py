@@ -61,13 +61,7 @@ class ParallelDims:
             raise UserError(f"dp_shard = {self.shard_degree} does not divide the data-parallel degree dp = "
                             f"{self.dp} ({self.world_size} processes / (tp {self.tp} x pp {self.pp})); choose a "
                             f"dp_shard that divides {self.dp}, e.g. the dp ranks of one node")
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(cfg, name) % self.tp:
-                raise UserError(f"tp = {self.tp} does not divide {name} = {getattr(cfg, name)}; "
-                                f"pick a tp that divides both attention head counts")
-        if cfg.num_hidden_layers < num_stages:
-            raise UserError(f"{num_stages} pipeline stages need at least as many layers, but the model has "
-                            f"num_hidden_layers = {cfg.num_hidden_layers}; lower pp (or pp_virtual_stages)")
+        check_model_split(cfg, self.tp, num_stages)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
@@ -77,3 +71,33 @@ class ParallelDims:
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """The vocabulary padded to a multiple of tp (the padding rows are masked in the loss and stripped on export)."""
     return -(-vocab_size // tp) * tp
+
+
+def valid_tp_degrees(cfg: Qwen3Config) -> list[int]:
+    """tp degrees that split query and key/value heads evenly (no KV-head replication)."""
+    return [t for t in range(1, cfg.num_key_value_heads + 1)
+            if cfg.num_key_value_heads % t == 0 and cfg.num_attention_heads % t == 0]
+
+
+def check_model_split(cfg: Qwen3Config, tp: int, num_stages: int) -> None:
+    """Raise UserError when ``tp`` cannot split the heads or ``num_stages`` pipeline stages the layers of
+    ``cfg`` (the engine and the planner ask the same question)."""
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(cfg, name) % tp:
+            raise UserError(f"tp = {tp} does not divide {name} = {getattr(cfg, name)}; choose tp among "
+                            f"{', '.join(map(str, valid_tp_degrees(cfg)))}")
+    if cfg.num_hidden_layers < num_stages:
+        raise UserError(f"{num_stages} pipeline stages need at least as many layers, but the model has "
+                        f"num_hidden_layers = {cfg.num_hidden_layers}; lower pp (or pp_virtual_stages)")
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, as-even-as-possible layer ranges; earlier stages take the remainder (the last
+    stage also carries the LM head and loss)."""
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges

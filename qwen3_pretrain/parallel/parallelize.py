@@ -41,18 +41,6 @@ class PartSpec:
     layers: range
 
 
-def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, as-even-as-possible layer ranges; earlier stages take the remainder (the last
-    stage also carries the LM head and loss)."""
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
-
-
 def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """Stages of this pipeline rank: ``pp_rank + k * pp`` (the looped assignment interleaved schedules use)."""
     return [pp_rank + k * pp for k in range(stages_per_rank)]

@@ -22,7 +22,8 @@ from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
 from qwen3_pretrain.models.qwen3.attention import dense_document_mask
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout, check_degrees,
+from qwen3_pretrain.parallel.dims import check_model_split
+from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
                                         enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.step import StepEstimate, predict_step
@@ -222,7 +223,7 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any]) -> No
                         "change the degrees or the cluster")
     if "dp" in fixed and "tp" in fixed and "pp" in fixed and needed != cluster.devices:
         raise UserError(f"tp x pp x dp = {needed} but the cluster has {cluster.devices} devices")
-    check_degrees(cfg, tp, pp)
+    check_model_split(cfg, tp, pp)
     shard = fixed.get("dp_shard")
     if shard is not None and (shard < 1 or "dp" in fixed and dp % shard):
         raise UserError(f"--dp-shard {shard} must be a positive divisor of dp {dp}")

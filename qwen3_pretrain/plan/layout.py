@@ -18,6 +18,7 @@ from typing import Iterator, Literal
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.parallel.dims import check_model_split, stage_layer_ranges, valid_tp_degrees
 
 Checkpointing = Literal["none", "selective", "full"]
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
@@ -128,21 +129,9 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise UserError(f"layout: {name} {value!r} is not one of {', '.join(choices)}")
 
 
-def check_degrees(cfg: Qwen3Config, tp: int, pp: int, stages_per_rank: int = 1) -> None:
-    """Raise UserError when ``tp`` cannot split the heads or ``pp`` the layers of ``cfg``."""
-    for what, count in (("num_attention_heads", cfg.num_attention_heads),
-                        ("num_key_value_heads", cfg.num_key_value_heads)):
-        if count % tp:
-            raise UserError(f"tp={tp} does not divide the model's {what} ({count}); "
-                            f"choose tp among {', '.join(map(str, valid_tp_degrees(cfg)))}")
-    if pp * stages_per_rank > cfg.num_hidden_layers:
-        raise UserError(f"pp={pp} x virtual_stages={stages_per_rank} is more pipeline chunks than "
-                        f"the model's {cfg.num_hidden_layers} layers")
-
-
 def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
     """Raise UserError when ``layout`` cannot split ``cfg`` or feed its pipeline."""
-    check_degrees(cfg, layout.tp, layout.pp, layout.stages_per_rank)
+    check_model_split(cfg, layout.tp, layout.pp * layout.stages_per_rank)
     check_pipeline_feed(layout.pp, layout.pp_schedule, layout.micro_batch_size, layout.gradient_accumulation_steps,
                         layout.pp_microbatch_size)
 
@@ -168,18 +157,6 @@ def check_pipeline_feed(pp: int, schedule: str, micro_batch_size: int, gradient_
                         f"{rounds} equal rounds; make it a multiple of pp, e.g. {count // pp * pp}")
 
 
-def valid_tp_degrees(cfg: Qwen3Config) -> list[int]:
-    """tp degrees that split query and key/value heads evenly (no KV-head replication)."""
-    return [t for t in range(1, cfg.num_key_value_heads + 1)
-            if cfg.num_key_value_heads % t == 0 and cfg.num_attention_heads % t == 0]
-
-
-def layers_per_chunk(num_layers: int, chunks: int) -> list[int]:
-    """Contiguous split of the layers into ``chunks`` pipeline chunks, the earlier ones taking the remainder."""
-    base, extra = divmod(num_layers, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
-
-
 @dataclass(frozen=True)
 class StageShape:
     """What pipeline rank ``stage`` holds: its layers and whether it has the embedding or the head."""
@@ -194,7 +171,7 @@ class StageShape:
 def stage_shapes(cfg: Qwen3Config, layout: Layout) -> list[StageShape]:
     """One StageShape per pipeline rank; rank ``r`` holds chunks ``r, r + pp, r + 2 pp, ...``."""
     p, v = layout.pp, layout.stages_per_rank
-    split = layers_per_chunk(cfg.num_hidden_layers, p * v)
+    split = [len(r) for r in stage_layer_ranges(cfg.num_hidden_layers, p * v)]
     shapes = []
     for rank in range(p):
         mine = [split[rank + k * p] for k in range(v)]

@@ -6,7 +6,6 @@ generated from these dataclasses so it cannot drift from the code.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -163,6 +162,3 @@ class TrainConfig:
             raise ConfigError(f"batch_size x gradient_accumulation_steps ({self.batch_size} x "
                               f"{self.gradient_accumulation_steps}) must be a multiple of pp_microbatch_size "
                               f"({self.pp_microbatch_size})")
-
-    def replace(self, **changes: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)

@@ -31,7 +31,7 @@ from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens, optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
 from qwen3_pretrain.parallel import env
-from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size
+from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size, stage_layer_ranges
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
     PartSpec,
@@ -39,7 +39,6 @@ from qwen3_pretrain.parallel.parallelize import (
     local_stage_indices,
     materialize,
     parallelize_stage,
-    stage_layer_ranges,
 )
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.parallel.pipeline import build_schedule
@@ -107,7 +106,7 @@ class Trainer:
         self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
         check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
                             cfg.pp_microbatch_size, batch_key="batch_size")
-        self.manifests = validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
+        validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
 
     def _build_model(self) -> None:
         cfg, model_cfg, dims = self.cfg, self.source.config, self.dims

@@ -1,4 +1,5 @@
-"""Small synthetic data directories in the converter's output layout, for tests and benchmarks.
+"""Small synthetic data directories in the converter's output layout, for tests and benchmarks (test code, so
+it lives beside the tests, outside the package).
 
 Real data comes from ``qwen3-pretrain convert``; this writes the same layout
 (``shard_NNNNN.bin/.idx`` + ``manifest.json``) from token arrays given
