@@ -83,10 +83,10 @@ class AllReduceScatter:
     """FSDP's gradient reduce-scatter as an in-place all-reduce of the whole buffer, keeping this rank's slice
     (FSDP2's custom reduce-scatter interface: ``allocate`` and ``__call__``).
 
-    gloo's ``reduce_scatter_tensor`` takes twice as long as an all-reduce of its
-    whole input (fp32, 39M values: 0.20 vs 0.10 s on 2 ranks, 0.49 vs 0.25 s on 4),
-    so on CPU the all-reduce is used: same sum, and no extra memory (the input is
-    FSDP's full-size staging buffer, dropped after the call).
+    gloo's ``reduce_scatter_tensor`` is slower than an all-reduce of its whole
+    input (about twice, measured in bench/README.md), so on CPU the all-reduce is
+    used: same sum, and no extra memory (the input is FSDP's full-size staging
+    buffer, dropped after the call).
     """
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

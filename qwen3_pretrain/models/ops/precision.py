@@ -3,14 +3,13 @@
 Under ``mixed_precision: bf16`` every matmul takes bf16 operands. GPUs, NPUs
 and x86 CPUs with AVX512-BF16 or AMX multiply them natively. Other x86 CPUs
 (most laptops, many cloud instances) emulate the bf16 dot product and run it
-several times slower than an fp32 matmul (0.06 vs 0.26 TFLOP/s on two
-AVX-512 cores without AVX512-BF16). There the engine upcasts the operands and
+several times slower than an fp32 matmul (figures in bench/README.md). There the engine upcasts the operands and
 multiplies in fp32. A product of two bf16 numbers is exact in fp32, and a
 native bf16 matmul accumulates in fp32 too, so the result is the same bf16
 matmul up to the order of the summation; parameters, activations and
 gradients keep their bf16 dtype, and the tensors saved for backward stay
 bf16 (the upcast copies are temporaries). Attention runs on fp32 copies of
-q, k, v too (its bf16 kernel is 2.5x slower there). The fused LM head +
+q, k, v too (its bf16 kernel is slower there as well). The fused LM head +
 cross-entropy goes one step further and keeps its logits and their gradient
 in fp32 instead of rounding them to bf16 (see ``models/ops/loss.py``).
 
