@@ -4,7 +4,8 @@
 
 Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
 dump, writes it as parquet in a temporary folder, then prints, on that same
-text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
+text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``)
+with the reference config's ``chunk_size: 5000`` and with ``--chunk-size``,
 ``tiktoken`` alone (same ranks and regex; all threads, and all cores as processes) and plain
 ``tokenizers`` ``encode_batch`` (all threads), each in MB/s of raw UTF-8 text, with the
 peak memory of the whole process tree (this process and its workers,
@@ -16,6 +17,7 @@ reader exists, also its samples/s at seq_length 8192 on the converted shards.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,7 +36,7 @@ from tokenizers import Tokenizer
 from qwen3_pretrain.data import bpe
 from qwen3_pretrain.data.convert import DataConvertConfig, convert
 from qwen3_pretrain.data.pool import available_cores
-from qwen3_pretrain.data.wiki import WikiStats, iter_dump_articles
+from qwen3_pretrain.data.wiki_dump import iter_dump_articles
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "qwen3-tokenizer"
@@ -99,7 +101,7 @@ class TreeMemory:
 
 def build_corpus(folder: Path, megabytes: float) -> tuple[Path, list[str]]:
     """Repeat the dump's articles until ``megabytes`` MB of text; write them as parquet."""
-    articles = [text for *_, text in iter_dump_articles(DUMP, WikiStats(), workers=available_cores())]
+    articles = [text for *_, text in iter_dump_articles([DUMP], workers=available_cores())]
     texts, size = [], 0
     while size < megabytes * 1e6:
         for text in articles:
@@ -170,8 +172,9 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=100, help="MB of text to convert (default 100)")
     parser.add_argument("--workers", type=int, default=0, help="conversion processes (default: all cores)")
     parser.add_argument("--chunk-size", type=int, default=50,
-                        help="documents per unit of work; the sample's articles are long (27 KB on average), so "
-                             "50 of them are 1.4 MB of text, what a few hundred typical articles hold")
+                        help="documents per unit of work of the second conversion (the first uses the reference "
+                             "config's 5000); the sample's articles are long (27 KB on average), so 50 of them "
+                             "are 1.4 MB of text, what a few hundred typical articles hold")
     args = parser.parse_args()
     cores = available_cores()
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,8 +182,10 @@ def main() -> None:
         megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
         print(f"{megabytes:.1f} MB of text, {len(texts)} documents, {cores} cores")
         cfg = DataConvertConfig(input_path=str(source), tokenizer_path=str(TOKENIZER), output_path=f"{tmp}/out",
-                                workers=args.workers, chunk_size=args.chunk_size)
-        manifest, project = measure("project convert (parquet -> 16 shards)", megabytes, lambda: convert(cfg))
+                                workers=args.workers, chunk_size=5000)
+        manifest, project = measure("convert, reference config (chunk_size 5000)", megabytes, lambda: convert(cfg))
+        small = dataclasses.replace(cfg, chunk_size=args.chunk_size, output_path=f"{tmp}/out_small")
+        _, small_rate = measure(f"convert, chunk_size {args.chunk_size}", megabytes, lambda: convert(small))
         spec = json.loads((TOKENIZER / "tokenizer.json").read_text(encoding="utf-8"))
         encoding = tiktoken.Encoding("qwen3", pat_str=bpe.split_pattern(spec["pre_tokenizer"]),
                                      mergeable_ranks=bpe.mergeable_ranks(spec["model"]), special_tokens={})
@@ -194,8 +199,9 @@ def main() -> None:
         reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
         _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
                            lambda: len(reference.encode_batch(texts, add_special_tokens=False)))
-        print(f"project / tokenizers: {project / plain:.1f}x; project / tiktoken alone: {project / alone:.2f}; "
-              f"{manifest['num_tokens']:,} tokens")
+        print(f"reference config / chunk_size {args.chunk_size}: {project / small_rate:.2f}; "
+              f"reference config / tokenizers: {project / plain:.1f}x; "
+              f"reference config / tiktoken alone: {project / alone:.2f}; {manifest['num_tokens']:,} tokens")
         bench_reader(Path(tmp) / "out")
 
 
