@@ -55,13 +55,13 @@ def test_fast_patterns_match_their_plain_definitions() -> None:
     definitions do, on random strings made of the characters they care about."""
     from qwen3_pretrain.data import wikitext
 
-    plain = [(re.compile(r"[ \t]?\(\s*(?:[,;]\s*)*\)"), wikitext._drop_empty_parens),
-             (re.compile(r"'{2,5}"), lambda s: wikitext._EMPHASIS.sub("", s)),
-             (re.compile(r"\n{3,}"), lambda s: wikitext._BLANK_LINES.sub("", s))]
+    plain = [(re.compile(r"[ \t]?\(\s*(?:[,;]\s*)*\)"), wikitext._drop_empty_parens, " \t(),;\na"),
+             (re.compile(r"'{2,5}"), lambda s: wikitext._EMPHASIS.sub("", s), "'''a"),
+             (re.compile(r"\n{3,}"), lambda s: wikitext._BLANK_LINES.sub("", s), "\n\n\na")]
     rng = random.Random(0)
-    for _ in range(20_000):
-        text = "".join(rng.choice(" \t(),;'\nab") for _ in range(rng.randint(0, 16)))
-        for pattern, fast in plain:
+    for pattern, fast, alphabet in plain:
+        for _ in range(10_000):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
             assert fast(text) == pattern.sub("", text), (pattern.pattern, text)
 
 
