@@ -5,13 +5,16 @@
 Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
 dump, writes it as parquet in a temporary folder, then prints, on that same
 text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``)
-with the reference config's ``chunk_size: 5000`` and with ``--chunk-size``,
-``tiktoken`` alone (same ranks and regex; all threads, and all cores as processes) and plain
-``tokenizers`` ``encode_batch`` (all threads, on the first ``--tokenizers-mb`` MB), each in MB/s of raw UTF-8 text, with the
+with the reference config's ``chunk_size: 5000`` and with ``--chunk-size``
+(after one small untimed conversion, so neither pays alone for loading the
+tokenizer), ``tiktoken`` alone (same ranks and regex; all threads, and all
+cores as processes) and plain ``tokenizers`` ``encode_batch`` (all threads, on
+the first ``--tokenizers-mb`` MB), each in MB/s of raw UTF-8 text, with the
 peak memory of the whole process tree (this process and its workers,
-proportional set size) during each, and the CPU time they took (on a machine shared with
-other jobs, MB per CPU second is the steadier figure). When the training
-reader exists, also its samples/s at seq_length 8192 on the converted shards.
+proportional set size) during each, and the CPU time they took (on a machine
+shared with other jobs, MB per CPU second is the steadier figure). When the
+training reader exists, also its samples/s at seq_length 8192 on the
+converted shards.
 """
 
 from __future__ import annotations

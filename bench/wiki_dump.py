@@ -62,14 +62,15 @@ def _cpu() -> tuple[float, float]:
 def measure(label: str, megabytes: float, work: Callable[[], Any]) -> dict[str, float]:
     """Run ``work``; print MB/s of XML, CPU seconds (this process / children) and peak memory."""
     with TreeMemory() as memory:
-        start, (own, children) = time.perf_counter(), _cpu()
+        start, (own, children), main_thread = time.perf_counter(), _cpu(), time.thread_time()
         work()
-        seconds = time.perf_counter() - start
+        seconds, main_thread = time.perf_counter() - start, time.thread_time() - main_thread
         own_end, children_end = _cpu()
     own, children = own_end - own, children_end - children
-    print(f"{label:<44} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  CPU {own:5.1f} s here + "
-          f"{children:5.1f} s in workers  peak memory {memory.peak / 2**30:4.2f} GiB", flush=True)
-    return {"seconds": seconds, "own": own, "children": children}
+    print(f"{label:<44} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  CPU {own:5.1f} s here ({main_thread:4.1f} "
+          f"on the main thread) + {children:5.1f} s in workers  peak memory {memory.peak / 2**30:4.2f} GiB",
+          flush=True)
+    return {"seconds": seconds, "own": own, "children": children, "main_thread": main_thread}
 
 
 def read_all(open_stream: Callable[[], Any]) -> int:
@@ -86,12 +87,12 @@ def wikiextractor_python(option: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("wikiextractor") else None
 
 
-def project(args: argparse.Namespace, decompress: dict[str, float], ours: dict[str, float],
-            megabytes: float) -> None:
-    """Rate on ``--project-cores`` cores: the workers' and decompression's CPU spread over all cores,
-    capped by the main process's serial part (cutting pages, moving batches, writing parquet)."""
-    parallel = (ours["children"] + decompress["own"]) / megabytes  # CPU s per MB that spreads over cores
-    serial = max(ours["own"] - decompress["own"], 1e-9) / megabytes  # CPU s per MB on the main thread
+def project(args: argparse.Namespace, ours: dict[str, float], megabytes: float) -> None:
+    """Rate on ``--project-cores`` cores: the CPU of the workers and the decompressing threads spread over
+    all cores, capped by the main thread's serial part (reading, cutting pages, moving batches, writing
+    parquet)."""
+    serial = max(ours["main_thread"], 1e-9) / megabytes  # CPU s per MB on the main thread
+    parallel = (ours["children"] + ours["own"]) / megabytes - serial  # CPU s per MB that spreads over cores
     rate = min(args.project_cores / (parallel + serial), 1 / serial)
     hours = args.project_gb * 1e3 / rate / 3600
     print(f"per MB of XML: {parallel * 1e3:.1f} ms CPU that spreads over cores, {serial * 1e3:.1f} ms on the main "
@@ -113,7 +114,7 @@ def main() -> None:
         print(f"{megabytes:.1f} MB of XML, {dump.stat().st_size / 1e6:.1f} MB of bzip2, "
               f"{available_cores()} cores", flush=True)
         measure("bz2 (standard library) alone", megabytes, lambda: read_all(lambda: bz2.open(dump)))
-        one = measure("indexed_bzip2 alone, 1 thread", megabytes,
+        measure("indexed_bzip2 alone, 1 thread", megabytes,
                       lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=1)))
         measure("indexed_bzip2 alone, 2 threads", megabytes,
                 lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=2)))
@@ -132,7 +133,7 @@ def main() -> None:
             print(f"wiki2parquet 2 workers vs wikiextractor --processes 2: "
                   f"{wx['seconds'] / runs[2]['seconds']:.1f}x")
         print(f"wiki2parquet 2 workers vs 1: {runs[1]['seconds'] / runs[2]['seconds']:.2f}x")
-        project(args, one, runs[2], megabytes)
+        project(args, runs[2], megabytes)
 
 
 if __name__ == "__main__":
