@@ -5,7 +5,7 @@
 Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
 dump, writes it as parquet in a temporary folder, then prints, on that same
 text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``)
-with the reference config's ``chunk_size: 5000`` and with ``--chunk-size``
+with the reference config's ``chunk_size: 5000`` and with ``--chunk-size`` (``--pairs`` times each, alternating)
 (after one small untimed conversion, so neither pays alone for loading the
 tokenizer), ``tiktoken`` alone (same ranks and regex; all threads, and all
 cores as processes) and plain ``tokenizers`` ``encode_batch`` (all threads, on
@@ -198,6 +198,9 @@ def main() -> None:
                         help="documents per unit of work of the second conversion (the first uses the reference "
                              "config's 5000); the sample's articles are long (27 KB on average), so 50 of them "
                              "are 1.4 MB of text, what a few hundred typical articles hold")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="conversions with the reference config and with --chunk-size, alternating, this "
+                             "many times each (default 1)")
     parser.add_argument("--tokenizers-mb", type=float, default=20,
                         help="MB of the text plain tokenizers encodes (its rate is the same on any share, and "
                              "it is the slowest row by far); 0 = all of it")
@@ -210,9 +213,14 @@ def main() -> None:
         cfg = DataConvertConfig(input_path=str(source), tokenizer_path=str(TOKENIZER), output_path=f"{tmp}/out",
                                 workers=args.workers, chunk_size=5000)
         warm_up(cfg, texts, Path(tmp))
-        manifest, project = measure("convert, reference config (chunk_size 5000)", megabytes, lambda: convert(cfg))
         small = dataclasses.replace(cfg, chunk_size=args.chunk_size, output_path=f"{tmp}/out_small")
-        _, small_rate = measure(f"convert, chunk_size {args.chunk_size}", megabytes, lambda: convert(small))
+        rates: dict[str, list[float]] = {"reference": [], "small": []}
+        for _ in range(args.pairs):  # alternating, so a drift of the machine's speed hits both alike
+            manifest, rate = measure("convert, reference config (chunk_size 5000)", megabytes, lambda: convert(cfg))
+            rates["reference"].append(rate)
+            rates["small"].append(measure(f"convert, chunk_size {args.chunk_size}", megabytes,
+                                          lambda: convert(small))[1])
+        project, small_rate = (sum(r) / len(r) for r in (rates["reference"], rates["small"]))
         spec = json.loads((TOKENIZER / "tokenizer.json").read_text(encoding="utf-8"))
         encoding = tiktoken.Encoding("qwen3", pat_str=bpe.split_pattern(spec["pre_tokenizer"]),
                                      mergeable_ranks=bpe.mergeable_ranks(spec["model"]), special_tokens={})
@@ -228,8 +236,10 @@ def main() -> None:
         subset_mb = sum(len(t.encode("utf-8")) for t in subset) / 1e6
         _, plain = measure(f"tokenizers encode_batch (all threads, {subset_mb:.0f} MB)", subset_mb,
                            lambda: len(reference.encode_batch(subset, add_special_tokens=False)))
-        print(f"reference config / chunk_size {args.chunk_size}: {project / small_rate:.2f}; "
-              f"reference config / tokenizers: {project / plain:.1f}x; "
+        pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(rates["reference"], rates["small"]))
+        print(f"reference config / chunk_size {args.chunk_size}: {project / small_rate:.2f} (mean rates; "
+              f"pair by pair: {pairs})")
+        print(f"reference config (mean rate) / tokenizers: {project / plain:.1f}x; "
               f"reference config / tiktoken alone: {project / alone:.2f}; {manifest['num_tokens']:,} tokens")
         bench_reader(Path(tmp) / "out")
 
