@@ -4,18 +4,23 @@
 
 Builds ``--mb`` MB of text by repeating the articles of the bundled Wikipedia
 dump, writes it as parquet in a temporary folder, then prints, on that same
-text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``),
-``tiktoken`` alone (same ranks and regex; all threads, and all cores as processes) and plain
-``tokenizers`` ``encode_batch`` (all threads), each in MB/s of raw UTF-8 text, with the
+text: the project's end-to-end conversion (parquet -> 16 shards, ``convert``)
+with the reference config's ``chunk_size: 5000`` and with ``--chunk-size`` (``--pairs`` times each, alternating)
+(after one small untimed conversion, so neither pays alone for loading the
+tokenizer), ``tiktoken`` alone (same ranks and regex; all threads, and all
+cores as processes) and plain ``tokenizers`` ``encode_batch`` (all threads, on
+the first ``--tokenizers-mb`` MB), each in MB/s of raw UTF-8 text, with the
 peak memory of the whole process tree (this process and its workers,
-proportional set size) during each, and the CPU time they took (on a machine shared with
-other jobs, MB per CPU second is the steadier figure). When the training
-reader exists, also its samples/s at seq_length 8192 on the converted shards.
+proportional set size) during each, and the CPU time they took (on a machine
+shared with other jobs, MB per CPU second is the steadier figure). When the
+training reader exists, also its samples/s at seq_length 8192 on the
+converted shards.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,7 +39,7 @@ from tokenizers import Tokenizer
 from qwen3_pretrain.data import bpe
 from qwen3_pretrain.data.convert import DataConvertConfig, convert
 from qwen3_pretrain.data.pool import available_cores
-from qwen3_pretrain.data.wiki import WikiStats, iter_dump_articles
+from qwen3_pretrain.data.wiki_dump import iter_dump_articles
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "qwen3-tokenizer"
@@ -99,7 +104,7 @@ class TreeMemory:
 
 def build_corpus(folder: Path, megabytes: float) -> tuple[Path, list[str]]:
     """Repeat the dump's articles until ``megabytes`` MB of text; write them as parquet."""
-    articles = [text for *_, text in iter_dump_articles(DUMP, WikiStats(), workers=available_cores())]
+    articles = [text for *_, text in iter_dump_articles([DUMP], workers=available_cores())]
     texts, size = [], 0
     while size < megabytes * 1e6:
         for text in articles:
@@ -165,13 +170,40 @@ def bench_reader(data_path: Path, seq_length: int = 8192, samples: int = 200) ->
           f"({rate * seq_length / 1e6:.1f} M tokens/s, {count} samples of {len(dataset)})")
 
 
+def warm_up(cfg: DataConvertConfig, texts: list[str], folder: Path) -> None:
+    """One small conversion first, so the first measured one does not alone pay for loading the tokenizer."""
+    small = folder / "warm_up.parquet"
+    pq.write_table(pa.table({"text": pa.array(texts[:20], pa.string())}), small)
+    convert(dataclasses.replace(cfg, input_path=str(small), output_path=str(folder / "warm_up")))
+
+
+def prefix(texts: list[str], megabytes: float) -> list[str]:
+    """The first texts holding ``megabytes`` MB (all of them when 0)."""
+    if megabytes <= 0:
+        return texts
+    out, size = [], 0
+    for text in texts:
+        if size >= megabytes * 1e6:
+            break
+        out.append(text)
+        size += len(text.encode("utf-8"))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=100, help="MB of text to convert (default 100)")
     parser.add_argument("--workers", type=int, default=0, help="conversion processes (default: all cores)")
     parser.add_argument("--chunk-size", type=int, default=50,
-                        help="documents per unit of work; the sample's articles are long (27 KB on average), so "
-                             "50 of them are 1.4 MB of text, what a few hundred typical articles hold")
+                        help="documents per unit of work of the second conversion (the first uses the reference "
+                             "config's 5000); the sample's articles are long (27 KB on average), so 50 of them "
+                             "are 1.4 MB of text, what a few hundred typical articles hold")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="conversions with the reference config and with --chunk-size, alternating, this "
+                             "many times each (default 1)")
+    parser.add_argument("--tokenizers-mb", type=float, default=20,
+                        help="MB of the text plain tokenizers encodes (its rate is the same on any share, and "
+                             "it is the slowest row by far); 0 = all of it")
     args = parser.parse_args()
     cores = available_cores()
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,8 +211,16 @@ def main() -> None:
         megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
         print(f"{megabytes:.1f} MB of text, {len(texts)} documents, {cores} cores")
         cfg = DataConvertConfig(input_path=str(source), tokenizer_path=str(TOKENIZER), output_path=f"{tmp}/out",
-                                workers=args.workers, chunk_size=args.chunk_size)
-        manifest, project = measure("project convert (parquet -> 16 shards)", megabytes, lambda: convert(cfg))
+                                workers=args.workers, chunk_size=5000)
+        warm_up(cfg, texts, Path(tmp))
+        small = dataclasses.replace(cfg, chunk_size=args.chunk_size, output_path=f"{tmp}/out_small")
+        rates: dict[str, list[float]] = {"reference": [], "small": []}
+        for _ in range(args.pairs):  # alternating, so a drift of the machine's speed hits both alike
+            manifest, rate = measure("convert, reference config (chunk_size 5000)", megabytes, lambda: convert(cfg))
+            rates["reference"].append(rate)
+            rates["small"].append(measure(f"convert, chunk_size {args.chunk_size}", megabytes,
+                                          lambda: convert(small))[1])
+        project, small_rate = (sum(r) / len(r) for r in (rates["reference"], rates["small"]))
         spec = json.loads((TOKENIZER / "tokenizer.json").read_text(encoding="utf-8"))
         encoding = tiktoken.Encoding("qwen3", pat_str=bpe.split_pattern(spec["pre_tokenizer"]),
                                      mergeable_ranks=bpe.mergeable_ranks(spec["model"]), special_tokens={})
@@ -192,10 +232,15 @@ def main() -> None:
                                lambda: tiktoken_processes(encoding, texts, cores))
         alone = max(threads, processes)
         reference = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
-        _, plain = measure("tokenizers encode_batch (all threads)", megabytes,
-                           lambda: len(reference.encode_batch(texts, add_special_tokens=False)))
-        print(f"project / tokenizers: {project / plain:.1f}x; project / tiktoken alone: {project / alone:.2f}; "
-              f"{manifest['num_tokens']:,} tokens")
+        subset = prefix(texts, args.tokenizers_mb)
+        subset_mb = sum(len(t.encode("utf-8")) for t in subset) / 1e6
+        _, plain = measure(f"tokenizers encode_batch (all threads, {subset_mb:.0f} MB)", subset_mb,
+                           lambda: len(reference.encode_batch(subset, add_special_tokens=False)))
+        pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(rates["reference"], rates["small"]))
+        print(f"reference config / chunk_size {args.chunk_size}: {project / small_rate:.2f} (mean rates; "
+              f"pair by pair: {pairs})")
+        print(f"reference config (mean rate) / tokenizers: {project / plain:.1f}x; "
+              f"reference config / tiktoken alone: {project / alone:.2f}; {manifest['num_tokens']:,} tokens")
         bench_reader(Path(tmp) / "out")
 
 

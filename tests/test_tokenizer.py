@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from qwen3_pretrain.data import bpe
 from qwen3_pretrain.data.tokenizer import PROVEN_TOKENIZERS, load_tokenizer
-from qwen3_pretrain.data.wiki import WikiStats, iter_dump_articles
+from qwen3_pretrain.data.wiki_dump import iter_dump_articles
 from qwen3_pretrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def fast():
 
 @pytest.fixture(scope="module")
 def articles() -> list[str]:
-    return [text for *_, text in iter_dump_articles(DUMP, WikiStats(), workers=1)]
+    return [text for *_, text in iter_dump_articles([DUMP], workers=1)]
 
 
 def ids(reference: Tokenizer, texts: list[str]) -> list[list[int]]:

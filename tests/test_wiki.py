@@ -5,6 +5,8 @@ from __future__ import annotations
 import bz2
 import html
 import json
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from qwen3_pretrain.data import wiki
+from qwen3_pretrain.data import wiki, wiki_dump
 from qwen3_pretrain.data.wikitext import is_redirect_text, remove_nested, wikitext_to_text
 from qwen3_pretrain.errors import UserError
 
@@ -48,6 +50,21 @@ def test_remove_nested_keeps_text_around_spans() -> None:
     assert remove_nested("a{{b{{c}}d}}e{{f}}g", "{{", "}}") == "aeg"
 
 
+def test_fast_patterns_match_their_plain_definitions() -> None:
+    """The rewritten patterns (literal first, so the engine skips ahead) remove exactly what the plain
+    definitions do, on random strings made of the characters they care about."""
+    from qwen3_pretrain.data import wikitext
+
+    plain = [(re.compile(r"[ \t]?\(\s*(?:[,;]\s*)*\)"), wikitext._drop_empty_parens, " \t(),;\na"),
+             (re.compile(r"'{2,5}"), lambda s: wikitext._EMPHASIS.sub("", s), "'''a"),
+             (re.compile(r"\n{3,}"), lambda s: wikitext._BLANK_LINES.sub("", s), "\n\n\na")]
+    rng = random.Random(0)
+    for pattern, fast, alphabet in plain:
+        for _ in range(10_000):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
+            assert fast(text) == pattern.sub("", text), (pattern.pattern, text)
+
+
 def test_redirect_text() -> None:
     assert is_redirect_text("  #REDIRECT [[Foo]]") and is_redirect_text("#redirect[[Foo]]")
     assert not is_redirect_text("A #REDIRECT in prose")
@@ -60,7 +77,7 @@ def dump_parquet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, wiki.W
     out = tmp_path_factory.mktemp("dump") / "wiki.parquet"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(wiki, "ROW_GROUP_ROWS", 10)  # several row groups even from a small dump
-        patch.setattr(wiki, "CLEAN_BATCH_BYTES", 256 << 10)  # several batches for the two workers
+        patch.setattr(wiki_dump, "CLEAN_BATCH_BYTES", 256 << 10)  # several batches for the two workers
         stats = wiki.wiki_to_parquet(DUMP, out, workers=2)
     return out, stats
 
@@ -86,6 +103,50 @@ def test_dump_route_is_worker_count_independent(dump_parquet: tuple[Path, wiki.W
     single = tmp_path / "one.parquet"
     wiki.wiki_to_parquet(DUMP, single, workers=1)
     assert pq.read_table(single).equals(pq.read_table(dump_parquet[0]))
+
+
+def _split_dump(xml: bytes, parts: int) -> list[bytes]:
+    """The dump cut into ``parts`` complete dumps (each with the header and the closing tag), as the
+    Wikimedia dump's pages-articlesN.xml-p...-p... parts are."""
+    head_end, tail_start = xml.index(b"<page>"), xml.rindex(b"</mediawiki>")
+    pages = [p + b"</page>" for p in xml[head_end:tail_start].split(b"</page>")[:-1]]
+    bounds = [len(pages) * i // parts for i in range(parts + 1)]
+    return [xml[:head_end] + b"".join(pages[a:b]) + b"\n" + xml[tail_start:] for a, b in zip(bounds, bounds[1:])]
+
+
+def _multistream(xml: bytes, pages_per_stream: int = 7) -> bytes:
+    """bzip2 streams of a few pages each, concatenated, as the dump's multistream files are."""
+    pieces = re.split(rb"(?<=</page>)", xml)
+    return b"".join(bz2.compress(b"".join(pieces[i:i + pages_per_stream]))
+                    for i in range(0, len(pieces), pages_per_stream))
+
+
+def test_dump_parts_multistream_and_globs_give_the_single_file_output(tmp_path: Path) -> None:
+    xml = bz2.decompress(DUMP.read_bytes())
+    (tmp_path / "whole.xml").write_bytes(xml)  # plain XML: no decompressor involved in the reference
+    reference = wiki.wiki_to_parquet(tmp_path / "whole.xml", tmp_path / "reference.parquet", workers=1)
+    parts = _split_dump(xml, 3)
+    # Numbered as the dump's parts are; part 2 must come before part 10.
+    for number, part in zip((2, 10, 11), parts):
+        (tmp_path / f"enwiki-pages-articles{number}.xml-p{number}p{number + 1}.bz2").write_bytes(_multistream(part))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wiki_dump, "CLEAN_BATCH_BYTES", 100 << 10)
+        patch.setattr(wiki_dump, "READ_BYTES", 64 << 10)
+        one = wiki.wiki_to_parquet([tmp_path / "enwiki-pages-articles*.xml-p*.bz2"], tmp_path / "one.parquet",
+                                   workers=1)
+        two = wiki.wiki_to_parquet([str(tmp_path / "enwiki-pages-articles2.xml-p2p3.bz2"),
+                                    tmp_path / "enwiki-pages-articles1?.xml-p*.bz2"], tmp_path / "two.parquet",
+                                   workers=2)
+    expected = pq.read_table(tmp_path / "reference.parquet")
+    assert pq.read_table(tmp_path / "one.parquet").equals(expected)
+    assert pq.read_table(tmp_path / "two.parquet").equals(expected)
+    counts = [(s.articles, s.empty, s.skipped) for s in (reference, one, two)]
+    assert counts == [(106, 0, 100)] * 3 and one.xml_bytes == two.xml_bytes > 0
+
+
+def test_glob_matching_nothing_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"input '.*pages-\*\.bz2' matches no file"):
+        wiki.wiki_to_parquet([tmp_path / "pages-*.bz2"], tmp_path / "out.parquet")
 
 
 def _page(page_id: int, title: str, text: str, ns: int = 0, redirect: bool = False) -> str:
@@ -219,6 +280,7 @@ def test_cli_script_summary_and_error(tmp_path: Path) -> None:
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "1 articles, 0 empty dropped, 1 redirects/non-article pages skipped" in ok.stdout
+    assert re.search(r"MB of XML \([\d.]+ MB/s\)", ok.stdout) and re.search(r"2page .*MB/s of XML", ok.stderr), ok.stderr
     bad = subprocess.run([sys.executable, script, "--input", tmp_path / "nope", "--output", tmp_path / "x.parquet"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: input") and "Traceback" not in bad.stderr

@@ -2,13 +2,14 @@
 
 ``qwen3-pretrain convert --config pretain_data_config.yaml [key=value ...]``
 writes ``shard_00000.bin/.idx`` ... and, last, ``manifest.json`` into
-``output_path``. Documents are read in record batches of ``chunk_size``,
-tokenized by ``workers`` processes (ordered, at most two chunks per worker in
+``output_path``. The input (parquet or JSON lines, see ``convert_input``) is
+cut into units of at most ``chunk_size`` documents and ``chunk_bytes`` bytes,
+tokenized by ``workers`` processes (ordered, at most two units per worker in
 flight, so memory stays bounded), and each document (its tokens, then
 ``<|endoftext|>``) goes to the shard holding the fewest tokens so far (the
 lowest shard index on ties). The rule depends only on the documents and their
-order, so the shards are byte-identical whatever the number of workers or the
-chunk size.
+order, so the shards are byte-identical whatever the number of workers or how
+the input is cut into units.
 
 ``manifest.json`` is the commit marker: it is removed before anything else is
 touched and written only once every shard is complete, so a run that dies
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import heapq
 import json
 import os
@@ -29,19 +29,17 @@ import time
 from contextlib import closing
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from qwen3_pretrain.config.loader import field_help, load_config, to_dict
+from qwen3_pretrain.data.convert_input import Unit, check_inputs, input_files, units
 from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
-from qwen3_pretrain.errors import ConfigError, MissingFileError, UserError
+from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -54,7 +52,8 @@ _SHARD_FILE = re.compile(r"^shard_\d{5}\.(?:bin|idx)(?:\.tmp)?$")
 class DataConvertConfig:
     """The data conversion config (``pretain_data_config.yaml``)."""
 
-    input_path: str = field_help(help="parquet file, folder of parquet files (searched recursively) or glob")
+    input_path: str = field_help(help="parquet or JSON-lines file (.jsonl, also .gz/.zst), a folder of them "
+                                      "(searched recursively) or a glob")
     tokenizer_path: str = field_help(help="folder holding tokenizer.json (a HuggingFace model folder) or the file")
     output_path: str = field_help(help="folder for shard_NNNNN.bin/.idx and manifest.json (created if missing)")
     seq_length: int = field_help(8192, help="training sequence length the data is meant for (recorded in "
@@ -64,9 +63,12 @@ class DataConvertConfig:
     max_doc_length: int = field_help(100000, help="longest sequence, in tokens (end-of-document token not "
                                                   "counted); a longer document is split into consecutive "
                                                   "sequences of at most this many tokens, none dropped")
-    chunk_size: int = field_help(5000, help="documents per unit of parallel work (and per parquet read)")
+    chunk_size: int = field_help(5000, help="most documents per unit of parallel work")
+    chunk_bytes: int = field_help(1 << 20, help="most bytes of text per unit of parallel work: a unit ends at "
+                                                "chunk_size documents or chunk_bytes bytes, whichever comes "
+                                                "first, so every worker gets a share of any input")
     workers: int = field_help(0, help="tokenizing processes; 0 = all available cores")
-    text_column: str = field_help("text", help="parquet column holding the document text")
+    text_column: str = field_help("text", help="parquet column (or JSON-lines key) holding the document text")
     append_eod: bool = field_help(True, help="end every document with the end-of-document token "
                                              "(<|endoftext|>, id 151643 for Qwen3)")
     tokenizer_backend: Literal["auto", "fast", "reference"] = field_help(
@@ -77,7 +79,8 @@ class DataConvertConfig:
         """Raise ConfigError naming the first key whose value cannot work."""
         minimums = {"seq_length": (2, "a training sample needs at least 2 tokens"),
                     "shards": (1, "at least one shard is needed"),
-                    "chunk_size": (1, "a chunk holds at least one document"),
+                    "chunk_size": (1, "a unit holds at least one document"),
+                    "chunk_bytes": (1, "a unit holds at least one byte"),
                     "max_doc_length": (1, "a sequence holds at least one token"),
                     "workers": (0, "0 means all cores")}
         for key, (minimum, why) in minimums.items():
@@ -89,78 +92,24 @@ class DataConvertConfig:
                 raise ConfigError(f"{key}: is empty; give a value")
 
 
-# ---------------------------------------------------------------- input
-
-def input_files(input_path: str) -> list[Path]:
-    """The parquet files ``input_path`` names: a file, a folder (recursive) or a glob; sorted."""
-    path = Path(input_path).expanduser()
-    if any(ch in input_path for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
-    elif path.is_file():
-        files = [path]
-    else:
-        raise MissingFileError(f"input_path {input_path!r} does not exist; give a parquet file "
-                               "(e.g. from 'qwen3-pretrain wiki2parquet'), a folder of them or a glob")
-    if not files:
-        raise MissingFileError(f"input_path {input_path!r}: no parquet files there")
-    return files
-
-
-def open_parquet(path: Path, column: str) -> pq.ParquetFile:
-    """``path`` opened, with ``column`` checked to exist and hold strings."""
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path}: not a readable parquet file ({exc}); check the file or re-create it") from None
-    schema = parquet.schema_arrow
-    problem = None
-    if column not in schema.names:
-        problem = (f"no column {column!r} (columns: {', '.join(schema.names)}); "
-                   "set text_column to the one holding the text")
-    elif not (pa.types.is_string(schema.field(column).type) or pa.types.is_large_string(schema.field(column).type)):
-        problem = f"column {column!r} holds {schema.field(column).type}, not text; set text_column to a string column"
-    if problem:
-        parquet.close()
-        raise UserError(f"{path}: {problem}")
-    return parquet
-
-
-def _chunks(files: list[Path], column: str, chunk_size: int) -> Iterator[tuple[pa.Array, int]]:
-    """(texts, UTF-8 bytes) per record batch, file after file.
-
-    The texts stay an Arrow array: it pickles as raw buffers, and the workers,
-    not this process, pay for turning it into Python strings.
-    """
-    for path in files:
-        parquet = open_parquet(path, column)
-        try:
-            # One thread: decoding is a small share of the work, and the cores belong to the tokenizers.
-            for batch in parquet.iter_batches(batch_size=chunk_size, columns=[column], use_threads=False):
-                texts = batch.column(0)
-                yield texts, int(pc.sum(pc.binary_length(texts)).as_py() or 0)
-        except (pa.ArrowException, OSError) as exc:
-            raise UserError(f"{path}: cannot be read past a corrupt part ({exc}); re-create the file") from None
-        finally:
-            parquet.close()
-
-
 # ---------------------------------------------------------------- tokenizing workers
 
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, lower: bool, eod_id: int | None, in_pool: bool) -> None:
+def _init_worker(tokenizer: Any, lower: bool, eod_id: int | None, column: str, in_pool: bool) -> None:
     if in_pool:  # one process per core already: keep the reference tokenizer from adding threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=tokenizer, lower=lower, eod_id=eod_id)
+    _WORKER.update(tokenizer=tokenizer, lower=lower, eod_id=eod_id, column=column)
 
 
-def _encode_chunk(chunk: tuple[pa.Array, int]) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _encode_chunk(unit: Unit) -> tuple[np.ndarray, np.ndarray, int, int]:
     """(tokens of all non-empty documents back to back, their lengths, empty count, text bytes)."""
-    texts, num_bytes = chunk
-    docs = [text for text in texts.to_pylist() if text]
+    # The unit's texts cross the process boundary as Arrow buffers or raw lines: the workers, not the
+    # main process, pay for turning them into Python strings.
+    texts = unit.documents(_WORKER["column"])
+    num_bytes = unit.num_bytes
+    docs = [text for text in texts if text]
     if _WORKER["lower"]:
         docs = [text.lower() for text in docs]
     eod_id = _WORKER["eod_id"]
@@ -261,13 +210,13 @@ class _Progress:
 
 
 def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], tokenizer: Any,
-                   workers: int, total_docs: int) -> _Progress:
+                   workers: int, total_docs: int | None) -> _Progress:
     progress = _Progress()
     eod_id = tokenizer.eod_id if cfg.append_eod else None
-    encoded = ordered_map(_encode_chunk, _chunks(files, cfg.text_column, cfg.chunk_size), workers,
-                          _init_worker, (tokenizer, cfg.do_lower_case, eod_id, workers > 1))
+    encoded = ordered_map(_encode_chunk, units(files, cfg.text_column, cfg.chunk_size, cfg.chunk_bytes), workers,
+                          _init_worker, (tokenizer, cfg.do_lower_case, eod_id, cfg.text_column, workers > 1))
     # closing(): on an error the workers stop now, not when the traceback is garbage collected.
-    with closing(encoded), tqdm(total=total_docs, unit="doc", unit_scale=total_docs >= 10_000, file=sys.stderr,
+    with closing(encoded), tqdm(total=total_docs, unit="doc", unit_scale=True, file=sys.stderr,
                                 desc="convert", mininterval=1.0, dynamic_ncols=True) as bar:
         for tokens, lengths, empty, num_bytes in encoded:
             ends = np.cumsum(lengths)
@@ -298,21 +247,12 @@ def _manifest(cfg: DataConvertConfig, tokenizer: Any, dtype: type, shards: _Shar
     }
 
 
-def _count_rows(files: list[Path], column: str) -> int:
-    total = 0
-    for path in files:  # every file checked before any output is touched
-        parquet = open_parquet(path, column)
-        total += parquet.metadata.num_rows
-        parquet.close()
-    return total
-
-
 def convert(cfg: DataConvertConfig) -> dict[str, Any]:
     """Run the conversion described by ``cfg``; returns the manifest it wrote."""
     start = time.perf_counter()
     cfg.validate()
     files = input_files(cfg.input_path)
-    total_docs = _count_rows(files, cfg.text_column)
+    total_docs = check_inputs(files, cfg.text_column)
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_backend)
     print(_backend_line(tokenizer), file=sys.stderr)
     output, workers = Path(cfg.output_path), cfg.workers or available_cores()

@@ -2,9 +2,11 @@
 
 Two inputs give the same table (``id``, ``title``, ``url``, ``text``, all strings):
 
-* a MediaWiki XML dump (``.xml`` or ``.xml.bz2``), read as a stream; article
-  wikitext is cleaned to plain text in parallel worker processes; redirects
-  and pages outside the article namespace (ns 0) are skipped;
+* MediaWiki XML dumps (``.xml`` or ``.xml.bz2``, one file, several, the
+  dump's ``pages-articlesN.xml-p...`` parts or a glob of them, multistream or
+  not), read as a stream, decompressed and cleaned in parallel
+  (``wiki_dump``); redirects and pages outside the article namespace (ns 0)
+  are skipped;
 * a ``wikiextractor`` output folder (``AA/wiki_00`` ..., optionally ``.bz2``),
   in its ``<doc ...>`` text format or its ``--json`` format.
 
@@ -18,36 +20,28 @@ a temporary file that is renamed into place only when complete.
 from __future__ import annotations
 
 import argparse
-import bz2
 import dataclasses
-import gzip
+import glob
+import itertools
 import json
 import os
 import re
 import time
-import xml.etree.ElementTree as ET
-from contextlib import closing
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from qwen3_pretrain.data.pool import available_cores, ordered_map
-from qwen3_pretrain.data.wikitext import is_redirect_text, wikitext_to_text
+from qwen3_pretrain.data.pool import available_cores
+from qwen3_pretrain.data.wiki_dump import Article, DumpProgress, compression, iter_dump_articles, open_binary
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 
-# (id, title, url, text)
-Article = tuple[str, str, str, str]
 SCHEMA = pa.schema([("id", pa.string()), ("title", pa.string()), ("url", pa.string()), ("text", pa.string())])
-DEFAULT_URL_BASE = "https://en.wikipedia.org/wiki"
 # A row group is flushed at whichever limit comes first.
 ROW_GROUP_ROWS = 20_000
 ROW_GROUP_BYTES = 64 << 20
-# Pages handed to a cleaning worker at a time: big enough to amortize the
-# inter-process transfer, small enough to keep every core busy.
-CLEAN_BATCH_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -58,37 +52,45 @@ class WikiStats:
     empty: int = 0
     skipped: int = 0
     text_bytes: int = 0
+    xml_bytes: int = 0
     seconds: float = 0.0
 
     def summary(self, output: Path) -> str:
-        """One line: counts, MB of text, seconds, output file."""
+        """One line: counts, MB of text (and of dump XML, with its rate), seconds, output file."""
+        xml = (f" from {self.xml_bytes / 1e6:.1f} MB of XML ({self.xml_bytes / 1e6 / max(self.seconds, 1e-3):.1f} "
+               "MB/s)" if self.xml_bytes else "")
         return (f"wiki2parquet: {self.articles} articles, {self.empty} empty dropped, "
                 f"{self.skipped} redirects/non-article pages skipped, "
-                f"{self.text_bytes / 1e6:.1f} MB of text, {self.seconds:.1f} s -> {output}")
+                f"{self.text_bytes / 1e6:.1f} MB of text{xml}, {self.seconds:.1f} s -> {output}")
 
 
-# ---------------------------------------------------------------- opening files
+# ---------------------------------------------------------------- inputs
 
-def _compression(path: Path) -> str | None:
-    """``"bz2"``, ``"gzip"`` or None, from the file's first bytes (not its name)."""
-    with open(path, "rb") as f:
-        magic = f.read(3)
-    return "bz2" if magic == b"BZh" else "gzip" if magic[:2] == b"\x1f\x8b" else None
+def _natural_key(path: Path) -> list:
+    # A dump's parts sort by number: pages-articles2 before pages-articles10.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
 
 
-def _open_binary(path: Path) -> IO[bytes]:
-    """``path`` opened for reading, decompressed when it is bzip2 or gzip."""
-    kind = _compression(path)
-    if kind == "bz2":
-        return bz2.open(path, "rb")
-    return gzip.open(path, "rb") if kind == "gzip" else open(path, "rb")
+def resolve_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
+    """The inputs in the order given, each glob expanded to its matches in natural order (part 2 before 10)."""
+    paths: list[Path] = []
+    for item in inputs:
+        text = str(item)
+        if any(ch in text for ch in "*?["):
+            matches = sorted((Path(p) for p in glob.glob(text, recursive=True)), key=_natural_key)
+            if not matches:
+                raise MissingFileError(f"input {text!r} matches no file; check the pattern")
+            paths += matches
+        else:
+            paths.append(Path(text))
+    return paths
 
 
 def _read_head(path: Path, size: int = 4096) -> bytes:
     try:
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             return f.read(size)
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, RuntimeError) as exc:  # indexed_bzip2 raises RuntimeError
         raise UserError(f"{path}: cannot be read or decompressed ({exc}); check that the file is complete") from None
 
 
@@ -106,75 +108,6 @@ def detect_source(path: Path) -> str:
         return "extracted"
     raise UserError(f"{path}: neither a MediaWiki XML dump (no <mediawiki> element at the start) "
                     "nor wikiextractor output (<doc ...> or JSON lines)")
-
-
-# ---------------------------------------------------------------- XML dump route
-
-def _local(tag: str) -> str:
-    return tag.rsplit("}", 1)[-1]
-
-
-def _page_record(page: ET.Element, ns: str) -> tuple[str, str, str, bool]:
-    """(id, title, wikitext, is_article) of a ``<page>``; last revision wins (history dumps)."""
-    revisions = page.findall(f"{ns}revision")
-    wikitext = (revisions[-1].findtext(f"{ns}text") if revisions else None) or ""
-    is_article = (page.findtext(f"{ns}ns", "0").strip() == "0" and page.find(f"{ns}redirect") is None
-                  and not is_redirect_text(wikitext))
-    return page.findtext(f"{ns}id", "").strip(), page.findtext(f"{ns}title", ""), wikitext, is_article
-
-
-def _iter_pages(path: Path, stats: WikiStats) -> Iterator[tuple[str, str, str, str]]:
-    """(id, title, url, wikitext) of each article page, streamed; skipped pages counted."""
-    url_base, ns, root = DEFAULT_URL_BASE, "", None
-    with _open_binary(path) as stream:
-        for event, elem in ET.iterparse(stream, events=("start", "end")):
-            if root is None:
-                root, ns = elem, elem.tag[: elem.tag.index("}") + 1] if elem.tag.startswith("{") else ""
-            if event != "end":
-                continue
-            tag = _local(elem.tag)
-            if tag == "base" and elem.text and "/" in elem.text:
-                url_base = elem.text.strip().rsplit("/", 1)[0]
-            elif tag == "page":
-                page_id, title, wikitext, is_article = _page_record(elem, ns)
-                if is_article:
-                    yield page_id, title, f"{url_base}?curid={page_id}", wikitext
-                else:
-                    stats.skipped += 1
-                root.clear()  # drop finished pages: memory stays flat over a 90 GB dump
-
-
-def _batches(pages: Iterable[tuple[str, str, str, str]]) -> Iterator[list[tuple[str, str, str, str]]]:
-    batch: list[tuple[str, str, str, str]] = []
-    size = 0
-    for page in pages:
-        batch.append(page)
-        size += len(page[3])
-        if size >= CLEAN_BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _clean_batch(batch: list[tuple[str, str, str, str]]) -> list[Article]:
-    return [(pid, title, url, wikitext_to_text(wikitext)) for pid, title, url, wikitext in batch]
-
-
-def iter_dump_articles(path: Path, stats: WikiStats, workers: int) -> Iterator[Article]:
-    """Articles of a MediaWiki XML dump, cleaned to plain text by ``workers`` processes."""
-    try:
-        with closing(ordered_map(_clean_batch, _batches(_iter_pages(path, stats)), workers)) as cleaned:
-            for batch in cleaned:
-                yield from batch
-    except ET.ParseError as exc:
-        raise UserError(f"{path}: not a valid MediaWiki XML dump ({exc}); "
-                        "the file is corrupt or truncated: download it again") from None
-    except EOFError as exc:
-        raise UserError(f"{path}: compressed data ends too early ({exc}); "
-                        "the download is incomplete: download it again") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot be read or decompressed ({exc})") from None
 
 
 # ---------------------------------------------------------------- wikiextractor route
@@ -203,15 +136,15 @@ def extracted_files(folder: Path) -> list[Path]:
 
 
 def _read_text(path: Path) -> str:
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         try:
             data = f.read()
-        except (OSError, EOFError) as exc:
+        except (OSError, EOFError, RuntimeError) as exc:  # indexed_bzip2 raises RuntimeError
             raise UserError(f"{path}: cannot be decompressed ({exc}); extract it again") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        where = " of the decompressed data" if _compression(path) else ""
+        where = " of the decompressed data" if compression(path) else ""
         raise UserError(f"{path}: not UTF-8 text: invalid byte 0x{data[exc.start]:02x} at byte offset "
                         f"{exc.start}{where}; fix or re-extract this file") from None
 
@@ -290,29 +223,41 @@ def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -
         tmp.unlink(missing_ok=True)
 
 
-def wiki_to_parquet(source: str | os.PathLike, output: str | os.PathLike, workers: int = 0) -> WikiStats:
-    """Convert a dump or a wikiextractor folder at ``source`` to the parquet file ``output``."""
-    source, output = Path(source), Path(output)
+def _articles(sources: list[Path], workers: int, progress: DumpProgress) -> Iterator[Article]:
+    """The articles of every source in order; consecutive dumps share one pool of workers."""
+    kinds = [(path, detect_source(path)) for path in sources]  # every input checked before any is read
+    for kind, group in itertools.groupby(kinds, key=lambda item: item[1]):
+        paths = [path for path, _ in group]
+        if kind == "dump":
+            yield from iter_dump_articles(paths, workers, progress)
+        else:
+            for path in paths:
+                yield from iter_extracted_articles(path)
+
+
+def wiki_to_parquet(source: str | os.PathLike | list[str | os.PathLike], output: str | os.PathLike,
+                    workers: int = 0) -> WikiStats:
+    """Convert dumps and/or wikiextractor folders (one, a list, globs) to the parquet file ``output``."""
+    sources = resolve_inputs(source if isinstance(source, list) else [source])
+    output = Path(output)
     if output.suffix != ".parquet":
         raise UserError(f"--output {str(output)!r}: give a file name ending in .parquet")
-    stats, start = WikiStats(), time.perf_counter()
-    if detect_source(source) == "dump":
-        articles = iter_dump_articles(source, stats, workers or available_cores())
-    else:
-        articles = iter_extracted_articles(source)
-    write_parquet(articles, output, stats)
-    stats.seconds = time.perf_counter() - start
+    stats, progress = WikiStats(), DumpProgress()
+    write_parquet(_articles(sources, workers or available_cores(), progress), output, stats)
+    stats.seconds = time.perf_counter() - progress.start
+    stats.skipped, stats.xml_bytes = progress.skipped, progress.xml_bytes
     return stats
 
 
 def main(argv: list[str]) -> int:
-    """``wiki2parquet --input PATH --output FILE.parquet``."""
+    """``wiki2parquet --input PATH [PATH ...] --output FILE.parquet``."""
     parser = argparse.ArgumentParser(prog="wiki2parquet", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", required=True,
-                        help="Wikipedia dump (.xml or .xml.bz2) or wikiextractor output folder")
+    parser.add_argument("--input", required=True, nargs="+",
+                        help="Wikipedia dumps (.xml or .xml.bz2; several files, the dump's parts or a quoted "
+                             "glob such as 'enwiki-*-pages-articles*.xml-p*.bz2') or wikiextractor output folders")
     parser.add_argument("--output", required=True, help="parquet file to write")
     parser.add_argument("--workers", type=int, default=0,
-                        help="processes cleaning dump wikitext (default: all cores)")
+                        help="processes cleaning dump wikitext, and threads decompressing it (default: all cores)")
     args = parser.parse_args(argv)
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: give 0 (all cores) or a positive number")

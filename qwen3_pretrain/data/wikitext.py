@@ -33,15 +33,18 @@ _INTERNAL_LINK = re.compile(r"\[\[((?:(?!\[\[|\]\]).)*)\]\]", re.S)
 _DROPPED_NAMESPACES = {"file", "image", "category", "media"}
 _INTERLANGUAGE = re.compile(r"^[a-z]{2,3}(?:-[a-z0-9]+)*:")
 
-_EMPHASIS = re.compile(r"'{2,5}")
+# Patterns that start with a literal let the regex engine skip ahead to it instead of trying every
+# position: "''" and "\n\n\n" below, and the empty parentheses found by their "(".
+_EMPHASIS = re.compile(r"''(?:'{0,3})")  # 2 to 5 quotes
 _HEADING = re.compile(r"^(={1,6})[ \t]*(.+?)[ \t]*\1[ \t]*$", re.M)
 _LIST_MARKER = re.compile(r"^[*#:;]+[ \t]*", re.M)
 _RULE = re.compile(r"^-{4,}[ \t]*$", re.M)
 _MAGIC_WORD = re.compile(r"__[A-Z]+__")
-# "( )" or "(; )" left behind where a template (pronunciation, dates) stood.
-_EMPTY_PARENS = re.compile(r"[ \t]?\(\s*(?:[,;]\s*)*\)")
+# "( )" or "(; )" left behind where a template (pronunciation, dates) stood; one space or tab
+# before it goes with it (see _drop_empty_parens).
+_EMPTY_PARENS = re.compile(r"\(\s*(?:[,;]\s*)*\)")
 _SPACES = re.compile(r"[ \t\u00a0]{2,}")
-_BLANK_LINES = re.compile(r"\n{3,}")
+_BLANK_LINES = re.compile(r"\n\n\n+")
 _REDIRECT = re.compile(r"^\s*#redirect", re.I)
 
 
@@ -102,13 +105,27 @@ def _drop_elements(text: str) -> str:
     return _PAIRED.sub("", text)
 
 
+def _drop_empty_parens(text: str) -> str:
+    out: list[str] = []
+    kept = 0
+    for match in _EMPTY_PARENS.finditer(text):
+        start = match.start()
+        if start > kept and text[start - 1] in " \t":
+            start -= 1
+        out.append(text[kept:start])
+        kept = match.end()
+    out.append(text[kept:])
+    return "".join(out)
+
+
 def _tidy(text: str) -> str:
     text = _EMPHASIS.sub("", text)
     text = _HEADING.sub(r"\2", text)
     text = _LIST_MARKER.sub("", text)
-    text = _RULE.sub("", text)
+    if "----" in text:
+        text = _RULE.sub("", text)
     text = _MAGIC_WORD.sub("", text)
-    text = _EMPTY_PARENS.sub("", text)
+    text = _drop_empty_parens(text)
     text = html.unescape(text)
     text = _SPACES.sub(" ", text)
     lines = [line.strip() for line in text.split("\n")]

@@ -1,0 +1,140 @@
+"""Benchmark of the dump route: ``wiki2parquet`` on a ~120 MB dump, 1 vs 2 workers, against wikiextractor.
+
+    python bench/wiki_dump.py [--mb 120] [--wikiextractor-python PYTHON]
+
+Builds a dump of ``--mb`` MB of XML by repeating the pages of the bundled
+sample (its header once, its pages as many times as needed), compressed as
+concatenated bzip2 streams (a multistream dump; one stream per repetition, so
+building it costs one compression of the sample). Then prints, on that file:
+bzip2 decompression alone (the standard library, ``indexed_bzip2`` on 1 and 2
+threads), ``wiki2parquet`` with 1 and 2 workers and ``wikiextractor
+--processes 2`` (run by ``--wikiextractor-python``, or by this interpreter
+when it has the package; the row is skipped otherwise), each in MB/s of XML,
+with CPU seconds and the peak memory of the process tree. Last, a projection
+for a dump of ``--project-gb`` GB of XML on ``--project-cores`` cores from the
+measured per-core figures (CPU seconds per MB in the workers, and in the main
+process's serial part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import importlib.util
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import indexed_bzip2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_convert import DUMP, TreeMemory  # noqa: E402
+
+from qwen3_pretrain.data.pool import available_cores  # noqa: E402
+from qwen3_pretrain.data.wiki import wiki_to_parquet  # noqa: E402
+
+
+def build_dump(path: Path, megabytes: float) -> int:
+    """Write a multistream dump of about ``megabytes`` MB of XML; returns its XML size in bytes."""
+    xml = bz2.decompress(DUMP.read_bytes())
+    head_end, tail_start = xml.index(b"<page>"), xml.rindex(b"</mediawiki>")
+    head, pages, tail = xml[:head_end], xml[head_end:tail_start], xml[tail_start:]
+    repeats = max(1, round((megabytes * 1e6 - len(head) - len(tail)) / len(pages)))
+    compressed = bz2.compress(pages)
+    with open(path, "wb") as f:
+        f.write(bz2.compress(head))
+        for _ in range(repeats):
+            f.write(compressed)
+        f.write(bz2.compress(tail))
+    return len(head) + repeats * len(pages) + len(tail)
+
+
+def _cpu() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def measure(label: str, megabytes: float, work: Callable[[], Any]) -> dict[str, float]:
+    """Run ``work``; print MB/s of XML, CPU seconds (this process / children) and peak memory."""
+    with TreeMemory() as memory:
+        start, (own, children), main_thread = time.perf_counter(), _cpu(), time.thread_time()
+        work()
+        seconds, main_thread = time.perf_counter() - start, time.thread_time() - main_thread
+        own_end, children_end = _cpu()
+    own, children = own_end - own, children_end - children
+    print(f"{label:<44} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  CPU {own:5.1f} s here ({main_thread:4.1f} "
+          f"on the main thread) + {children:5.1f} s in workers  peak memory {memory.peak / 2**30:4.2f} GiB",
+          flush=True)
+    return {"seconds": seconds, "own": own, "children": children, "main_thread": main_thread}
+
+
+def read_all(open_stream: Callable[[], Any]) -> int:
+    total = 0
+    with open_stream() as stream:
+        while block := stream.read(4 << 20):
+            total += len(block)
+    return total
+
+
+def wikiextractor_python(option: str | None) -> str | None:
+    if option:
+        return option if Path(option).exists() or shutil.which(option) else None
+    return sys.executable if importlib.util.find_spec("wikiextractor") else None
+
+
+def project(args: argparse.Namespace, ours: dict[str, float], megabytes: float) -> None:
+    """Rate on ``--project-cores`` cores: the CPU of the workers and the decompressing threads spread over
+    all cores, capped by the main thread's serial part (reading, cutting pages, moving batches, writing
+    parquet)."""
+    serial = max(ours["main_thread"], 1e-9) / megabytes  # CPU s per MB on the main thread
+    parallel = (ours["children"] + ours["own"]) / megabytes - serial  # CPU s per MB that spreads over cores
+    rate = min(args.project_cores / (parallel + serial), 1 / serial)
+    hours = args.project_gb * 1e3 / rate / 3600
+    print(f"per MB of XML: {parallel * 1e3:.1f} ms CPU that spreads over cores, {serial * 1e3:.1f} ms on the main "
+          f"thread; projected {rate:.0f} MB/s on {args.project_cores} cores: {args.project_gb:.0f} GB of XML in "
+          f"{hours:.2f} h (capped by the main thread: {rate >= 1 / serial - 1e-6})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=120, help="MB of XML in the built dump (default 120)")
+    parser.add_argument("--wikiextractor-python", help="Python interpreter that has wikiextractor installed "
+                                                       "(default: this one, when it has it; else skipped)")
+    parser.add_argument("--project-gb", type=float, default=100, help="XML size to project for (GB; default 100)")
+    parser.add_argument("--project-cores", type=int, default=64, help="cores to project for (default 64)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "enwiki-pages-articles.xml.bz2"
+        megabytes = build_dump(dump, args.mb) / 1e6
+        print(f"{megabytes:.1f} MB of XML, {dump.stat().st_size / 1e6:.1f} MB of bzip2, "
+              f"{available_cores()} cores", flush=True)
+        measure("bz2 (standard library) alone", megabytes, lambda: read_all(lambda: bz2.open(dump)))
+        measure("indexed_bzip2 alone, 1 thread", megabytes,
+                      lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=1)))
+        measure("indexed_bzip2 alone, 2 threads", megabytes,
+                lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=2)))
+        runs = {}
+        for workers in (1, 2):
+            runs[workers] = measure(f"wiki2parquet, {workers} worker{'s' * (workers > 1)}", megabytes,
+                                    lambda: wiki_to_parquet(dump, Path(tmp) / f"w{workers}.parquet", workers))
+        python = wikiextractor_python(args.wikiextractor_python)
+        if python is None:
+            print("wikiextractor --processes 2: not installed here (give --wikiextractor-python), skipped")
+        else:
+            command = [python, "-m", "wikiextractor.WikiExtractor", "--processes", "2", "-q", "-o",
+                       str(Path(tmp) / "wx"), str(dump)]
+            wx = measure("wikiextractor --processes 2", megabytes,
+                         lambda: subprocess.run(command, check=True, capture_output=True))
+            print(f"wiki2parquet 2 workers vs wikiextractor --processes 2: "
+                  f"{wx['seconds'] / runs[2]['seconds']:.1f}x")
+        print(f"wiki2parquet 2 workers vs 1: {runs[1]['seconds'] / runs[2]['seconds']:.2f}x")
+        project(args, runs[2], megabytes)
+
+
+if __name__ == "__main__":
+    main()
