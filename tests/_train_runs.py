@@ -38,6 +38,7 @@ LAYOUTS = {
     "single-batch8": (1, ["gradient_accumulation_steps=4"]),
     "single-ac-full": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=full"]),
     "single-ac-selective": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=selective"]),
+    "single-ac-mlp": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=mlp"]),
     # bf16 rounding depends on the shapes of the matmuls: every bf16 run works on one-sample micro-batches,
     # as the pipeline does (pp_microbatch_size 1).
     "single-bf16": (1, ["batch_size=1", "gradient_accumulation_steps=4", "mixed_precision=bf16"]),

@@ -47,7 +47,7 @@ def test_hsdp_with_gradients_reduced_every_microbatch_matches_single_process(lay
                          layout_runs.records("single-batch8"), label="dp4 hsdp2 reduce every micro-batch")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "mlp"])
 def test_activation_checkpointing_matches_none(mode, layout_runs):
     """Recomputing in the backward pass replays the same fp32 operations: equal to no recompute."""
     assert_same_training(layout_runs.records(f"single-ac-{mode}"), layout_runs.records("single"), 1e-6, 1e-6,

@@ -19,8 +19,9 @@ from typing import Iterator, Literal
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
-Checkpointing = Literal["none", "selective", "full"]
-CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+Checkpointing = Literal["none", "selective", "mlp", "full"]
+# selective: the attention core (as Megatron); mlp: each MLP block; full: every layer
+CHECKPOINTING: tuple[str, ...] = ("none", "selective", "mlp", "full")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step

@@ -108,9 +108,19 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.intermediate_size, t, d, layout.fp32_matmul)
+    return saved - recomputed_bytes_per_token(cfg, layout, checkpointing)
+
+
+def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
+    """What selective (attention core) or MLP recompute drops from a layer's saved bytes."""
+    d, t = layout.dtype_bytes, layout.tp
+    if checkpointing == "mlp":
+        return F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
     if checkpointing == "selective":
-        saved -= F.qwen3_mlp_saved_bytes_per_token(h, cfg.intermediate_size, t, d)
-    return saved
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d,
+                                                            layout.fp32_matmul)
+    return 0.0
 
 
 def _microbatch_tokens(layout: Layout) -> int:
@@ -141,8 +151,8 @@ def _backward_working(cfg: Qwen3Config, layout: Layout) -> float:
     recomputed = 0.0
     if layout.activation_checkpointing == "full":
         recomputed = _layer_bytes_per_token(cfg, layout, "none")
-    elif layout.activation_checkpointing == "selective":
-        recomputed = F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
+    else:
+        recomputed = recomputed_bytes_per_token(cfg, layout, layout.activation_checkpointing)
     grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
     return tokens * (recomputed + grads)
 

@@ -9,7 +9,7 @@ Per micro-batch on the slowest pipeline stage:
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
   layer 2 + 2 in forward, 2 + 2 in backward, 2 + 2 more for full recompute and
-  1 for selective; the embedding's reduce-scatter, the loss's gather of the
+  1 for MLP recompute (none for selective, the attention core); the embedding's reduce-scatter, the loss's gather of the
   hidden states and all-reduce of its gradient, and the loss's per-chunk
   statistics all-reduces;
 * pipeline = one activation received and one gradient sent per micro-batch
@@ -91,7 +91,8 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     tokens = layout.samples_per_microbatch * layout.seq_length
     act = layout.dtype_bytes * tokens * cfg.hidden_size  # one [tokens, hidden] activation
     # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
-    gathers = 4 + {"full": 2, "selective": 1, "none": 0}[layout.activation_checkpointing]
+    # (the attention core that selective recompute reruns sits between them: no collective of its own)
+    gathers = 4 + {"full": 2, "mlp": 1, "selective": 0, "none": 0}[layout.activation_checkpointing]
     scatters = 4 + (2 if layout.activation_checkpointing == "full" else 0)
     calls: list[tuple[F.Collective, float]] = \
         ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.num_layers

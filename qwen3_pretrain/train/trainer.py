@@ -31,6 +31,7 @@ from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens, optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
 from qwen3_pretrain.parallel import env
+from qwen3_pretrain.parallel.context_parallel import shard_sequence
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
@@ -98,7 +99,7 @@ class Trainer:
         if cfg.seq_length > model_cfg.max_position_embeddings:
             raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
                               f"{model_cfg.max_position_embeddings}")
-        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard)
+        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard, cfg.cp)
         self.stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
         self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
         if cfg.eval_steps and not cfg.valid_fraction:
@@ -122,7 +123,8 @@ class Trainer:
         for idx in self.stage_indices:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
                                self.loss_chunk_tokens, attention=attention_kernel(self.device.type),
-                               fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask)
+                               fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask,
+                               cp_mesh=self.mesh["cp"] if dims.cp > 1 else None)
             parallelize_stage(part, self.mesh, dp_mesh, cfg.mixed_precision, cfg.compile)
             materialize(part, self.device, source)
             self.parts.append(part)
@@ -155,9 +157,10 @@ class Trainer:
                                         valid_fraction=cfg.valid_fraction)
             self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
         self.global_tokens = self.global_batch * cfg.seq_length
-        # Each rank's loss is its token sum over the global batch's token count, times dp because
-        # FSDP averages gradients over the dp ranks: together they give the global token mean.
-        self.loss_scale = dims.dp / self.global_tokens
+        # Each rank's loss is its token sum over the global batch's token count, times dp x cp because
+        # FSDP averages gradients over the dp and cp ranks: together they give the global token mean.
+        self.loss_scale = dims.dp * dims.cp / self.global_tokens
+        self.cp_rank = self.mesh.get_local_rank("cp")
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -194,7 +197,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "model_name": cfg.model_name,
             "model_config": self.source.config.to_hf_dict(), "padded_vocab_size": self.padded_vocab,
             "tied": self.source.config.tie_word_embeddings, "tokenizer_path": cfg.tokenizer_path,
-            "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
+            "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
                        "dp_shard": dims.dp_shard, "distributed_optimizer": dims.distributed_optimizer,
                        "pp_schedule": cfg.pp_schedule},
             "data": self.loader.state_dict(), "config": to_dict(cfg), "nonfinite_in_a_row": self.nonfinite_in_a_row,
@@ -223,29 +226,37 @@ class Trainer:
         part = self.parts[0]
         for i, mb in enumerate(batches):
             part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or i == len(batches) - 1)
-            loss = self._loss_fn(part(mb["input_ids"].to(self.device), self._positions(mb)),
-                                 mb["labels"].to(self.device))
+            loss = self._loss_fn(part(self._tokens(mb, "input_ids"), self._positions(mb)), self._tokens(mb, "labels"))
             loss.backward()
             total += loss.detach()
         return total
 
     @property
     def _uses_positions(self) -> bool:
-        return self.cfg.reset_position_ids or self.cfg.document_mask
+        # Under cp a rank's tokens are not 0..n-1: each carries its own position.
+        return self.cfg.reset_position_ids or self.cfg.document_mask or self.dims.cp > 1
+
+    def _tokens(self, mb: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        """``mb[key]`` [batch, seq] on the device, this cp rank's part of each sequence."""
+        return shard_sequence(mb[key], self.dims.cp, self.cp_rank).to(self.device)
 
     def _positions(self, mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """Per-document RoPE positions when configured; None means 0..seq-1 in every sample."""
-        return mb["positions"].to(self.device) if self._uses_positions else None
+        """Per-document (or, under cp, global) RoPE positions; None means 0..seq-1 in every sample."""
+        if not self._uses_positions:
+            return None
+        if self.cfg.reset_position_ids or self.cfg.document_mask:
+            return self._tokens(mb, "positions")
+        return self._tokens({"positions": torch.arange(self.cfg.seq_length).expand_as(mb["input_ids"])}, "positions")
 
     def _run_pipeline(self, run, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One pass of the schedule (``step`` or ``eval``) over this rank's micro-batches, re-cut into
         pipeline micro-batches; returns the sum of the scaled losses (zero off the last stage)."""
-        inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
-        labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
+        inputs = torch.cat([self._tokens(mb, "input_ids") for mb in batches])
+        labels = torch.cat([self._tokens(mb, "labels") for mb in batches])
         losses: list[torch.Tensor] = []
         args: tuple[torch.Tensor, ...] = ()
         if self.has_first:  # per-document positions enter with the ids and travel with the hidden states
-            args = (inputs, torch.cat([mb["positions"] for mb in batches]).to(self.device)) \
+            args = (inputs, torch.cat([self._positions(mb) for mb in batches])) \
                 if self._uses_positions else (inputs,)
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         run(*args, return_outputs=False, **kwargs)
@@ -257,7 +268,7 @@ class Trainer:
     def _global_mean_loss(self, local: torch.Tensor) -> float:
         reduced = local.detach().float().clone()
         dist.all_reduce(reduced)
-        return reduced.item() / (self.dims.tp * self.dims.dp)
+        return reduced.item() / (self.dims.tp * self.dims.dp * self.dims.cp)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -271,8 +282,8 @@ class Trainer:
             else:
                 local = torch.zeros((), device=self.device)
                 for mb in batches:
-                    hidden = self.parts[0](mb["input_ids"].to(self.device), self._positions(mb))
-                    local += self._loss_fn(hidden, mb["labels"].to(self.device))
+                    hidden = self.parts[0](self._tokens(mb, "input_ids"), self._positions(mb))
+                    local += self._loss_fn(hidden, self._tokens(mb, "labels"))
             total += self._global_mean_loss(local)
         # Without a backward pass, units kept gathered after forward (the embedding of a tied head)
         # stay gathered: give the memory back, and let checkpoints see the sharded parameters.
@@ -290,11 +301,11 @@ class Trainer:
         if self.tied is not None:
             self.tied.sync_grads()
         grad_norm = global_grad_norm(self.norm_params, self.pp_group).item()
-        # Every last-stage rank holds its dp share of the loss, replicated over tp. The same reduction
+        # Every last-stage rank holds its dp x cp share of the loss, replicated over tp. The same reduction
         # tells every rank whether any of them was asked to stop (SIGTERM/SIGINT).
         reduced = torch.stack([local_loss.float(), torch.tensor(float(self.stop_requested), device=self.device)])
         dist.all_reduce(reduced)
-        loss = reduced[0].item() / (self.dims.tp * self.dims.dp)
+        loss = reduced[0].item() / (self.dims.tp * self.dims.dp * self.dims.cp)
         self.stop_agreed = reduced[1].item() > 0
         lr = lr_at(self.step, cfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
