@@ -86,7 +86,9 @@ class ContextParallelAttention:
     compute dtype it keeps (fp32 attention for bf16 on CPUs). Each query chunk
     runs SDPA with a boolean mask ``[chunk, prefix]`` from the global token
     indices: exact on every device; on CUDA a masked SDPA uses the
-    memory-efficient kernel rather than flash.
+    memory-efficient kernel rather than flash. The two masks are built once
+    and shared by all layers: per forward under document masking
+    (``[batch, 1, chunk, prefix]``, from ``prepare``), else once for good.
     """
 
     dense_document_mask = False
@@ -95,22 +97,40 @@ class ContextParallelAttention:
         self.inner = inner
         self.group = mesh.get_group()
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()
+        self._causal: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Document ids of the whole sequence [batch, seq] (a document starts where its positions restart)."""
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The two query chunks' masks, causal and within documents, from the whole sequence's document ids
+        (a document starts where its positions restart, on whichever rank that is)."""
         parts = [torch.empty_like(positions) for _ in range(self.cp)]
         dist.all_gather(parts, positions.contiguous(), group=self.group)
-        return document_ids(unshard_sequence(parts, dim=1))
+        docs = document_ids(unshard_sequence(parts, dim=1))  # [batch, seq]
+        return self._masks(positions.shape[1] // 2, positions.device, docs)
+
+    def _masks(self, chunk: int, device: torch.device, docs: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Bool masks of the two query chunks, True where attention is allowed: [chunk, prefix] or, with
+        document ids [batch, seq], [batch, 1, chunk, prefix]; ``prefix`` runs to the end of the chunk."""
+        masks = []
+        for index in local_chunks(self.cp, self.rank):
+            start, end = index * chunk, (index + 1) * chunk
+            allowed = torch.arange(start, end, device=device)[:, None] >= torch.arange(end, device=device)[None, :]
+            if docs is not None:
+                allowed = (allowed & (docs[:, start:end, None] == docs[:, None, :end]))[:, None]
+            masks.append(allowed)
+        return masks
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Any) -> torch.Tensor:
         dtype = self._dtype(q.dtype)
         k_all = gather_sequence(k, self.group, dim=2).to(dtype)  # [batch, kv_heads, seq, head_dim]
         v_all = gather_sequence(v, self.group, dim=2).to(dtype)
         chunk = q.shape[2] // 2
+        if docs is None:
+            if (chunk, q.device) not in self._causal:
+                self._causal[chunk, q.device] = self._masks(chunk, q.device)
+            docs = self._causal[chunk, q.device]
         outs = []
-        for half, index in zip(q.split(chunk, dim=2), local_chunks(self.cp, self.rank)):
-            end = (index + 1) * chunk  # keys up to the end of this query chunk
-            mask = self._mask(index * chunk, chunk, end, docs, q.device)
+        for half, mask in zip(q.split(chunk, dim=2), docs):
+            end = mask.shape[-1]  # keys up to the end of this query chunk
             outs.append(F.scaled_dot_product_attention(half.to(dtype), k_all[:, :, :end], v_all[:, :, :end],
                                                        attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]))
         return torch.cat(outs, dim=2).to(q.dtype)
@@ -118,13 +138,3 @@ class ContextParallelAttention:
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         compute = getattr(self.inner, "compute_dtype", None)
         return compute if compute is not None and dtype in (torch.bfloat16, torch.float16) else dtype
-
-    @staticmethod
-    def _mask(start: int, chunk: int, end: int, docs: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """Bool [chunk, end] (or [batch, 1, chunk, end] with documents): True where attention is allowed."""
-        query = torch.arange(start, start + chunk, device=device)
-        allowed = query[:, None] >= torch.arange(end, device=device)[None, :]
-        if docs is None:
-            return allowed
-        same = docs[:, start:start + chunk, None] == docs[:, None, :end]
-        return (allowed & same)[:, None]

@@ -108,6 +108,7 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.intermediate_size, t, d, layout.fp32_matmul)
+    saved += _gathered_kv_bytes_per_token(cfg, layout)
     return saved - recomputed_bytes_per_token(cfg, layout, checkpointing)
 
 
@@ -119,12 +120,30 @@ def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: 
     if checkpointing == "selective":
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         return F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d,
-                                                            layout.fp32_matmul)
+                                                            layout.fp32_matmul) + _gathered_kv_bytes_per_token(cfg, layout)
     return 0.0
 
 
+def _gathered_kv_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What context parallelism adds to a layer's saved bytes per local token: attention keeps the K and V
+    of the whole sequence (gathered from the cp ranks) instead of its own, ``(cp - 1) 2 kv / t`` in the
+    dtype attention computes in (inside the checkpoint of selective recompute, which keeps the local ones)."""
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return (layout.cp - 1) * 2 * kv * (4 if layout.fp32_matmul else layout.dtype_bytes) / layout.tp
+
+
+def cp_mask_bytes(layout: Layout) -> float:
+    """The boolean masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
+    ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` bytes per sample under document
+    masking (built per micro-batch), once otherwise (the causal ones are kept for good)."""
+    if layout.cp == 1:
+        return 0.0
+    chunk = layout.seq_length // (2 * layout.cp)
+    return chunk * chunk * (2 * layout.cp + 1) * (layout.samples_per_microbatch if layout.document_mask else 1)
+
+
 def _microbatch_tokens(layout: Layout) -> int:
-    return layout.samples_per_microbatch * layout.seq_length
+    return layout.microbatch_tokens
 
 
 def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
@@ -132,7 +151,9 @@ def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
     tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
     per_mb = shape.num_layers * tokens * _layer_bytes_per_token(cfg, layout, layout.activation_checkpointing)
     per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
-    if layout.document_mask and layout.dense_document_mask:
+    if layout.cp > 1:
+        per_mb += cp_mask_bytes(layout)
+    elif layout.document_mask and layout.dense_document_mask:
         # The CPU kernel's additive mask, [seq, seq] per sample in the dtype attention computes in, built
         # once per micro-batch and kept for backward by every layer's attention.
         per_mb += tokens * layout.seq_length * (4 if layout.fp32_matmul else d)

@@ -427,7 +427,7 @@ class Trainer:
 
     def _layout(self) -> Layout:
         cfg, dims = self.cfg, self.dims
-        return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=cfg.batch_size,
+        return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, micro_batch_size=cfg.batch_size,
                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
                       activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
                       dp_shard=cfg.dp_shard,
