@@ -12,6 +12,9 @@ from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
 from qwen3_pretrain.models.qwen3.attention import SdpaAttention
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, shard_sequence, unshard_sequence
+from qwen3_pretrain.plan.layout import Layout
+from qwen3_pretrain.plan.memory import context_parallel_bytes_per_token
+from qwen3_pretrain.plan.memtrack import MemoryTracker
 from test_loss import run_distributed
 
 CFG = Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -61,6 +64,35 @@ def _check(rank: int, world_size: int, documents: bool, recompute: str) -> None:
         grad = p.grad.clone()
         dist.all_reduce(grad)  # every rank's tokens contribute, as FSDP sums them over cp
         torch.testing.assert_close(grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _kept_per_token(kernel, x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> float:
+    """Bytes one decoder layer keeps for backward per token of ``x``, measured (the masks built before)."""
+    layer = Qwen3Model(CFG, ModelOptions(attention=kernel)).to(dtype).layers["0"]
+    cos, sin = rope_cos_sin(positions, CFG.head_dim, CFG.rope_theta, dtype)
+    layer(x, cos, sin)  # builds the cached causal masks
+    with MemoryTracker() as mem:
+        out = layer(x, cos, sin)
+        return (mem.current_bytes - out.untyped_storage().nbytes()) / x.shape[1]
+
+
+def _check_memory(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, SEQ, CFG.hidden_size, dtype=dtype, requires_grad=True)
+        positions = torch.arange(SEQ)[None]
+        single = _kept_per_token(SdpaAttention(), x, positions, dtype)
+        local = _kept_per_token(ContextParallelAttention(SdpaAttention(), mesh["cp"]),
+                                shard_sequence(x.detach(), world_size, rank).requires_grad_(),
+                                shard_sequence(positions, world_size, rank), dtype)
+        layout = Layout(cp=world_size, seq_length=SEQ, mixed_precision="fp32" if dtype == torch.float32 else "bf16")
+        assert local - single == context_parallel_bytes_per_token(CFG, layout), dtype
+
+
+@pytest.mark.distributed
+def test_a_layer_under_cp2_keeps_what_the_planner_says():
+    """Per local token, a layer under cp 2 keeps the planner's context-parallel term more than one process."""
+    run_distributed(2, _check_memory)
 
 
 def test_sharding_the_sequence_and_putting_it_back():

@@ -86,9 +86,11 @@ class ContextParallelAttention:
     compute dtype it keeps (fp32 attention for bf16 on CPUs). Each query chunk
     runs SDPA with a boolean mask ``[chunk, prefix]`` from the global token
     indices: exact on every device; on CUDA a masked SDPA uses the
-    memory-efficient kernel rather than flash. The two masks are built once
-    and shared by all layers: per forward under document masking
-    (``[batch, 1, chunk, prefix]``, from ``prepare``), else once for good.
+    memory-efficient kernel rather than flash. The two masks are additive, in
+    the compute dtype (SDPA would convert a boolean mask in every layer, and
+    every layer would keep its copy), built once and shared by all layers: per
+    forward under document masking (``[batch, 1, chunk, prefix]``, from
+    ``prepare``), else once for good.
     """
 
     dense_document_mask = False
@@ -97,7 +99,7 @@ class ContextParallelAttention:
         self.inner = inner
         self.group = mesh.get_group()
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()
-        self._causal: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._causal: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
         """The two query chunks' masks, causal and within documents, from the whole sequence's document ids
@@ -105,18 +107,20 @@ class ContextParallelAttention:
         parts = [torch.empty_like(positions) for _ in range(self.cp)]
         dist.all_gather(parts, positions.contiguous(), group=self.group)
         docs = document_ids(unshard_sequence(parts, dim=1))  # [batch, seq]
-        return self._masks(positions.shape[1] // 2, positions.device, docs)
+        return self._masks(positions.shape[1] // 2, positions.device, self._dtype(dtype), docs)
 
-    def _masks(self, chunk: int, device: torch.device, docs: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Bool masks of the two query chunks, True where attention is allowed: [chunk, prefix] or, with
-        document ids [batch, seq], [batch, 1, chunk, prefix]; ``prefix`` runs to the end of the chunk."""
+    def _masks(self, chunk: int, device: torch.device, dtype: torch.dtype,
+               docs: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Additive masks of the two query chunks, 0 where attention is allowed and -inf elsewhere: [chunk,
+        prefix] or, with document ids [batch, seq], [batch, 1, chunk, prefix]; ``prefix`` runs to the end of
+        the chunk."""
         masks = []
         for index in local_chunks(self.cp, self.rank):
             start, end = index * chunk, (index + 1) * chunk
             allowed = torch.arange(start, end, device=device)[:, None] >= torch.arange(end, device=device)[None, :]
             if docs is not None:
                 allowed = (allowed & (docs[:, start:end, None] == docs[:, None, :end]))[:, None]
-            masks.append(allowed)
+            masks.append(torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")))
         return masks
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Any) -> torch.Tensor:
@@ -125,9 +129,10 @@ class ContextParallelAttention:
         v_all = gather_sequence(v, self.group, dim=2).to(dtype)
         chunk = q.shape[2] // 2
         if docs is None:
-            if (chunk, q.device) not in self._causal:
-                self._causal[chunk, q.device] = self._masks(chunk, q.device)
-            docs = self._causal[chunk, q.device]
+            key = (chunk, q.device, dtype)
+            if key not in self._causal:
+                self._causal[key] = self._masks(*key)
+            docs = self._causal[key]
         outs = []
         for half, mask in zip(q.split(chunk, dim=2), docs):
             end = mask.shape[-1]  # keys up to the end of this query chunk

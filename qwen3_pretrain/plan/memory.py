@@ -108,7 +108,7 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.intermediate_size, t, d, layout.fp32_matmul)
-    saved += _gathered_kv_bytes_per_token(cfg, layout)
+    saved += context_parallel_bytes_per_token(cfg, layout)
     return saved - recomputed_bytes_per_token(cfg, layout, checkpointing)
 
 
@@ -119,27 +119,33 @@ def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: 
         return F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
     if checkpointing == "selective":
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        return F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d,
-                                                            layout.fp32_matmul) + _gathered_kv_bytes_per_token(cfg, layout)
+        core = F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d, layout.fp32_matmul)
+        return core + context_parallel_bytes_per_token(cfg, layout)
     return 0.0
 
 
-def _gathered_kv_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
-    """What context parallelism adds to a layer's saved bytes per local token: attention keeps the K and V
-    of the whole sequence (gathered from the cp ranks) instead of its own, ``(cp - 1) 2 kv / t`` in the
-    dtype attention computes in (inside the checkpoint of selective recompute, which keeps the local ones)."""
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    return (layout.cp - 1) * 2 * kv * (4 if layout.fp32_matmul else layout.dtype_bytes) / layout.tp
+def context_parallel_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What context parallelism adds to a layer's saved bytes per local token (all inside the kernel call,
+    so selective recompute drops it): attention keeps the K and V of the whole sequence, gathered from the
+    cp ranks, instead of its own, ``(cp - 1) 2 kv / t`` in the dtype attention computes in; and its two query
+    chunks' outputs, which SDPA keeps, are copies besides o_proj's input, ``d q / t`` (with ``fp32_matmul``
+    they are the fp32 outputs the layer formula already counts)."""
+    if layout.cp == 1:
+        return 0.0
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    gathered = (layout.cp - 1) * 2 * kv * (4 if layout.fp32_matmul else layout.dtype_bytes)
+    return (gathered + (0 if layout.fp32_matmul else layout.dtype_bytes * q)) / layout.tp
 
 
 def cp_mask_bytes(layout: Layout) -> float:
-    """The boolean masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
-    ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` bytes per sample under document
-    masking (built per micro-batch), once otherwise (the causal ones are kept for good)."""
+    """The additive masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
+    ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` values in attention's dtype, per sample
+    under document masking (built per micro-batch), once otherwise (the causal ones are kept for good)."""
     if layout.cp == 1:
         return 0.0
     chunk = layout.seq_length // (2 * layout.cp)
-    return chunk * chunk * (2 * layout.cp + 1) * (layout.samples_per_microbatch if layout.document_mask else 1)
+    samples = layout.samples_per_microbatch if layout.document_mask else 1
+    return chunk * chunk * (2 * layout.cp + 1) * samples * (4 if layout.fp32_matmul else layout.dtype_bytes)
 
 
 def _microbatch_tokens(layout: Layout) -> int:
