@@ -356,3 +356,23 @@ def test_document_mask_memory_follows_the_kernel_that_runs():
         args = build_parser().parse_args(["--device", device])
         layout, _ = fixed_settings(args, {"document_mask": True})
         assert layout.document_mask and layout.dense_document_mask == dense
+
+
+def test_the_32k_plan_splits_the_sequence_and_counts_cp_traffic(capsys):
+    """Qwen3-8B at seq 32768 on 8 x 910B (64 GB): layouts fit, the fastest splits the sequence (cp > 1)
+    and moves K/V bytes on the cp axis; cp shards the weights with dp (FSDP over dp x cp)."""
+    assert plan_main(["--model", "qwen3-8b", "--seq-length", "32768", "--nodes", "1", "--devices-per-node", "8",
+                      "--device", "910b", "--json", "--top", "3"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    best = rows[0]
+    assert best["fits"] and best["cp"] > 1 and best["comm_gb_per_step"]["cp"] > 0
+    assert best["dp_shard"] == best["dp"] * best["cp"]
+    cfg = get_preset("qwen3-8b")
+    split = Layout(cp=4, tp=2, seq_length=32768, activation_checkpointing="none")
+    whole = split.replace(cp=1)
+    assert predict_memory(cfg, split).activations < predict_memory(cfg, whole).activations / 3
+    # selective recompute reruns attention, its K/V gather included: one gather more per layer than none
+    hw = get_device("910b")
+    none, selective = (predict_step(cfg, split.replace(activation_checkpointing=ac), hw).comm_bytes_per_axis["cp"]
+                       for ac in ("none", "selective"))
+    assert selective == pytest.approx(none * 3 / 2)
