@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
 from qwen3_pretrain.models.qwen3.attention import SdpaAttention
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
@@ -15,6 +16,7 @@ from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, s
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import context_parallel_bytes_per_token
 from qwen3_pretrain.plan.memtrack import MemoryTracker
+from qwen3_pretrain.train.config import TrainConfig
 from test_loss import run_distributed
 
 CFG = Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -106,3 +108,10 @@ def test_sharding_the_sequence_and_putting_it_back():
 @pytest.mark.parametrize("documents, recompute", [(False, "none"), (True, "attention")])
 def test_one_attention_layer_under_cp2_equals_one_process(documents, recompute):
     run_distributed(2, _check, documents, recompute)
+
+
+def test_a_sequence_that_cp_cannot_split_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"seq_length 100 is not a multiple of 2 x cp = 16"):
+        TrainConfig(data_path="/data/d", seq_length=100, cp=8)
+    with pytest.raises(ConfigError, match="compile with cp > 1"):
+        TrainConfig(data_path="/data/d", seq_length=128, cp=2, compile=True)
