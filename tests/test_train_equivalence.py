@@ -98,11 +98,10 @@ def test_held_out_evaluation_is_the_same_under_a_pipeline(layout_runs, tmp_path)
 def test_per_document_positions_and_mask_travel_through_the_pipeline(layout_runs, tmp_path):
     """document_mask (per-document RoPE positions and attention) under pp: later stages get the positions
     with the hidden states, so every layout matches one process with the same setting."""
-    runs = {}
-    for name, nproc, extra in (("single", 1, ["gradient_accumulation_steps=2"]),
-                               ("pp2-interleaved", 2, ["pp=2", "pp_schedule=interleaved",
-                                                       "gradient_accumulation_steps=2"]),
-                               ("tp2-pp2", 4, ["tp=2", "pp=2", "gradient_accumulation_steps=2"])):
+    runs = {"single": layout_runs.records("single-document-mask")}
+    for name, nproc, extra in (
+            ("pp2-interleaved", 2, ["pp=2", "pp_schedule=interleaved", "gradient_accumulation_steps=2"]),
+            ("tp2-pp2", 4, ["tp=2", "pp=2", "gradient_accumulation_steps=2"])):
         cfg = layout_runs.config(tmp_path / f"{name}.yaml", tmp_path / name, document_mask=True)
         check_ok(run_train(cfg, nproc, *extra))
         runs[name] = step_records(tmp_path / name)

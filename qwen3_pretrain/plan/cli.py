@@ -183,7 +183,8 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     """The base layout (settings that are not searched) and the fixed degrees, flags over config."""
     ac = conf.get("activation_checkpointing") or (
         ("full" if conf["gradient_checkpointing"] else "none") if "gradient_checkpointing" in conf else None)
-    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"), "micro_batch_size": conf.get("batch_size"),
+    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"),
+             "micro_batch_size": conf.get("batch_size"),
              "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer"),
              "dp_shard": conf.get("dp_shard")}
     fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp), ("cp", args.cp),
