@@ -226,7 +226,8 @@ class Trainer:
         part = self.parts[0]
         for i, mb in enumerate(batches):
             part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or i == len(batches) - 1)
-            loss = self._loss_fn(part(self._tokens(mb, "input_ids"), self._positions(mb)), self._tokens(mb, "labels"))
+            hidden = part(self._tokens(mb, "input_ids"), self._positions(mb))
+            loss = self._loss_fn(hidden, self._tokens(mb, "labels"))
             loss.backward()
             total += loss.detach()
         return total
@@ -246,7 +247,8 @@ class Trainer:
             return None
         if self.cfg.reset_position_ids or self.cfg.document_mask:
             return self._tokens(mb, "positions")
-        return self._tokens({"positions": torch.arange(self.cfg.seq_length).expand_as(mb["input_ids"])}, "positions")
+        positions = torch.arange(self.cfg.seq_length).expand_as(mb["input_ids"])
+        return shard_sequence(positions, self.dims.cp, self.cp_rank).to(self.device)
 
     def _run_pipeline(self, run, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One pass of the schedule (``step`` or ``eval``) over this rank's micro-batches, re-cut into
@@ -409,9 +411,9 @@ class Trainer:
         if self.launch.rank == 0:
             save_config(cfg, Path(cfg.output_path) / "config.yaml")
         if self.is_log_rank:
-            log.info("run start: world %d | tp %d pp %d dp %d | global_batch %d (batch_size %d x dp %d x "
+            log.info("run start: world %d | tp %d pp %d dp %d cp %d | global_batch %d (batch_size %d x dp %d x "
                      "accumulation %d) | seq %d | model %s, %.3gB params | %s | device %s | launcher %s",
-                     self.launch.world_size, dims.tp, dims.pp, dims.dp, self.global_batch, cfg.batch_size, dims.dp,
+                     self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size, dims.dp,
                      cfg.gradient_accumulation_steps, cfg.seq_length, cfg.model_name, m.num_params() / 1e9,
                      self.source.description, self.device, self.launch.launcher)
             if self.fp32_matmul:
@@ -423,7 +425,8 @@ class Trainer:
                 self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
             self._log_predicted_memory()
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
-                                "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "global_batch": self.global_batch})
+                                "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
+                                "global_batch": self.global_batch})
 
     def _layout(self) -> Layout:
         cfg, dims = self.cfg, self.dims
