@@ -69,7 +69,7 @@ class Layout:
             if self.dp_shard > 1 and not self.distributed_optimizer:
                 raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
                                 "distributed optimizer")
-        if self.seq_length % (2 * self.cp):
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise UserError(f"layout: seq_length {self.seq_length} is not a multiple of 2 x cp = {2 * self.cp}")
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)

@@ -157,7 +157,7 @@ class TrainConfig:
         if self.compile and self.tp > 1:
             raise ConfigError("compile with tp > 1: the compiled tensor-parallel layers gave gradients that differ "
                               "from eager ones (torch 2.13, measured); set compile false or tp 1")
-        if self.seq_length % (2 * self.cp):
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ConfigError(f"seq_length {self.seq_length} is not a multiple of 2 x cp = {2 * self.cp} (each cp rank "
                               "holds two equal chunks of every sequence); choose a seq_length or cp that fits")
         if self.compile and self.cp > 1:
