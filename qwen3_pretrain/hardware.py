@@ -9,7 +9,8 @@ with ``qwen3-pretrain commbench --json FILE`` and ``plan --commbench FILE``.
 compute reaches end to end in eager PyTorch (matmuls at their shapes, plus
 norms, RoPE, elementwise work and kernel launches). 0.40 on accelerators is
 calibrated on torchtitan's published Llama-3.1-8B run (8x H100, FSDP, seq 8192,
-selective recompute, eager: 34% MFU); see docs/planner.md.
+selective recompute, eager: 34% MFU; predicted there with MLP recompute); see
+docs/planner.md.
 """
 
 from __future__ import annotations

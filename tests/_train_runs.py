@@ -36,8 +36,15 @@ LAYOUTS = {
     "dp4-hsdp2-reduce-every-microbatch": (4, ["batch_size=1", "gradient_accumulation_steps=2", "dp_shard=2",
                                               "reduce_grads_every_microbatch=true"]),
     "single-batch8": (1, ["gradient_accumulation_steps=4"]),
+    # Context parallelism (each sequence over 2 ranks); cp2 also saves step 3 for a resume under cp 1.
+    "cp2": (2, ["cp=2", "gradient_accumulation_steps=2", "save_steps=3"]),
+    "cp2-tp2": (4, ["cp=2", "tp=2", "gradient_accumulation_steps=2"]),
+    "single-document-mask": (1, ["gradient_accumulation_steps=2", "document_mask=true"]),
+    "cp2-pp2-document-mask": (4, ["cp=2", "pp=2", "gradient_accumulation_steps=2", "document_mask=true"]),
+    "cp2-dp2-document-mask": (4, ["cp=2", "document_mask=true"]),
     "single-ac-full": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=full"]),
     "single-ac-selective": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=selective"]),
+    "single-ac-mlp": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=mlp"]),
     # bf16 rounding depends on the shapes of the matmuls: every bf16 run works on one-sample micro-batches,
     # as the pipeline does (pp_microbatch_size 1).
     "single-bf16": (1, ["batch_size=1", "gradient_accumulation_steps=4", "mixed_precision=bf16"]),

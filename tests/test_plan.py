@@ -20,7 +20,8 @@ from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
 from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
-from qwen3_pretrain.plan.memory import GiB, predict_memory, stage_params
+from qwen3_pretrain.plan.memory import GiB, recomputed_bytes_per_token, predict_memory, stage_params
+from qwen3_pretrain.plan.memtrack import MemoryTracker
 from qwen3_pretrain.plan.step import predict_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,32 @@ def test_qwen3_layer_formula_matches_what_autograd_saves(dtype, fp32_matmul):
     per_token = F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 768, t=1, dtype_bytes=dtype.itemsize,
                                                     fp32_matmul=fp32_matmul)
     assert sum(saved.values()) / seq == per_token
+
+
+@pytest.mark.parametrize("dtype, fp32_matmul", [(torch.bfloat16, False), (torch.float32, False),
+                                                (torch.bfloat16, True)])
+@pytest.mark.parametrize("recompute, ac_mode", [("attention", "selective"), ("mlp", "mlp")])
+def test_recompute_drops_what_the_planner_says(dtype, fp32_matmul, recompute, ac_mode):
+    """The bytes one real layer keeps after its forward, measured by MemoryTracker (allocations, not the
+    saved-tensor hooks: a checkpoint holds its inputs outside them), without recompute minus with it,
+    equal the planner's drop for selective (attention core) and MLP recompute."""
+    cfg = Qwen3Config(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=768, vocab_size=128)
+    seq = 128
+    cos, sin = rope_cos_sin(torch.arange(seq)[None], 64, cfg.rope_theta, dtype)
+
+    def kept_per_token(mode: str) -> float:
+        numerics = dict(linear=Fp32Linear, attention=fp32_attention()) if fp32_matmul else {}
+        layer = Qwen3Model(cfg, ModelOptions(recompute=mode, **numerics)).to(dtype).layers["0"]
+        x = torch.randn(1, seq, 256, dtype=dtype, requires_grad=True)
+        with MemoryTracker() as mem:
+            out = layer(x, cos, sin)
+            return (mem.current_bytes - out.untyped_storage().nbytes()) / seq
+
+    layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", fp32_matmul=fp32_matmul,
+                    activation_checkpointing=ac_mode)
+    want = recomputed_bytes_per_token(cfg, layout, ac_mode)
+    assert kept_per_token("none") - kept_per_token(recompute) == want > 0
 
 
 def test_pipeline_bubble_and_inflight():
@@ -142,8 +169,8 @@ def test_memory_reacts_to_the_layout_as_expected():
     cfg = get_preset("qwen3-8b")
     base = Layout(tp=4, pp=2, micro_batch_size=4, seq_length=8192)
     acts = {ac: predict_memory(cfg, base.replace(activation_checkpointing=ac), stage=0).activations
-            for ac in ("none", "selective", "full")}
-    assert acts["full"] < acts["selective"] < acts["none"]
+            for ac in ("none", "selective", "mlp", "full")}
+    assert acts["full"] < acts["mlp"] < acts["selective"] < acts["none"]
     sharded = predict_memory(cfg, Layout(dp=8, seq_length=2048), stage=0)
     replicated = predict_memory(cfg, Layout(dp=8, seq_length=2048, distributed_optimizer=False), stage=0)
     assert sharded.optimizer < replicated.optimizer / 4 and sharded.total < replicated.total / 2
@@ -225,7 +252,7 @@ def test_plan_reference_layout_table(capsys):
     out = capsys.readouterr().out
     assert "1 layout(s), 1 fit" in out
     row = [line for line in out.splitlines() if line.startswith(" 1 ")][0]
-    assert row.split()[1:7] == ["4", "2", "1", "1", "4", "1"] and "yes" in row  # tp pp dp shard mbs gas
+    assert row.split()[1:8] == ["4", "1", "2", "1", "1", "4", "1"] and "yes" in row  # tp cp pp dp shard mbs gas
 
 
 def test_plan_json_keys_and_order(capsys):
@@ -329,3 +356,23 @@ def test_document_mask_memory_follows_the_kernel_that_runs():
         args = build_parser().parse_args(["--device", device])
         layout, _ = fixed_settings(args, {"document_mask": True})
         assert layout.document_mask and layout.dense_document_mask == dense
+
+
+def test_the_32k_plan_splits_the_sequence_and_counts_cp_traffic(capsys):
+    """Qwen3-8B at seq 32768 on 8 x 910B (64 GB): layouts fit, the fastest splits the sequence (cp > 1)
+    and moves K/V bytes on the cp axis; cp shards the weights with dp (FSDP over dp x cp)."""
+    assert plan_main(["--model", "qwen3-8b", "--seq-length", "32768", "--nodes", "1", "--devices-per-node", "8",
+                      "--device", "910b", "--json", "--top", "3"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    best = rows[0]
+    assert best["fits"] and best["cp"] > 1 and best["comm_gb_per_step"]["cp"] > 0
+    assert best["dp_shard"] == best["dp"] * best["cp"]
+    cfg = get_preset("qwen3-8b")
+    split = Layout(cp=4, tp=2, seq_length=32768, activation_checkpointing="none")
+    whole = split.replace(cp=1)
+    assert predict_memory(cfg, split).activations < predict_memory(cfg, whole).activations / 3
+    # selective recompute reruns attention, its K/V gather included: one gather more per layer than none
+    hw = get_device("910b")
+    none, selective = (predict_step(cfg, split.replace(activation_checkpointing=ac), hw).comm_bytes_per_axis["cp"]
+                       for ac in ("none", "selective"))
+    assert selective == pytest.approx(none * 3 / 2)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests._checkpoint_helpers import resume_from
 from tests._reference_loop import train_with_transformers
 from tests._train_helpers import (FP32_LOSS_RTOL, assert_same_training, check_ok, run_train, step_records,
                                   worst_relative_diff)
@@ -47,7 +48,7 @@ def test_hsdp_with_gradients_reduced_every_microbatch_matches_single_process(lay
                          layout_runs.records("single-batch8"), label="dp4 hsdp2 reduce every micro-batch")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "mlp"])
 def test_activation_checkpointing_matches_none(mode, layout_runs):
     """Recomputing in the backward pass replays the same fp32 operations: equal to no recompute."""
     assert_same_training(layout_runs.records(f"single-ac-{mode}"), layout_runs.records("single"), 1e-6, 1e-6,
@@ -97,11 +98,10 @@ def test_held_out_evaluation_is_the_same_under_a_pipeline(layout_runs, tmp_path)
 def test_per_document_positions_and_mask_travel_through_the_pipeline(layout_runs, tmp_path):
     """document_mask (per-document RoPE positions and attention) under pp: later stages get the positions
     with the hidden states, so every layout matches one process with the same setting."""
-    runs = {}
-    for name, nproc, extra in (("single", 1, ["gradient_accumulation_steps=2"]),
-                               ("pp2-interleaved", 2, ["pp=2", "pp_schedule=interleaved",
-                                                       "gradient_accumulation_steps=2"]),
-                               ("tp2-pp2", 4, ["tp=2", "pp=2", "gradient_accumulation_steps=2"])):
+    runs = {"single": layout_runs.records("single-document-mask")}
+    for name, nproc, extra in (
+            ("pp2-interleaved", 2, ["pp=2", "pp_schedule=interleaved", "gradient_accumulation_steps=2"]),
+            ("tp2-pp2", 4, ["tp=2", "pp=2", "gradient_accumulation_steps=2"])):
         cfg = layout_runs.config(tmp_path / f"{name}.yaml", tmp_path / name, document_mask=True)
         check_ok(run_train(cfg, nproc, *extra))
         runs[name] = step_records(tmp_path / name)
@@ -120,3 +120,26 @@ def test_compiled_layers_train_like_eager_ones(layout_runs, tmp_path):
         check_ok(run_train(cfg, 2, "pp=2", "activation_checkpointing=full", *extra, timeout=600))
         runs[name] = step_records(tmp_path / name)
     assert_same_training(runs["compiled"], runs["eager"], label="compiled vs eager")
+
+
+# layout -> the one-process run it must equal (fp32)
+CP_LAYOUTS = {"cp2": "single", "cp2-tp2": "single", "cp2-pp2-document-mask": "single-document-mask",
+              "cp2-dp2-document-mask": "single-document-mask"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CP_LAYOUTS)
+def test_context_parallel_layout_matches_single_process(name, layout_runs):
+    """Each sequence split over 2 cp ranks (two mirrored chunks each), with tp, pp or dp, and with
+    document masking (documents straddle the chunks), against one process with the same setting."""
+    assert_same_training(layout_runs.records(name), layout_runs.records(CP_LAYOUTS[name]), label=name)
+
+
+@pytest.mark.distributed
+def test_resume_under_another_cp_degree(layout_runs, tmp_path):
+    """cp 2's checkpoint of step 3 resumed by one process trains steps 4-5 as the one-process run did."""
+    resume_from(layout_runs.output("cp2"), 3, tmp_path / "out")
+    cfg = layout_runs.config(tmp_path / "c.yaml", tmp_path / "out")
+    check_ok(run_train(cfg, 1, "gradient_accumulation_steps=2"))
+    want = [r for r in layout_runs.records("single") if r["step"] > 3]
+    assert_same_training(step_records(tmp_path / "out"), want, label="cp 2 -> cp 1 resume")

@@ -1,8 +1,14 @@
 """Parallel degrees, their validation against the model and the world, and the device mesh.
 
-The mesh has four axes, outermost first: ``pp`` (pipeline stages), then the
-data-parallel ranks split into ``dp_replicate`` x ``dp_shard``, then ``tp``
-innermost so tensor-parallel peers, which talk every layer, sit on the same node.
+The mesh has five axes, outermost first: ``pp`` (pipeline stages), then the
+data-parallel ranks split into ``dp_replicate`` x ``dp_shard``, then ``cp``
+(context parallelism: ranks that split each sequence, parallel/context_parallel.py),
+then ``tp`` innermost so tensor-parallel peers, which talk every layer, sit on the
+same node, with the cp peers, which gather keys and values every layer, next.
+
+The cp ranks hold the same weights and see different tokens, like dp ranks:
+FSDP shards over dp_shard x cp (one flattened axis), so their gradients are
+summed and their optimizer state sharded with the dp ranks'.
 
 FSDP shards parameters, gradients and optimizer state over the ``dp_shard``
 ranks and keeps ``dp_replicate`` copies of those shards (FSDP2's hybrid
@@ -31,10 +37,11 @@ class ParallelDims:
     pp: int
     distributed_optimizer: bool = True
     shard_degree: int | None = None  # the config's dp_shard; None: dp with the distributed optimizer, 1 without
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def dp_shard(self) -> int:
@@ -47,25 +54,31 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP shards over: 1-D (shard) when every dp rank shards, else 2-D (replicate, shard)."""
+        """The mesh FSDP shards over: 1-D (shard) when every dp rank shards, else 2-D (replicate, shard); the
+        shard axis takes in the cp ranks (without the distributed optimizer, the cp ranks alone shard)."""
+        shard = "dp_shard"
+        if self.cp > 1:
+            shard = "dp_shard_cp"
+            mesh["dp_shard", "cp"]._flatten(shard)
         if self.dp_replicate == 1 and self.distributed_optimizer:
-            return mesh["dp_shard"]
-        return mesh["dp_replicate", "dp_shard"]
+            return mesh[shard]
+        return mesh["dp_replicate", shard]
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
         """Every check that can fail before any heavy work, with the numbers in the message."""
-        if self.world_size % (self.tp * self.pp):
-            raise UserError(f"tp x pp = {self.tp} x {self.pp} = {self.tp * self.pp} does not divide the "
-                            f"{self.world_size} launched processes; choose tp and pp whose product divides it")
+        if self.world_size % (self.tp * self.pp * self.cp):
+            raise UserError(f"tp x pp x cp = {self.tp} x {self.pp} x {self.cp} = {self.tp * self.pp * self.cp} does "
+                            f"not divide the {self.world_size} launched processes; choose tp, pp and cp whose "
+                            "product divides it")
         if self.shard_degree is not None and self.dp % self.shard_degree:
             raise UserError(f"dp_shard = {self.shard_degree} does not divide the data-parallel degree dp = "
-                            f"{self.dp} ({self.world_size} processes / (tp {self.tp} x pp {self.pp})); choose a "
+                            f"{self.dp} ({self.world_size} processes / (tp {self.tp} x pp {self.pp} x cp {self.cp})); choose a "
                             f"dp_shard that divides {self.dp}, e.g. the dp ranks of one node")
         check_model_split(cfg, self.tp, num_stages)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:

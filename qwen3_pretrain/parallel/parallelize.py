@@ -25,9 +25,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
-from qwen3_pretrain.models.qwen3.attention import AttentionKernel
+from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model
+from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
@@ -47,19 +48,24 @@ def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int
 
 
 # ac_mode (the config's activation_checkpointing) -> what the model recomputes in backward
-RECOMPUTE = {"none": "none", "full": "layer", "selective": "mlp"}
+# (selective: the attention core, as Megatron's and MindSpeed's selective recompute mean it)
+RECOMPUTE = {"none": "none", "full": "layer", "selective": "attention", "mlp": "mlp"}
 
 
 def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int, *,
                 attention: AttentionKernel | None = None, fp32_matmul: bool = False, ac_mode: str = "none",
-                document_mask: bool = False) -> Qwen3Model:
+                document_mask: bool = False, cp_mesh: DeviceMesh | None = None) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
     ``attention``: the kernel of the device it will run on (``models/qwen3/attention.py``);
     ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, ``models/ops/precision.py``);
-    ``ac_mode``: what is recomputed in backward; ``document_mask``: attention within each document."""
-    options = ModelOptions(attention=fp32_attention() if fp32_matmul else attention,
+    ``ac_mode``: what is recomputed in backward; ``document_mask``: attention within each document;
+    ``cp_mesh``: the cp axis when it has more than one rank (the kernel then gathers keys and values over it)."""
+    kernel = fp32_attention() if fp32_matmul else attention or SdpaAttention()
+    if cp_mesh is not None:
+        kernel = ContextParallelAttention(kernel, cp_mesh)
+    options = ModelOptions(attention=kernel,
                            linear=Fp32Linear if fp32_matmul else nn.Linear, recompute=RECOMPUTE[ac_mode],
                            document_mask=document_mask)
     last = spec.stage_index == spec.num_stages - 1

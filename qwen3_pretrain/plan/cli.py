@@ -31,7 +31,7 @@ from qwen3_pretrain.plan.step import StepEstimate, predict_step
 # Training-config keys the planner reads, with their types; every other key is ignored.
 CONFIG_KEYS: dict[str, Any] = {
     "model_name": str, "model_path": str | None, "model_overrides": dict, "rank_size": int | None,
-    "tp": int, "pp": int, "seq_length": int, "batch_size": int, "gradient_accumulation_steps": int,
+    "tp": int, "pp": int, "cp": int, "seq_length": int, "batch_size": int, "gradient_accumulation_steps": int,
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
@@ -49,7 +49,7 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
         return {
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
             "gradient_accumulation_steps": lay.gradient_accumulation_steps,
             "activation_checkpointing": lay.activation_checkpointing,
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.shards,
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "x gradient accumulation of each layout)")
     for name in ("tp", "pp", "dp", "micro-batch-size", "gradient-accumulation-steps"):
         lay.add_argument(f"--{name}", type=int)
+    lay.add_argument("--cp", type=int, help="context-parallel degree (default: searched, with chunks of at least "
+                                            "512 tokens)")
     lay.add_argument("--activation-checkpointing", choices=CHECKPOINTING)
     lay.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
     lay.add_argument("--dp-shard", type=int, help="HSDP: shard over this many dp ranks (e.g. one node's), "
@@ -182,10 +184,11 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     """The base layout (settings that are not searched) and the fixed degrees, flags over config."""
     ac = conf.get("activation_checkpointing") or (
         ("full" if conf["gradient_checkpointing"] else "none") if "gradient_checkpointing" in conf else None)
-    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "micro_batch_size": conf.get("batch_size"),
+    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"),
+             "micro_batch_size": conf.get("batch_size"),
              "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer"),
              "dp_shard": conf.get("dp_shard")}
-    fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp),
+    fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp), ("cp", args.cp),
                                     ("micro_batch_size", args.micro_batch_size),
                                     ("activation_checkpointing", args.activation_checkpointing),
                                     ("distributed_optimizer", args.distributed_optimizer),
@@ -212,17 +215,17 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
 
 def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any]) -> None:
     """Refuse fixed degrees the cluster or the model cannot take, saying why."""
-    tp, pp, dp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("dp", 1)
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+    tp, pp, dp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("dp", 1), fixed.get("cp", 1)
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
         if value < 1:
             raise UserError(f"--{name} must be at least 1, got {value}")
-    needed = tp * pp * dp
+    needed = tp * pp * dp * cp
     if needed > cluster.devices or cluster.devices % needed:
-        raise UserError(f"tp x pp x dp = {tp} x {pp} x {dp} = {needed} does not divide the cluster's "
+        raise UserError(f"tp x pp x dp x cp = {tp} x {pp} x {dp} x {cp} = {needed} does not divide the cluster's "
                         f"{cluster.devices} devices ({cluster.nodes} node(s) x {cluster.devices_per_node}); "
                         "change the degrees or the cluster")
-    if "dp" in fixed and "tp" in fixed and "pp" in fixed and needed != cluster.devices:
-        raise UserError(f"tp x pp x dp = {needed} but the cluster has {cluster.devices} devices")
+    if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and needed != cluster.devices:
+        raise UserError(f"tp x pp x dp x cp = {needed} but the cluster has {cluster.devices} devices")
     check_model_split(cfg, tp, pp)
     shard = fixed.get("dp_shard")
     if shard is not None and (shard < 1 or "dp" in fixed and dp % shard):
@@ -261,7 +264,8 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
                    ("micro_batch_size", "a smaller micro-batch (drop --micro-batch-size)"),
                    ("distributed_optimizer", "the distributed optimizer (--distributed-optimizer)"),
                    ("dp_shard", "sharding over all dp ranks (drop --dp-shard)"),
-                   ("tp", "another tp (drop --tp)"), ("pp", "another pp (drop --pp)"), ("dp", "drop --dp")]
+                   ("tp", "another tp (drop --tp)"), ("cp", "another cp (drop --cp)"), ("pp", "another pp (drop --pp)"),
+                   ("dp", "drop --dp")]
     for key, words in relaxations:
         if key not in fixed:
             continue
@@ -281,7 +285,7 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
 def _describe(c: Candidate) -> str:
     lay = c.layout
     shard = f" dp_shard {lay.shards}" if lay.replicas > 1 and lay.shards > 1 else ""
-    return (f"tp {lay.tp} pp {lay.pp} dp {lay.dp}{shard} micro-batch {lay.micro_batch_size} "
+    return (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}{shard} micro-batch {lay.micro_batch_size} "
             f"recompute {lay.activation_checkpointing} at {c.memory.total / GiB:.1f} GiB")
 
 
@@ -296,14 +300,14 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
         f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
         "",
-        " #  tp pp dp shard  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
-        "| bubble  step s tok/s/dev   MFU | comm GB tp/pp/dp cross-node",
+        " #  tp cp pp dp shard  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
+        "| bubble  step s tok/s/dev   MFU | comm GB tp/cp/pp/dp cross-node",
     ]
     for i, c in enumerate(candidates[:top], 1):
         lay, gib, step = c.layout, c.memory.gib(), c.step
         comm = "/".join(f"{v / 1e9:.1f}" for v in step.comm_bytes_per_axis.values())
         lines.append(
-            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.dp:2d} {lay.shards:5d} {lay.micro_batch_size:4d} "
+            f"{i:2d} {lay.tp:3d} {lay.cp:2d} {lay.pp:2d} {lay.dp:2d} {lay.shards:5d} {lay.micro_batch_size:4d} "
             f"{lay.gradient_accumulation_steps:3d} "
             f"{lay.activation_checkpointing:9s} {'yes' if lay.distributed_optimizer else 'no':8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",

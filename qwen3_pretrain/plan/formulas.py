@@ -121,10 +121,31 @@ def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, head
     return sharded / t + 2 * d * hidden
 
 
-def qwen3_mlp_saved_bytes_per_token(hidden: int, intermediate: int, t: int = 1, dtype_bytes: int = BF16) -> float:
-    """The part of the layer's saved bytes that selective recompute drops.
+def qwen3_attention_core_saved_bytes_per_token(q_out: int, kv_out: int, heads: int, t: int = 1,
+                                               dtype_bytes: int = BF16, fp32_matmul: bool = False) -> float:
+    """The part of the layer's saved bytes that selective recompute (the attention core) drops.
 
-    Selective recompute in this project checkpoints each layer's MLP block
+    Selective recompute checkpoints the attention kernel's call, as Megatron's
+    selective recompute does: the checkpoint keeps the kernel's inputs q, k, v,
+    which the rotations already produced, and the output stays as o_proj's
+    input, so what goes is what the kernel saves beyond them. For a flash-style
+    kernel that is its fp32 log-sum-exp, ``4 heads / t``; with ``fp32_matmul``
+    (bf16 attention on fp32 copies) also what the fp32 copies of q, k, v and
+    of the output add, ``(4 - d)(q + 2 kv) + 4 q`` over ``t``. A kernel that materializes the
+    ``seq x seq`` scores (Megatron's unfused attention, the ``5as/h`` of
+    ``megatron_activation_bytes_per_layer``) would lose those; none of the
+    kernels this project runs keeps them.
+    """
+    sharded = 4 * heads
+    if fp32_matmul and dtype_bytes < 4:
+        sharded += (4 - dtype_bytes) * (q_out + 2 * kv_out) + 4 * q_out
+    return sharded / t
+
+
+def qwen3_mlp_saved_bytes_per_token(hidden: int, intermediate: int, t: int = 1, dtype_bytes: int = BF16) -> float:
+    """The part of the layer's saved bytes that MLP recompute (``activation_checkpointing: mlp``) drops.
+
+    MLP recompute checkpoints each layer's MLP block
     (gate, up, SiLU, product, down): the four ``f``-wide tensors go, and the
     all-gathered MLP input is replaced by its sequence shard, which the
     checkpoint keeps to re-gather in backward.
@@ -211,13 +232,15 @@ def training_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: i
 
 
 def recompute_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int, seq: int,
-                              checkpointing: Literal["none", "selective", "full"]) -> float:
-    """Extra forward FLOPs per token that activation recomputation runs in backward."""
+                              checkpointing: Literal["none", "selective", "mlp", "full"]) -> float:
+    """Extra forward FLOPs per token that activation recomputation runs in backward (selective: the
+    attention core's ``Q K^T`` and ``A V``, counted over the whole square as in ``training_flops_per_token``)."""
     if checkpointing == "none":
         return 0.0
-    mlp = 2.0 * 3 * hidden * intermediate
+    if checkpointing == "mlp":
+        return num_layers * 2.0 * 3 * hidden * intermediate
     if checkpointing == "selective":
-        return num_layers * mlp
+        return num_layers * 4.0 * q_out * seq
     return num_layers * (2.0 * layer_matmul_params(hidden, q_out, kv_out, intermediate) + 4.0 * q_out * seq)
 
 

@@ -1,9 +1,11 @@
 """A parallel layout, how it splits a Qwen3 model, and which layouts a cluster allows.
 
-The mesh is ``(pp, dp, tp)`` with ``tp`` innermost: the ``tp`` ranks of a group
+The mesh is ``(pp, dp, cp, tp)`` with ``tp`` innermost: the ``tp`` ranks of a group
 are consecutive, so they share a node whenever ``tp`` divides the devices of a
-node. ``dp`` splits into ``dp_replicate`` x ``dp_shard`` (HSDP), ``dp_shard``
-inner, so a shard group of ``tp x dp_shard`` consecutive ranks can fill a node.
+node; the ``cp`` ranks (context parallelism: each sequence split over them) come
+next. ``dp`` splits into ``dp_replicate`` x ``dp_shard`` (HSDP), ``dp_shard``
+inner; FSDP shards over ``dp_shard x cp``, so a shard group of ``tp x dp_shard x
+cp`` consecutive ranks can fill a node.
 ``micro_batch_size`` is the number of samples one data-parallel rank runs per
 forward/backward; the global batch is ``micro_batch_size * dp *
 gradient_accumulation_steps``. Under pipeline parallelism each of those
@@ -20,8 +22,9 @@ from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.parallel.dims import check_model_split, stage_layer_ranges, valid_tp_degrees
 
-Checkpointing = Literal["none", "selective", "full"]
-CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+Checkpointing = Literal["none", "selective", "mlp", "full"]
+# selective: the attention core (as Megatron); mlp: each MLP block; full: every layer
+CHECKPOINTING: tuple[str, ...] = ("none", "selective", "mlp", "full")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step
@@ -34,6 +37,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: every sequence split over this many ranks
     micro_batch_size: int = 1  # samples per data-parallel rank per forward/backward
     gradient_accumulation_steps: int = 1
     seq_length: int = 4096
@@ -55,7 +59,7 @@ class Layout:
     fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: models/ops/precision.py)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
+        for name in ("tp", "pp", "dp", "cp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
                      "virtual_stages", "loss_chunk_tokens", "pp_microbatch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -66,6 +70,8 @@ class Layout:
             if self.dp_shard > 1 and not self.distributed_optimizer:
                 raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
                                 "distributed optimizer")
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
+            raise UserError(f"layout: seq_length {self.seq_length} is not a multiple of 2 x cp = {2 * self.cp}")
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
@@ -74,15 +80,16 @@ class Layout:
     @property
     def shards(self) -> int:
         """Ranks that shard weights, gradients and optimizer state (FSDP's shard group): ``dp_shard`` when
-        set, else every dp rank with the distributed optimizer and none (full replicas) without."""
+        set, else every dp rank with the distributed optimizer and none (full replicas) without; times the cp
+        ranks, which always shard with them."""
         if self.dp_shard is not None:
-            return self.dp_shard
-        return self.dp if self.distributed_optimizer else 1
+            return self.dp_shard * self.cp
+        return (self.dp if self.distributed_optimizer else 1) * self.cp
 
     @property
     def replicas(self) -> int:
         """Copies of each shard, all-reduced once per gradient reduction (1: plain FSDP)."""
-        return self.dp // self.shards
+        return self.dp * self.cp // self.shards
 
     @property
     def accumulates_unsharded(self) -> bool:
@@ -91,7 +98,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def global_batch_size(self) -> int:
@@ -115,6 +122,11 @@ class Layout:
     @property
     def samples_per_microbatch(self) -> int:
         return self.micro_batch_size if self.pp == 1 else self.pp_microbatch_size
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens one rank runs per forward/backward: its micro-batch's share of each sequence (1/cp)."""
+        return self.samples_per_microbatch * self.seq_length // self.cp
 
     @property
     def dtype_bytes(self) -> int:
@@ -194,13 +206,15 @@ class Cluster:
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def axis_is_intra_node(self, layout: Layout, axis: Literal["tp", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
+    def axis_is_intra_node(self, layout: Layout,
+                           axis: Literal["tp", "cp", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
         """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp_replicate,
-        dp_shard, tp; ``dp`` is the two dp axes together)."""
-        span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shards,
-                "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size}[axis]
-        size = {"tp": layout.tp, "dp": layout.dp, "dp_shard": layout.shards, "dp_replicate": layout.replicas,
-                "pp": layout.pp}[axis]
+        dp_shard, cp, tp; ``dp`` is the two dp axes together, ``dp_shard`` FSDP's shard group with cp)."""
+        dp_span = layout.tp * layout.cp * layout.dp
+        span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": dp_span, "dp_shard": layout.tp * layout.shards,
+                "dp_replicate": dp_span, "pp": layout.world_size}[axis]
+        size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_shard": layout.shards,
+                "dp_replicate": layout.replicas, "pp": layout.pp}[axis]
         if size == 1:
             return True
         return span <= self.devices_per_node and self.devices_per_node % span == 0
@@ -233,13 +247,27 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
     """
     fixed = dict(fixed or {})
     for tp in [t for t in valid_tp_degrees(cfg) if cluster.devices % t == 0]:
-        for pp in [p for p in _divisors(cluster.devices // tp) if p <= cfg.num_hidden_layers]:
-            dp = cluster.devices // (tp * pp)
-            if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
-                continue
-            layout = base.replace(tp=tp, pp=pp, dp=dp)
-            yield from _batch_variants(cfg, layout, global_batch_size, fixed, max_micro_batch,
-                                       _shard_choices(layout, cluster, fixed))
+        for cp in _cp_choices(base.seq_length, cluster.devices // tp, fixed):
+            for pp in [p for p in _divisors(cluster.devices // (tp * cp)) if p <= cfg.num_hidden_layers]:
+                dp = cluster.devices // (tp * cp * pp)
+                if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
+                    continue
+                layout = base.replace(tp=tp, pp=pp, dp=dp, cp=cp)
+                yield from _batch_variants(cfg, layout, global_batch_size, fixed, max_micro_batch,
+                                           _shard_choices(layout, cluster, fixed))
+
+
+# Shorter chunks than this make cp's per-layer gathers latency-bound for little memory saved.
+MIN_CP_CHUNK_TOKENS = 512
+
+
+def _cp_choices(seq_length: int, devices: int, fixed: dict[str, object]) -> list[int]:
+    """cp degrees to try: the fixed one, else the powers of two dividing ``devices`` that split the sequence
+    into ``2 cp`` chunks of at least ``MIN_CP_CHUNK_TOKENS``."""
+    if "cp" in fixed:
+        return [int(fixed["cp"])]  # type: ignore[call-overload]
+    return [c for c in _powers_of_two(devices) if devices % c == 0 and seq_length % (2 * c) == 0
+            and (c == 1 or seq_length // (2 * c) >= MIN_CP_CHUNK_TOKENS)]
 
 
 def _shard_choices(layout: Layout, cluster: Cluster, fixed: dict[str, object]) -> list[int | None]:
@@ -247,7 +275,8 @@ def _shard_choices(layout: Layout, cluster: Cluster, fixed: dict[str, object]) -
     dp ranks span nodes, one node's worth of them (HSDP, whose shard groups then stay on a node)."""
     if "dp_shard" in fixed:
         return [fixed["dp_shard"]]  # type: ignore[list-item]
-    per_node = cluster.devices_per_node // layout.tp if cluster.devices_per_node % layout.tp == 0 else 0
+    inner = layout.tp * layout.cp  # the ranks of one dp rank
+    per_node = cluster.devices_per_node // inner if cluster.devices_per_node % inner == 0 else 0
     if 1 < per_node < layout.dp and layout.dp % per_node == 0:
         return [None, per_node]
     return [None]

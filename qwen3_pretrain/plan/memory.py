@@ -108,13 +108,48 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.intermediate_size, t, d, layout.fp32_matmul)
+    saved += context_parallel_bytes_per_token(cfg, layout)
+    return saved - recomputed_bytes_per_token(cfg, layout, checkpointing)
+
+
+def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
+    """What selective (attention core) or MLP recompute drops from a layer's saved bytes."""
+    d, t = layout.dtype_bytes, layout.tp
+    if checkpointing == "mlp":
+        return F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
     if checkpointing == "selective":
-        saved -= F.qwen3_mlp_saved_bytes_per_token(h, cfg.intermediate_size, t, d)
-    return saved
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        core = F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d, layout.fp32_matmul)
+        return core + context_parallel_bytes_per_token(cfg, layout)
+    return 0.0
+
+
+def context_parallel_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What context parallelism adds to a layer's saved bytes per local token (all inside the kernel call,
+    so selective recompute drops it): attention keeps the K and V of the whole sequence, gathered from the
+    cp ranks, instead of its own, ``(cp - 1) 2 kv / t`` in the dtype attention computes in; and its two query
+    chunks' outputs, which SDPA keeps, are copies besides o_proj's input, ``d q / t`` (with ``fp32_matmul``
+    they are the fp32 outputs the layer formula already counts)."""
+    if layout.cp == 1:
+        return 0.0
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    gathered = (layout.cp - 1) * 2 * kv * (4 if layout.fp32_matmul else layout.dtype_bytes)
+    return (gathered + (0 if layout.fp32_matmul else layout.dtype_bytes * q)) / layout.tp
+
+
+def cp_mask_bytes(layout: Layout) -> float:
+    """The additive masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
+    ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` values in attention's dtype, per sample
+    under document masking (built per micro-batch), once otherwise (the causal ones are kept for good)."""
+    if layout.cp == 1:
+        return 0.0
+    chunk = layout.seq_length // (2 * layout.cp)
+    samples = layout.samples_per_microbatch if layout.document_mask else 1
+    return chunk * chunk * (2 * layout.cp + 1) * samples * (4 if layout.fp32_matmul else layout.dtype_bytes)
 
 
 def _microbatch_tokens(layout: Layout) -> int:
-    return layout.samples_per_microbatch * layout.seq_length
+    return layout.microbatch_tokens
 
 
 def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
@@ -122,7 +157,9 @@ def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
     tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
     per_mb = shape.num_layers * tokens * _layer_bytes_per_token(cfg, layout, layout.activation_checkpointing)
     per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
-    if layout.document_mask and layout.dense_document_mask:
+    if layout.cp > 1:
+        per_mb += cp_mask_bytes(layout)
+    elif layout.document_mask and layout.dense_document_mask:
         # The CPU kernel's additive mask, [seq, seq] per sample in the dtype attention computes in, built
         # once per micro-batch and kept for backward by every layer's attention.
         per_mb += tokens * layout.seq_length * (4 if layout.fp32_matmul else d)
@@ -141,8 +178,8 @@ def _backward_working(cfg: Qwen3Config, layout: Layout) -> float:
     recomputed = 0.0
     if layout.activation_checkpointing == "full":
         recomputed = _layer_bytes_per_token(cfg, layout, "none")
-    elif layout.activation_checkpointing == "selective":
-        recomputed = F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
+    else:
+        recomputed = recomputed_bytes_per_token(cfg, layout, layout.activation_checkpointing)
     grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
     return tokens * (recomputed + grads)
 

@@ -9,9 +9,13 @@ Per micro-batch on the slowest pipeline stage:
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
   layer 2 + 2 in forward, 2 + 2 in backward, 2 + 2 more for full recompute and
-  1 for selective; the embedding's reduce-scatter, the loss's gather of the
+  1 for MLP recompute (none for selective, the attention core); the embedding's reduce-scatter, the loss's gather of the
   hidden states and all-reduce of its gradient, and the loss's per-chunk
   statistics all-reduces;
+* context parallelism = per layer an all-gather of the whole sequence's K and
+  V over the cp ranks (twice with selective or full recompute, which rerun
+  attention) and a reduce-scatter of their gradients, not overlapped; every
+  token count above is a rank's share of the sequence (``seq / cp``);
 * pipeline = one activation received and one gradient sent per micro-batch
   (``[tokens / tp, hidden]``), not overlapped.
 
@@ -68,7 +72,7 @@ def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
     intra = _Link(hw.intra_node_gbps * GB, hw.intra_node_latency_us * 1e-6)
     inter = _Link(hw.inter_node_gbps * GB, hw.inter_node_latency_us * 1e-6)
     return {axis: intra if cluster.axis_is_intra_node(layout, axis) else inter
-            for axis in ("tp", "dp_shard", "dp_replicate", "pp")}
+            for axis in ("tp", "cp", "dp_shard", "dp_replicate", "pp")}
 
 
 def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
@@ -80,7 +84,7 @@ def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageSh
                                              layout.activation_checkpointing)
     if shape.has_head:
         per_token += 6.0 * cfg.vocab_size * h
-    return per_token * layout.samples_per_microbatch * seq
+    return per_token * layout.microbatch_tokens
 
 
 def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
@@ -88,10 +92,11 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     t = layout.tp
     if t == 1:
         return 0.0, 0.0
-    tokens = layout.samples_per_microbatch * layout.seq_length
+    tokens = layout.microbatch_tokens
     act = layout.dtype_bytes * tokens * cfg.hidden_size  # one [tokens, hidden] activation
     # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
-    gathers = 4 + {"full": 2, "selective": 1, "none": 0}[layout.activation_checkpointing]
+    # (the attention core that selective recompute reruns sits between them: no collective of its own)
+    gathers = 4 + {"full": 2, "mlp": 1, "selective": 0, "none": 0}[layout.activation_checkpointing]
     scatters = 4 + (2 if layout.activation_checkpointing == "full" else 0)
     calls: list[tuple[F.Collective, float]] = \
         ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.num_layers
@@ -106,10 +111,26 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     return nbytes, seconds
 
 
+def _cp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
+    """(bus bytes, seconds) of one micro-batch's context-parallel collectives on this stage: per layer the
+    all-gather of K and V of the whole sequence (again when recompute reruns attention) and the
+    reduce-scatter of their gradients, on the critical path."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    kv = cfg.num_key_value_heads * cfg.head_dim / layout.tp
+    whole = 2 * layout.dtype_bytes * kv * layout.samples_per_microbatch * layout.seq_length  # K and V, gathered
+    gathers = 2 if layout.activation_checkpointing in ("selective", "full") else 1
+    calls: list[tuple[F.Collective, float]] = ([("all_gather", whole)] * gathers + [("reduce_scatter", whole)]) \
+        * shape.num_layers
+    nbytes = sum(b * F.bus_bandwidth_factor(kind, layout.cp) for kind, b in calls)
+    seconds = sum(F.collective_seconds(kind, b, layout.cp, link.bandwidth, link.latency) for kind, b in calls)
+    return nbytes, seconds
+
+
 def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, link: _Link) -> tuple[float, float]:
     if layout.pp == 1:
         return 0.0, 0.0
-    tokens = layout.samples_per_microbatch * layout.seq_length
+    tokens = layout.microbatch_tokens
     msg = layout.dtype_bytes * tokens * cfg.hidden_size / layout.tp
     return 2 * msg, 2 * F.collective_seconds("p2p", msg, 2, link.bandwidth, link.latency)
 
@@ -166,29 +187,32 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     for shape in stage_shapes(cfg, layout):
         compute = _stage_flops_per_microbatch(cfg, layout, shape) / speed
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
+        cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, links["pp"])
         dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links)
-        per_stage.append((compute, tp_time, pp_time, dp_time, dp_edges, tp_bytes, pp_bytes, dp_bytes, shape))
+        per_stage.append(dict(compute=compute, tp=tp_time, cp=cp_time, pp=pp_time, dp=dp_time, dp_edges=dp_edges,
+                              bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes}, dp_bytes=dp_bytes, shape=shape))
     # The slowest stage paces the pipeline; its numbers describe the step.
-    compute, tp_time, pp_time, dp_time, dp_edges, tp_bytes, pp_bytes, dp_bytes, shape = max(
-        per_stage, key=lambda x: x[0] + x[1] + x[2])
+    slowest = max(per_stage, key=lambda x: x["compute"] + x["tp"] + x["cp"] + x["pp"])
     slots = m + (layout.pp - 1) / v
-    busy = m * compute
-    dp_exposed = max(0.0, dp_time - busy) + dp_edges
-    total_params = stage_params(cfg, layout, shape).total
-    shard = layout.shards
-    optimizer = ADAMW_BYTES_PER_PARAM * total_params / shard / (hardware.memory_bandwidth_gbps * GB)
-    step = slots * (compute + tp_time + pp_time) + dp_exposed + optimizer
+    busy = m * slowest["compute"]
+    dp_exposed = max(0.0, slowest["dp"] - busy) + slowest["dp_edges"]
+    total_params = stage_params(cfg, layout, slowest["shape"]).total
+    optimizer = ADAMW_BYTES_PER_PARAM * total_params / layout.shards / (hardware.memory_bandwidth_gbps * GB)
+    step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"]) + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
+    per_axis = {"tp": m * slowest["bytes"]["tp"], "cp": m * slowest["bytes"]["cp"], "pp": m * slowest["bytes"]["pp"],
+                "dp": sum(slowest["dp_bytes"].values())}
     return StepEstimate(
         step_time_s=step,
         tokens_per_sec_per_device=tokens_per_device,
         mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / peak,
         bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
         compute_time_s=busy,
-        comm_time_s={"tp": m * tp_time, "pp": m * pp_time, "dp": dp_exposed},
-        comm_bytes_per_axis={"tp": m * tp_bytes, "pp": m * pp_bytes, "dp": sum(dp_bytes.values())},
-        dp_bytes_per_group=dp_bytes,
-        cross_node_bytes=sum(b for axis, b in {"tp": m * tp_bytes, "pp": m * pp_bytes, **dp_bytes}.items()
+        comm_time_s={"tp": m * slowest["tp"], "cp": m * slowest["cp"], "pp": m * slowest["pp"], "dp": dp_exposed},
+        comm_bytes_per_axis=per_axis,
+        dp_bytes_per_group=slowest["dp_bytes"],
+        cross_node_bytes=sum(b for axis, b in {**{k: per_axis[k] for k in ("tp", "cp", "pp")},
+                                               **slowest["dp_bytes"]}.items()
                              if not cluster.axis_is_intra_node(layout, axis)),
     )

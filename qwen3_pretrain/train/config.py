@@ -38,6 +38,10 @@ class TrainConfig:
                                       "own -hostfile argument).")
     tp: int = field_help(1, "Tensor-parallel degree (splits attention heads, MLP and vocabulary).")
     pp: int = field_help(1, "Pipeline-parallel degree (splits the layers into contiguous stages).")
+    cp: int = field_help(1, "Context-parallel degree: splits every sequence over this many ranks (each holds two "
+                         "mirrored chunks of 2 x cp, for causal load balance); attention all-gathers keys and "
+                         "values over them. For long sequences (docs/training.md 'Long sequences'); seq_length "
+                         "must be a multiple of 2 x cp. world = pp x dp x cp x tp.")
     seq_length: int = field_help(4096, "Tokens per sample.")
     batch_size: int = field_help(1, "Micro-batch per data-parallel rank (samples). Global batch = batch_size x dp "
                                  "x gradient_accumulation_steps.")
@@ -82,9 +86,12 @@ class TrainConfig:
                "once per step (the pipeline schedule always does).")
     pp_microbatch_size: int = field_help(1, "Samples per pipeline micro-batch; each rank's batch of batch_size x "
                                          "gradient_accumulation_steps samples is split into micro-batches of this.")
-    activation_checkpointing: Literal["full", "selective", "none"] | None = field_help(
-        None, "full: recompute every layer; selective: recompute only the MLPs; none. Empty: from "
-              "gradient_checkpointing.")
+    activation_checkpointing: Literal["full", "selective", "mlp", "none"] | None = field_help(
+        None, "What backward recomputes instead of keeping. full: every layer (keeps only each layer's input); "
+              "selective: the attention core (the kernel's scores/softmax statistics and, with fp32 attention "
+              "on a CPU, its fp32 copies), as Megatron's and MindSpeed's selective recompute; mlp: each MLP's "
+              "intermediate activations (3 x intermediate_size per token; this project's 'selective' before); "
+              "none. Empty: from gradient_checkpointing.")
     device: Literal["auto", "cpu", "cuda", "npu"] = field_help("auto", "auto picks cuda, then npu (torch_npu), "
                                                                "then cpu.")
     eval_steps: int = field_help(0, "Evaluate on the held-out split every this many steps; 0 disables.")
@@ -129,7 +136,7 @@ class TrainConfig:
         return "full" if self.gradient_checkpointing else "none"
 
     def validate(self) -> None:
-        at_least = {"tp": 1, "pp": 1, "seq_length": 2, "batch_size": 1, "total_steps": 1, "log_steps": 1,
+        at_least = {"tp": 1, "pp": 1, "cp": 1, "seq_length": 2, "batch_size": 1, "total_steps": 1, "log_steps": 1,
                     "gradient_accumulation_steps": 1, "pp_virtual_stages": 1, "pp_microbatch_size": 1,
                     "loss_chunk_tokens": 1, "collective_timeout_s": 1, "init_timeout_s": 1, "eval_iters": 1}
         for key, low in at_least.items():
@@ -149,6 +156,12 @@ class TrainConfig:
         if self.compile and self.tp > 1:
             raise ConfigError("compile with tp > 1: the compiled tensor-parallel layers gave gradients that differ "
                               "from eager ones (torch 2.13, measured); set compile false or tp 1")
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
+            raise ConfigError(f"seq_length {self.seq_length} is not a multiple of 2 x cp = {2 * self.cp} (each cp rank "
+                              "holds two equal chunks of every sequence); choose a seq_length or cp that fits")
+        if self.compile and self.cp > 1:
+            raise ConfigError("compile with cp > 1: the context-parallel attention's collectives run inside the "
+                              "layers, which are not compiled with them; set compile false or cp 1")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ConfigError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.dp_shard is not None and self.dp_shard > 1 and not self.distributed_optimizer:

@@ -31,6 +31,7 @@ from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens, optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
 from qwen3_pretrain.parallel import env
+from qwen3_pretrain.parallel.context_parallel import shard_sequence
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size, stage_layer_ranges
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
@@ -97,7 +98,7 @@ class Trainer:
         if cfg.seq_length > model_cfg.max_position_embeddings:
             raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
                               f"{model_cfg.max_position_embeddings}")
-        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard)
+        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard, cfg.cp)
         self.stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
         self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
         if cfg.eval_steps and not cfg.valid_fraction:
@@ -121,7 +122,8 @@ class Trainer:
         for idx in self.stage_indices:
             part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
                                self.loss_chunk_tokens, attention=attention_kernel(self.device.type),
-                               fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask)
+                               fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask,
+                               cp_mesh=self.mesh["cp"] if dims.cp > 1 else None)
             parallelize_stage(part, self.mesh, dp_mesh, cfg.mixed_precision, cfg.compile)
             materialize(part, self.device, source)
             self.parts.append(part)
@@ -154,9 +156,10 @@ class Trainer:
                                         valid_fraction=cfg.valid_fraction)
             self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
         self.global_tokens = self.global_batch * cfg.seq_length
-        # Each rank's loss is its token sum over the global batch's token count, times dp because
-        # FSDP averages gradients over the dp ranks: together they give the global token mean.
-        self.loss_scale = dims.dp / self.global_tokens
+        # Each rank's loss is its token sum over the global batch's token count, times dp x cp because
+        # FSDP averages gradients over the dp and cp ranks: together they give the global token mean.
+        self.loss_scale = dims.dp * dims.cp / self.global_tokens
+        self.cp_rank = self.mesh.get_local_rank("cp")
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "model_name": cfg.model_name,
             "model_config": self.source.config.to_hf_dict(), "padded_vocab_size": self.padded_vocab,
             "tied": self.source.config.tie_word_embeddings, "tokenizer_path": cfg.tokenizer_path,
-            "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
+            "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
                        "dp_shard": dims.dp_shard, "distributed_optimizer": dims.distributed_optimizer,
                        "pp_schedule": cfg.pp_schedule},
             "data": self.loader.state_dict(), "config": to_dict(cfg), "nonfinite_in_a_row": self.nonfinite_in_a_row,
@@ -222,29 +225,39 @@ class Trainer:
         part = self.parts[0]
         for i, mb in enumerate(batches):
             part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or i == len(batches) - 1)
-            loss = self._loss_fn(part(mb["input_ids"].to(self.device), self._positions(mb)),
-                                 mb["labels"].to(self.device))
+            hidden = part(self._tokens(mb, "input_ids"), self._positions(mb))
+            loss = self._loss_fn(hidden, self._tokens(mb, "labels"))
             loss.backward()
             total += loss.detach()
         return total
 
     @property
     def _uses_positions(self) -> bool:
-        return self.cfg.reset_position_ids or self.cfg.document_mask
+        # Under cp a rank's tokens are not 0..n-1: each carries its own position.
+        return self.cfg.reset_position_ids or self.cfg.document_mask or self.dims.cp > 1
+
+    def _tokens(self, mb: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        """``mb[key]`` [batch, seq] on the device, this cp rank's part of each sequence."""
+        return shard_sequence(mb[key], self.dims.cp, self.cp_rank).to(self.device)
 
     def _positions(self, mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """Per-document RoPE positions when configured; None means 0..seq-1 in every sample."""
-        return mb["positions"].to(self.device) if self._uses_positions else None
+        """Per-document (or, under cp, global) RoPE positions; None means 0..seq-1 in every sample."""
+        if not self._uses_positions:
+            return None
+        if self.cfg.reset_position_ids or self.cfg.document_mask:
+            return self._tokens(mb, "positions")
+        positions = torch.arange(self.cfg.seq_length).expand_as(mb["input_ids"])
+        return shard_sequence(positions, self.dims.cp, self.cp_rank).to(self.device)
 
     def _run_pipeline(self, run, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One pass of the schedule (``step`` or ``eval``) over this rank's micro-batches, re-cut into
         pipeline micro-batches; returns the sum of the scaled losses (zero off the last stage)."""
-        inputs = torch.cat([mb["input_ids"] for mb in batches]).to(self.device)
-        labels = torch.cat([mb["labels"] for mb in batches]).to(self.device)
+        inputs = torch.cat([self._tokens(mb, "input_ids") for mb in batches])
+        labels = torch.cat([self._tokens(mb, "labels") for mb in batches])
         losses: list[torch.Tensor] = []
         args: tuple[torch.Tensor, ...] = ()
         if self.has_first:  # per-document positions enter with the ids and travel with the hidden states
-            args = (inputs, torch.cat([mb["positions"] for mb in batches]).to(self.device)) \
+            args = (inputs, torch.cat([self._positions(mb) for mb in batches])) \
                 if self._uses_positions else (inputs,)
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         run(*args, return_outputs=False, **kwargs)
@@ -256,7 +269,7 @@ class Trainer:
     def _global_mean_loss(self, local: torch.Tensor) -> float:
         reduced = local.detach().float().clone()
         dist.all_reduce(reduced)
-        return reduced.item() / (self.dims.tp * self.dims.dp)
+        return reduced.item() / (self.dims.tp * self.dims.dp * self.dims.cp)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -270,8 +283,8 @@ class Trainer:
             else:
                 local = torch.zeros((), device=self.device)
                 for mb in batches:
-                    hidden = self.parts[0](mb["input_ids"].to(self.device), self._positions(mb))
-                    local += self._loss_fn(hidden, mb["labels"].to(self.device))
+                    hidden = self.parts[0](self._tokens(mb, "input_ids"), self._positions(mb))
+                    local += self._loss_fn(hidden, self._tokens(mb, "labels"))
             total += self._global_mean_loss(local)
         # Without a backward pass, units kept gathered after forward (the embedding of a tied head)
         # stay gathered: give the memory back, and let checkpoints see the sharded parameters.
@@ -289,11 +302,11 @@ class Trainer:
         if self.tied is not None:
             self.tied.sync_grads()
         grad_norm = global_grad_norm(self.norm_params, self.pp_group).item()
-        # Every last-stage rank holds its dp share of the loss, replicated over tp. The same reduction
+        # Every last-stage rank holds its dp x cp share of the loss, replicated over tp. The same reduction
         # tells every rank whether any of them was asked to stop (SIGTERM/SIGINT).
         reduced = torch.stack([local_loss.float(), torch.tensor(float(self.stop_requested), device=self.device)])
         dist.all_reduce(reduced)
-        loss = reduced[0].item() / (self.dims.tp * self.dims.dp)
+        loss = reduced[0].item() / (self.dims.tp * self.dims.dp * self.dims.cp)
         self.stop_agreed = reduced[1].item() > 0
         lr = lr_at(self.step, cfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -397,9 +410,9 @@ class Trainer:
         if self.launch.rank == 0:
             save_config(cfg, Path(cfg.output_path) / "config.yaml")
         if self.is_log_rank:
-            log.info("run start: world %d | tp %d pp %d dp %d | global_batch %d (batch_size %d x dp %d x "
+            log.info("run start: world %d | tp %d pp %d dp %d cp %d | global_batch %d (batch_size %d x dp %d x "
                      "accumulation %d) | seq %d | model %s, %.3gB params | %s | device %s | launcher %s",
-                     self.launch.world_size, dims.tp, dims.pp, dims.dp, self.global_batch, cfg.batch_size, dims.dp,
+                     self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size, dims.dp,
                      cfg.gradient_accumulation_steps, cfg.seq_length, cfg.model_name, m.num_params() / 1e9,
                      self.source.description, self.device, self.launch.launcher)
             if self.fp32_matmul:
@@ -411,11 +424,12 @@ class Trainer:
                 self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
             self._log_predicted_memory()
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
-                                "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "global_batch": self.global_batch})
+                                "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
+                                "global_batch": self.global_batch})
 
     def _layout(self) -> Layout:
         cfg, dims = self.cfg, self.dims
-        return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=cfg.batch_size,
+        return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, micro_batch_size=cfg.batch_size,
                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
                       activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
                       dp_shard=cfg.dp_shard,

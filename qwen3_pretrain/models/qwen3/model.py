@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
-RECOMPUTE = ("none", "layer", "mlp")
+RECOMPUTE = ("none", "layer", "attention", "mlp")
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,10 @@ class ModelOptions:
     attention: AttentionKernel | None = None
     # The class of every projection: ``nn.Linear``, or one with other numerics (models/ops/precision.py).
     linear: type[nn.Linear] = nn.Linear
-    # Recomputed in backward instead of kept: "layer" (each decoder layer keeps only its input), "mlp"
-    # (each MLP's intermediate activations, 3 x intermediate_size per token), or "none".
+    # Recomputed in backward instead of kept: "layer" (each decoder layer keeps only its input), "attention"
+    # (the attention core, the kernel call: what the kernel saves beyond its inputs, e.g. scores or softmax
+    # statistics, as Megatron's selective recompute), "mlp" (each MLP's intermediate activations,
+    # 3 x intermediate_size per token), or "none".
     recompute: str = "none"
     # Attention stays within each packed document (the positions restart at 0 where one starts).
     document_mask: bool = False
@@ -102,8 +104,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: type[nn.Linear] = nn.Linear) -> None:
+    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: type[nn.Linear] = nn.Linear,
+                 recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute  # the kernel call keeps only q, k, v and runs again in backward
         self.head_dim = cfg.head_dim
         h, hd = cfg.hidden_size, cfg.head_dim
         self.q_proj = linear(h, cfg.num_attention_heads * hd, bias=False)
@@ -122,7 +126,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = self.kernel(q, k, v, docs)
+        if self.recompute:
+            out = checkpoint(self.kernel, q, k, v, docs, use_reentrant=False)
+        else:
+            out = self.kernel(q, k, v, docs)  # [batch, heads, seq, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -147,7 +154,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, attention, options.linear)
+        self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "attention")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, options.linear, recompute=options.recompute == "mlp")
         self.recompute = options.recompute == "layer"
