@@ -1,0 +1,137 @@
+"""``convert`` on two ranks (torchrun, mpirun; gloo): the same corpus as one process, and a failure anywhere
+stops every rank with no manifest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from qwen3_pretrain.data import wiki
+from qwen3_pretrain.data.convert import DataConvertConfig, convert
+from qwen3_pretrain.data.convert_ranks import split_files
+from qwen3_pretrain.data.indexed_dataset import IndexedDataset
+from qwen3_pretrain.data.reader import PackedDataset, open_corpus
+from qwen3_pretrain.data.reader_manifest import validate_manifest
+from tests._train_helpers import check_ok, child_env, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN = REPO / "assets" / "qwen3-tokenizer"
+DUMP = REPO / "assets" / "enwiki-sample" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# Small enough shards and pieces that documents are split and every shard gets documents from both ranks.
+SETTINGS = {"shards": 3, "max_doc_length": 3000, "seq_length": 64, "workers": 1}
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled sample's first 40 articles as five parquet files of uneven size."""
+    root = tmp_path_factory.mktemp("multi")
+    wiki.wiki_to_parquet(DUMP, root / "all.parquet", workers=1)
+    table = pq.read_table(root / "all.parquet").slice(0, 40)
+    folder = root / "in"
+    folder.mkdir()
+    cuts = [0, 3, 12, 15, 28, 40]
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        pq.write_table(table.slice(a, b - a), folder / f"part-{i}.parquet")
+    return folder
+
+
+def overrides(input_path: Path, output: Path) -> list[str]:
+    return [f"input_path={input_path}", f"tokenizer_path={QWEN}", f"output_path={output}",
+            *(f"{k}={v}" for k, v in SETTINGS.items())]
+
+
+def torchrun(input_path: Path, output: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "qwen3_pretrain", "convert", *overrides(input_path, output)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=child_env())
+
+
+def stream(output: Path) -> tuple[list[int], list[int]]:
+    """All tokens in manifest order, and where each document ends in that stream (the reader's view)."""
+    manifest = json.loads((output / "manifest.json").read_text())
+    tokens = np.concatenate([np.asarray(IndexedDataset(output / s["prefix"]).tokens, dtype=np.int64)
+                             for s in manifest["shards"]])
+    corpus = open_corpus(output, manifest)
+    return tokens.tolist(), np.cumsum(corpus.doc_len).tolist()
+
+
+def assert_same_corpus(got: Path, want: Path) -> None:
+    assert stream(got) == stream(want)
+    validate_manifest(got, 151936, QWEN, SETTINGS["seq_length"])
+    a, b = PackedDataset(got, SETTINGS["seq_length"], seed=3), PackedDataset(want, SETTINGS["seq_length"], seed=3)
+    assert len(a) == len(b) > 0
+    for i in range(len(a)):
+        assert a[i]["input_ids"].tolist() == b[i]["input_ids"].tolist(), f"sample {i}"
+    assert sorted(p.name for p in got.iterdir() if not p.name.startswith("shard_")) == ["manifest.json"]
+
+
+@pytest.fixture(scope="module")
+def one_process(multi: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("one")
+    convert(DataConvertConfig(input_path=str(multi), tokenizer_path=str(QWEN), output_path=str(output), **SETTINGS))
+    return output
+
+
+@pytest.mark.parametrize("sizes,world", [([5, 1, 1, 1, 1, 1], 2), ([1, 2, 3, 4, 5, 6, 7], 3), ([9, 1], 4),
+                                         ([3, 3, 3, 3], 2), ([], 2)])
+def test_split_is_contiguous_and_balanced_by_bytes(sizes: list[int], world: int) -> None:
+    runs = split_files(sizes, world)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))
+    prefix = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    for rank, run in enumerate(runs[:-1], 1):
+        # Each boundary is one of the prefixes nearest to this rank's share (or clamped to the one before).
+        best = min(abs(p - sum(sizes) * rank / world) for p in prefix[run.start:])
+        assert abs(prefix[run.stop] - sum(sizes) * rank / world) == best or run.stop == run.start
+
+
+@pytest.mark.distributed
+def test_two_ranks_under_torchrun_give_the_one_process_corpus(multi: Path, one_process: Path,
+                                                              tmp_path: Path) -> None:
+    proc = torchrun(multi, tmp_path / "out")
+    check_ok(proc)
+    assert "from 2 ranks" in proc.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    # Every shard got documents from both ranks: the test covers the loads passed from rank to rank.
+    assert sorted(s["prefix"] for s in manifest["shards"]) == [f"shard_{s:05d}-{r:05d}" for s in range(3)
+                                                              for r in range(2)]
+    assert_same_corpus(tmp_path / "out", one_process)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_two_ranks_under_mpirun_with_a_hostfile(multi: Path, one_process: Path, tmp_path: Path) -> None:
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    env = dict(child_env(), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    cmd = ["mpirun", "-np", "2", "-hostfile", "hostfile", "-x", "PATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
+           sys.executable, "-m", "qwen3_pretrain", "convert", *overrides(multi, tmp_path / "out"),
+           "master_addr=127.0.0.1", f"master_port={free_port()}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    check_ok(proc)
+    assert_same_corpus(tmp_path / "out", one_process)
+
+
+@pytest.mark.distributed
+def test_a_bad_file_on_one_rank_stops_both_and_leaves_no_manifest(tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)))
+    # Rank 1's file: a good start (passes the up-front check), a broken line further on.
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": f"more {i}"}) + "\n" for i in range(15))
+                                    + "{not json\n" + json.dumps({"text": "after"}) + "\n")
+    output = tmp_path / "out"
+    proc = torchrun(folder, output)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "rank 1 of 2:" in errors[0] and "b.jsonl:16: not a JSON object" in errors[0], errors[0]
+    # torchrun reports the failed children with its own traceback; none comes from our code.
+    assert "qwen3_pretrain/" not in "".join(line for line in proc.stderr.splitlines() if line.strip().startswith("File"))
+    assert sorted(p.name for p in output.iterdir()) == []  # no manifest, no shard, nothing staged
