@@ -60,7 +60,8 @@ class DataConvertConfig:
     output_path: str = field_help(help="folder for shard_NNNNN.bin/.idx and manifest.json (created if missing)")
     seq_length: int = field_help(8192, help="training sequence length the data is meant for (recorded in "
                                             "the manifest; training checks it)")
-    shards: int = field_help(16, help="number of output shards; documents are spread so tokens balance")
+    shards: int = field_help(16, help="number of output shards; documents are spread so tokens balance "
+                                         "(on several ranks each shard is written as one piece per rank)")
     do_lower_case: bool = field_help(False, help="lower-case the text before tokenizing")
     max_doc_length: int = field_help(100000, help="longest sequence, in tokens (end-of-document token not "
                                                   "counted); a longer document is split into consecutive "
