@@ -15,10 +15,13 @@ import pytest
 
 from qwen3_pretrain.data import wiki
 from qwen3_pretrain.data.convert import DataConvertConfig, convert
-from qwen3_pretrain.data.convert_ranks import split_files
+from qwen3_pretrain.data.convert import _Progress, _ShardCounts
+from qwen3_pretrain.data.convert_ranks import _check_shared, _finish, _Rank, split_files
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
 from qwen3_pretrain.data.reader import PackedDataset, open_corpus
 from qwen3_pretrain.data.reader_manifest import validate_manifest
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.parallel.env import LaunchInfo
 from tests._train_helpers import check_ok, child_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,3 +138,25 @@ def test_a_bad_file_on_one_rank_stops_both_and_leaves_no_manifest(tmp_path: Path
     # torchrun reports the failed children with its own traceback; none comes from our code.
     assert "qwen3_pretrain/" not in "".join(line for line in proc.stderr.splitlines() if line.strip().startswith("File"))
     assert sorted(p.name for p in output.iterdir()) == []  # no manifest, no shard, nothing staged
+
+
+def _rank(tmp_path: Path, rank: int) -> _Rank:
+    cfg = DataConvertConfig(input_path="in", tokenizer_path=str(QWEN), output_path=str(tmp_path), **SETTINGS)
+    return _Rank(cfg, LaunchInfo(rank, 2, 0, "torchrun"), [], [])
+
+
+def test_a_rank_that_does_not_share_the_output_folder_says_so(tmp_path: Path) -> None:
+    view = ("sha", [("in/a.parquet", 10)])
+    (tmp_path / ".convert-ranks").write_text("nonce-of-rank-0")
+    _check_shared(_rank(tmp_path, 1), "nonce-of-rank-0", [view, view])  # the same folder: fine
+    with pytest.raises(UserError, match="output_path .* is not the folder rank 0 prepared .* shared filesystem"):
+        _check_shared(_rank(tmp_path, 1), "another-run", [view, view])
+    with pytest.raises(UserError, match="another list of input files .* shared filesystem"):
+        _check_shared(_rank(tmp_path, 1), "nonce-of-rank-0", [view, ("sha", [("in/a.parquet", 11)])])
+
+
+def test_rank_0_refuses_a_manifest_over_pieces_it_cannot_see(tmp_path: Path) -> None:
+    gathered = [([("shard_00000-00001", _ShardCounts(1, 1, 5))], _Progress())]
+    with pytest.raises(UserError, match="shard_00000-00001.bin: written by another rank but not visible from rank 0"):
+        _finish(_rank(tmp_path, 0), gathered, 0.0)
+    assert not (tmp_path / "manifest.json").exists()
