@@ -33,7 +33,7 @@ SETTINGS = {"shards": 3, "max_doc_length": 3000, "seq_length": 64, "workers": 1}
 
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bundled sample's first 40 articles as five parquet files of uneven size."""
+    """The bundled sample (all.parquet), and its first 40 articles as five parquet files of uneven size."""
     root = tmp_path_factory.mktemp("multi")
     wiki.wiki_to_parquet(DUMP, root / "all.parquet", workers=1)
     table = pq.read_table(root / "all.parquet").slice(0, 40)
@@ -75,11 +75,16 @@ def assert_same_corpus(got: Path, want: Path) -> None:
     assert sorted(p.name for p in got.iterdir() if not p.name.startswith("shard_")) == ["manifest.json"]
 
 
+def convert_here(input_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("one")
+    convert(DataConvertConfig(input_path=str(input_path), tokenizer_path=str(QWEN), output_path=str(output),
+                              **SETTINGS))
+    return output
+
+
 @pytest.fixture(scope="module")
 def one_process(multi: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("one")
-    convert(DataConvertConfig(input_path=str(multi), tokenizer_path=str(QWEN), output_path=str(output), **SETTINGS))
-    return output
+    return convert_here(multi, tmp_path_factory)
 
 
 @pytest.mark.parametrize("sizes,world", [([5, 1, 1, 1, 1, 1], 2), ([1, 2, 3, 4, 5, 6, 7], 3), ([9, 1], 4),
@@ -109,16 +114,21 @@ def test_two_ranks_under_torchrun_give_the_one_process_corpus(multi: Path, one_p
 
 @pytest.mark.distributed
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
-def test_two_ranks_under_mpirun_with_a_hostfile(multi: Path, one_process: Path, tmp_path: Path) -> None:
+def test_two_ranks_under_mpirun_with_a_hostfile(multi: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                tmp_path: Path) -> None:
+    """The bundled sample is one file: rank 1 converts it all, rank 0 idles, the corpus is the same."""
+    sample = multi.parent / "all.parquet"
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
     env = dict(child_env(), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
     cmd = ["mpirun", "-np", "2", "-hostfile", "hostfile", "-x", "PATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
-           sys.executable, "-m", "qwen3_pretrain", "convert", *overrides(multi, tmp_path / "out"),
+           sys.executable, "-m", "qwen3_pretrain", "convert", *overrides(sample, tmp_path / "out"),
            "master_addr=127.0.0.1", f"master_port={free_port()}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
     check_ok(proc)
-    assert_same_corpus(tmp_path / "out", one_process)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert {s["prefix"][-5:] for s in manifest["shards"]} == {"00001"}
+    assert_same_corpus(tmp_path / "out", convert_here(sample, tmp_path_factory))
 
 
 @pytest.mark.distributed
@@ -136,7 +146,8 @@ def test_a_bad_file_on_one_rank_stops_both_and_leaves_no_manifest(tmp_path: Path
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "rank 1 of 2:" in errors[0] and "b.jsonl:16: not a JSON object" in errors[0], errors[0]
     # torchrun reports the failed children with its own traceback; none comes from our code.
-    assert "qwen3_pretrain/" not in "".join(line for line in proc.stderr.splitlines() if line.strip().startswith("File"))
+    frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File")]
+    assert not [line for line in frames if "qwen3_pretrain/" in line]
     assert sorted(p.name for p in output.iterdir()) == []  # no manifest, no shard, nothing staged
 
 

@@ -257,7 +257,8 @@ def _manifest(cfg: DataConvertConfig, tokenizer: Any, dtype: type, shards: list[
 
 
 def convert(cfg: DataConvertConfig) -> dict[str, Any]:
-    """Run the conversion described by ``cfg``; returns the manifest it wrote."""
+    """Run the conversion described by ``cfg``; returns the manifest it wrote (on several ranks: rank 0
+    returns it, the others an empty dict)."""
     start = time.perf_counter()
     cfg.validate()
     files = input_files(cfg.input_path)

@@ -29,7 +29,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -163,7 +163,7 @@ def _assign(rank: _Rank, doc_tokens: np.ndarray) -> np.ndarray:
     heap = [(int(tokens), index) for index, tokens in enumerate(loads.tolist())]
     heapq.heapify(heap)  # the minimum of distinct (tokens, index) pairs is the same however they are held
     shards = np.empty(len(doc_tokens), dtype=np.int64)
-    for doc, tokens in enumerate(doc_tokens.tolist()):
+    for doc, tokens in _numbered(doc_tokens):
         load, index = heap[0]
         shards[doc] = index
         heapq.heapreplace(heap, (load + tokens, index))
@@ -172,6 +172,13 @@ def _assign(rank: _Rank, doc_tokens: np.ndarray) -> np.ndarray:
             loads[index] = load
         dist.send(loads, dst=rank.info.rank + 1)
     return shards
+
+
+def _numbered(values: np.ndarray, block: int = 1 << 16) -> Iterator[tuple[int, int]]:
+    """(position, value) as Python ints, a block at a time: a list of every value of a large share
+    would hold tens of bytes per document."""
+    for start in range(0, len(values), block):
+        yield from enumerate(values[start:start + block].tolist(), start)
 
 
 def _staged_documents(staged: IndexedDataset) -> tuple[np.ndarray, np.ndarray]:
@@ -188,7 +195,7 @@ def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> li
     rank.pieces = [IndexedDatasetWriter(p, staged.dtype) for p in prefixes]
     counts = [_ShardCounts() for _ in prefixes]
     bounds = np.asarray(staged.document_indices, dtype=np.int64)
-    for doc, shard in enumerate(shards.tolist()):
+    for doc, shard in _numbered(shards):
         for seq in range(int(bounds[doc]), int(bounds[doc + 1])):
             piece = staged.get(seq)
             rank.pieces[shard].add_sequence(piece)
