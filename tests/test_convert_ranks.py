@@ -144,7 +144,7 @@ def test_a_bad_file_on_one_rank_stops_both_and_leaves_no_manifest(tmp_path: Path
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "rank 1 of 2:" in errors[0] and "b.jsonl:16: not a JSON object" in errors[0], errors[0]
+    assert "rank 1 of 2 stopped the conversion:" in errors[0] and "b.jsonl:16: not a JSON object" in errors[0], errors[0]
     # torchrun reports the failed children with its own traceback; none comes from our code.
     frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File")]
     assert not [line for line in frames if "qwen3_pretrain/" in line]
@@ -162,7 +162,7 @@ def test_a_rank_that_does_not_share_the_output_folder_says_so(tmp_path: Path) ->
     _check_shared(_rank(tmp_path, 1), "nonce-of-rank-0", [view, view])  # the same folder: fine
     with pytest.raises(UserError, match="output_path .* is not the folder rank 0 prepared .* shared filesystem"):
         _check_shared(_rank(tmp_path, 1), "another-run", [view, view])
-    with pytest.raises(UserError, match="another list of input files .* shared filesystem"):
+    with pytest.raises(UserError, match="input_path 'in': this rank sees other files .* shared filesystem"):
         _check_shared(_rank(tmp_path, 1), "nonce-of-rank-0", [view, ("sha", [("in/a.parquet", 11)])])
 
 

@@ -85,7 +85,8 @@ def _agree(step: Callable[[], T], info: LaunchInfo) -> T:
     if not failed:
         return result  # type: ignore[return-value]
     if info.rank == 0:
-        raise UserError("; ".join(f"rank {rank} of {info.world_size}: {p}" for rank, p in failed))
+        raise UserError("; ".join(f"rank {rank} of {info.world_size} stopped the conversion: {p}"
+                                  for rank, p in failed))
     raise _Stop
 
 
@@ -132,10 +133,13 @@ def _start(rank: _Rank, nonce: str) -> tuple[str, list[tuple[str, int]]]:
 
 def _check_shared(rank: _Rank, nonce: str, views: list[tuple[str, list[tuple[str, int]]]]) -> None:
     """Every rank sees the tokenizer, the input files and the output folder rank 0 sees."""
-    if views[rank.info.rank] != views[0]:
-        what = "tokenizer.json" if views[rank.info.rank][0] != views[0][0] else "list of input files (or sizes)"
-        raise UserError(f"this rank sees another {what} than rank 0 under tokenizer_path/input_path; every node "
-                        "must see the same files at the same paths (a shared filesystem)")
+    mine, first = views[rank.info.rank], views[0]
+    if mine[0] != first[0]:
+        raise UserError(f"tokenizer_path {rank.cfg.tokenizer_path!r}: this rank's tokenizer.json differs from rank "
+                        "0's; every node must see the same files at the same paths (a shared filesystem)")
+    if mine[1] != first[1]:
+        raise UserError(f"input_path {rank.cfg.input_path!r}: this rank sees other files (or sizes) than rank 0; "
+                        "every node must see the same files at the same paths (a shared filesystem)")
     marker = rank.output / _MARKER
     if not marker.is_file() or marker.read_text() != nonce:
         raise UserError(f"output_path {str(rank.output)!r} is not the folder rank 0 prepared (no {_MARKER} "
