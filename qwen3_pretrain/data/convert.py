@@ -40,13 +40,15 @@ from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import ConfigError, UserError
-from qwen3_pretrain.parallel.env import detect_launch
+from qwen3_pretrain.parallel.env import LaunchInfo, detect_launch
 from qwen3_pretrain.fsutil import make_dirs, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
 FORMAT_VERSION = 1
 # shard_NNNNN (one process), shard_NNNNN-RRRRR and staging-RRRRR (several ranks, see convert_ranks).
+# What torchrun, mpirun and srun export as the number of processes (see parallel.env.detect_launch).
+_WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 _SHARD_FILE = re.compile(r"^(?:shard_\d{5}(?:-\d{5})?|staging-\d{5})\.(?:bin|idx)(?:\.tmp)?$")
 
 
@@ -262,8 +264,8 @@ def convert(cfg: DataConvertConfig) -> dict[str, Any]:
     start = time.perf_counter()
     cfg.validate()
     files = input_files(cfg.input_path)
-    launch = detect_launch(cfg.master_addr, cfg.master_port)
-    if launch.world_size > 1:
+    launch = _launch(cfg)
+    if launch is not None:
         # Imported here: the several-rank driver builds on this module's pieces.
         from qwen3_pretrain.data.convert_ranks import convert_on_ranks
 
@@ -289,6 +291,15 @@ def convert(cfg: DataConvertConfig) -> dict[str, Any]:
     write_json_atomic(output / MANIFEST, manifest)
     print(_summary(manifest, progress, output))
     return manifest
+
+
+def _launch(cfg: DataConvertConfig) -> LaunchInfo | None:
+    """The launch, when a launcher started several processes. Without a launcher's variables the
+    environment is left as it is: a conversion called from a program must not make it look launched."""
+    if not any(int(os.environ.get(name, "1") or 1) > 1 for name in _WORLD_VARIABLES):
+        return None
+    launch = detect_launch(cfg.master_addr, cfg.master_port)
+    return launch if launch.world_size > 1 else None
 
 
 def _backend_line(tokenizer: Any) -> str:
