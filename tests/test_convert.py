@@ -309,7 +309,7 @@ def test_cli_success_and_errors_without_traceback(tmp_path: Path) -> None:
 def test_documents_without_tokens_keep_the_counts_true(tmp_path: Path) -> None:
     """A document whose text tokenizes to nothing is its EOD alone (a sequence of one token), or, without
     EOD, not written at all; the manifest's counts always match what the shard holds."""
-    shards = convert_module._Shards(tmp_path, 1, np.int32, 4, eod=True)
+    shards = convert_module._Shards([tmp_path / "shard_00000"], np.int32, 4, eod=True)
     assert shards.add(np.array([7, 8, EOD], dtype=np.int32)) and shards.add(np.array([EOD], dtype=np.int32))
     assert not shards.add(np.array([], dtype=np.int32))
     shards.finalize()

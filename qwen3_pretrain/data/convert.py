@@ -40,12 +40,16 @@ from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import ConfigError, UserError
+from qwen3_pretrain.parallel.env import LaunchInfo, detect_launch
 from qwen3_pretrain.fsutil import make_dirs, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
 FORMAT_VERSION = 1
-_SHARD_FILE = re.compile(r"^shard_\d{5}\.(?:bin|idx)(?:\.tmp)?$")
+# shard_NNNNN (one process), shard_NNNNN-RRRRR and staging-RRRRR (several ranks, see convert_ranks).
+# What torchrun, mpirun and srun export as the number of processes (see parallel.env.detect_launch).
+_WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+_SHARD_FILE = re.compile(r"^(?:shard_\d{5}(?:-\d{5})?|staging-\d{5})\.(?:bin|idx)(?:\.tmp)?$")
 
 
 @dataclasses.dataclass
@@ -58,7 +62,8 @@ class DataConvertConfig:
     output_path: str = field_help(help="folder for shard_NNNNN.bin/.idx and manifest.json (created if missing)")
     seq_length: int = field_help(8192, help="training sequence length the data is meant for (recorded in "
                                             "the manifest; training checks it)")
-    shards: int = field_help(16, help="number of output shards; documents are spread so tokens balance")
+    shards: int = field_help(16, help="number of output shards; documents are spread so tokens balance "
+                                         "(on several ranks each shard is written as one piece per rank)")
     do_lower_case: bool = field_help(False, help="lower-case the text before tokenizing")
     max_doc_length: int = field_help(100000, help="longest sequence, in tokens (end-of-document token not "
                                                   "counted); a longer document is split into consecutive "
@@ -71,6 +76,11 @@ class DataConvertConfig:
     text_column: str = field_help("text", help="parquet column (or JSON-lines key) holding the document text")
     append_eod: bool = field_help(True, help="end every document with the end-of-document token "
                                              "(<|endoftext|>, id 151643 for Qwen3)")
+    master_addr: str = field_help("127.0.0.1", help="under mpirun with several ranks: host name or address of the "
+                                                    "node running rank 0 (torchrun exports its own)")
+    master_port: int = field_help(29500, help="under mpirun with several ranks: TCP port rank 0 listens on")
+    rank_timeout_s: int = field_help(172800, help="with several ranks: longest a rank waits for the others "
+                                                  "(a rank done early waits for the slowest one's share)")
     tokenizer_backend: Literal["auto", "fast", "reference"] = field_help(
         "auto", help="fast (tiktoken, exact), reference (the tokenizers library) or auto (fast when it "
                      "can be exact for this tokenizer, else reference)")
@@ -82,7 +92,8 @@ class DataConvertConfig:
                     "chunk_size": (1, "a unit holds at least one document"),
                     "chunk_bytes": (1, "a unit holds at least one byte"),
                     "max_doc_length": (1, "a sequence holds at least one token"),
-                    "workers": (0, "0 means all cores")}
+                    "workers": (0, "0 means all cores"),
+                    "rank_timeout_s": (1, "a wait needs a limit")}
         for key, (minimum, why) in minimums.items():
             value = getattr(self, key)
             if value < minimum:
@@ -135,16 +146,16 @@ class _ShardCounts:
 class _Shards:
     """The open shard writers and the least-loaded (by tokens) document assignment."""
 
-    def __init__(self, output: Path, num_shards: int, dtype: type, max_doc_length: int, eod: bool) -> None:
+    def __init__(self, prefixes: list[Path], dtype: type, max_doc_length: int, eod: bool) -> None:
         self.writers: list[IndexedDatasetWriter] = []
         try:
-            for index in range(num_shards):
-                self.writers.append(IndexedDatasetWriter(output / f"shard_{index:05d}", dtype))
+            for prefix in prefixes:
+                self.writers.append(IndexedDatasetWriter(prefix, dtype))
         except BaseException:
             self.abort()
             raise
-        self.counts = [_ShardCounts() for _ in range(num_shards)]
-        self._load = [(0, index) for index in range(num_shards)]  # heap of (tokens, shard index)
+        self.counts = [_ShardCounts() for _ in prefixes]
+        self._load = [(0, index) for index in range(len(prefixes))]  # heap of (tokens, shard index)
         self._max, self._eod = max_doc_length, int(eod)
 
     def add(self, doc: np.ndarray) -> bool:
@@ -210,14 +221,14 @@ class _Progress:
 
 
 def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], tokenizer: Any,
-                   workers: int, total_docs: int | None) -> _Progress:
+                   workers: int, total_docs: int | None, desc: str = "convert", show: bool = True) -> _Progress:
     progress = _Progress()
     eod_id = tokenizer.eod_id if cfg.append_eod else None
     encoded = ordered_map(_encode_chunk, units(files, cfg.text_column, cfg.chunk_size, cfg.chunk_bytes), workers,
                           _init_worker, (tokenizer, cfg.do_lower_case, eod_id, cfg.text_column, workers > 1))
     # closing(): on an error the workers stop now, not when the traceback is garbage collected.
     with closing(encoded), tqdm(total=total_docs, unit="doc", unit_scale=True, file=sys.stderr,
-                                desc="convert", mininterval=1.0, dynamic_ncols=True) as bar:
+                                desc=desc, mininterval=1.0, dynamic_ncols=True, disable=not show) as bar:
         for tokens, lengths, empty, num_bytes in encoded:
             ends = np.cumsum(lengths)
             for start, end in zip(ends - lengths, ends):
@@ -230,16 +241,16 @@ def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], t
     return progress
 
 
-def _manifest(cfg: DataConvertConfig, tokenizer: Any, dtype: type, shards: _Shards, files: list[Path],
-              workers: int, elapsed: float) -> dict[str, Any]:
-    totals = {key: sum(getattr(c, key) for c in shards.counts)
+def _manifest(cfg: DataConvertConfig, tokenizer: Any, dtype: type, shards: list[tuple[str, _ShardCounts]],
+              files: list[Path], workers: int, elapsed: float) -> dict[str, Any]:
+    totals = {key: sum(getattr(c, key) for _, c in shards)
               for key in ("num_documents", "num_sequences", "num_tokens")}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
         "tokenizer": {"path": str(Path(cfg.tokenizer_path).resolve()), "sha256": tokenizer.sha256,
                       "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id, "backend": tokenizer.backend},
         "seq_length": cfg.seq_length, **totals,
-        "shards": [{"prefix": f"shard_{i:05d}", **dataclasses.asdict(c)} for i, c in enumerate(shards.counts)],
+        "shards": [{"prefix": prefix, **dataclasses.asdict(c)} for prefix, c in shards],
         "source": {"path": str(Path(cfg.input_path).resolve()), "size_bytes": sum(f.stat().st_size for f in files)},
         "config": {**to_dict(cfg), "workers": workers},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -248,17 +259,25 @@ def _manifest(cfg: DataConvertConfig, tokenizer: Any, dtype: type, shards: _Shar
 
 
 def convert(cfg: DataConvertConfig) -> dict[str, Any]:
-    """Run the conversion described by ``cfg``; returns the manifest it wrote."""
+    """Run the conversion described by ``cfg``; returns the manifest it wrote (on several ranks: rank 0
+    returns it, the others an empty dict)."""
     start = time.perf_counter()
     cfg.validate()
     files = input_files(cfg.input_path)
+    launch = _launch(cfg)
+    if launch is not None:
+        # Imported here: the several-rank driver builds on this module's pieces.
+        from qwen3_pretrain.data.convert_ranks import convert_on_ranks
+
+        return convert_on_ranks(cfg, files, launch, start)
     total_docs = check_inputs(files, cfg.text_column)
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_backend)
     print(_backend_line(tokenizer), file=sys.stderr)
     output, workers = Path(cfg.output_path), cfg.workers or available_cores()
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     _prepare_output(output, tokenizer.sha256)
-    shards = _Shards(output, cfg.shards, dtype, cfg.max_doc_length, cfg.append_eod)
+    shards = _Shards([output / f"shard_{i:05d}" for i in range(cfg.shards)], dtype, cfg.max_doc_length,
+                     cfg.append_eod)
     try:
         progress = _tokenize_into(shards, cfg, files, tokenizer, workers, total_docs)
         if not any(c.num_documents for c in shards.counts):
@@ -267,10 +286,20 @@ def convert(cfg: DataConvertConfig) -> dict[str, Any]:
     except BaseException:
         shards.abort()
         raise
-    manifest = _manifest(cfg, tokenizer, dtype, shards, files, workers, time.perf_counter() - start)
+    named = [(f"shard_{i:05d}", counts) for i, counts in enumerate(shards.counts)]
+    manifest = _manifest(cfg, tokenizer, dtype, named, files, workers, time.perf_counter() - start)
     write_json_atomic(output / MANIFEST, manifest)
     print(_summary(manifest, progress, output))
     return manifest
+
+
+def _launch(cfg: DataConvertConfig) -> LaunchInfo | None:
+    """The launch, when a launcher started several processes. Without a launcher's variables the
+    environment is left as it is: a conversion called from a program must not make it look launched."""
+    if not any(int(os.environ.get(name, "1") or 1) > 1 for name in _WORLD_VARIABLES):
+        return None
+    launch = detect_launch(cfg.master_addr, cfg.master_port)
+    return launch if launch.world_size > 1 else None
 
 
 def _backend_line(tokenizer: Any) -> str:
@@ -280,12 +309,12 @@ def _backend_line(tokenizer: Any) -> str:
     return f"tokenizer: reference (the tokenizers library) from {tokenizer.path}{why}"
 
 
-def _summary(manifest: dict[str, Any], progress: _Progress, output: Path) -> str:
+def _summary(manifest: dict[str, Any], progress: _Progress, output: Path, where: str = "") -> str:
     empty_shards = sum(1 for s in manifest["shards"] if not s["num_documents"])
     warning = f" ({empty_shards} shards empty: fewer documents than shards)" if empty_shards else ""
     return (f"convert: {manifest['num_documents']} documents ({progress.empty} empty skipped), "
             f"{manifest['num_sequences']} sequences, {manifest['num_tokens']} tokens in "
-            f"{len(manifest['shards'])} shards{warning}; {progress.text_bytes / 1e6:.1f} MB of text in "
+            f"{len(manifest['shards'])} shards{warning}{where}; {progress.text_bytes / 1e6:.1f} MB of text in "
             f"{manifest['elapsed_s']:.1f} s ({progress.text_bytes / 1e6 / max(manifest['elapsed_s'], 1e-3):.1f} MB/s) "
             f"-> {output}")
 

@@ -1,0 +1,282 @@
+"""``convert`` on several ranks (torchrun or mpirun): the same corpus, tokenized in parallel across nodes.
+
+The sorted input files are cut into one contiguous run per rank, balanced by
+bytes (whole files: a rank without a file idles). Every rank tokenizes its run
+into a staging dataset in input order. The one-process rule puts each
+document on the shard with the fewest tokens so far; that choice depends only
+on the token counts before it, so the ranks pass the shard loads along in rank
+order (a few integers each) and every rank then knows where each of its
+documents would have gone. Rank ``r`` writes those documents to its pieces
+``shard_SSSSS-RRRRR`` (shard ``S``, rank ``R``; a piece without documents is
+not written), and rank 0 lists the pieces shard by shard, rank by rank, in one
+``manifest.json``. Read in manifest order, the pieces are exactly the
+one-process shards' sequences, document boundaries included, so the reader
+yields the same samples; only the files are cut finer.
+
+Every step ends with the ranks agreeing: a failure on any rank stops all of
+them, rank 0 names it, each rank deletes what it wrote and no manifest is
+written. Nodes must share ``output_path`` (and see the same input files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import heapq
+import os
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from qwen3_pretrain.data.convert import (MANIFEST, DataConvertConfig, _backend_line, _manifest, _prepare_output,
+                                         _Progress, _ShardCounts, _Shards, _summary, _tokenize_into)
+from qwen3_pretrain.data.convert_input import check_inputs
+from qwen3_pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
+from qwen3_pretrain.data.pool import available_cores
+from qwen3_pretrain.data.tokenizer import load_tokenizer
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.fsutil import write_json_atomic
+from qwen3_pretrain.parallel.env import LaunchInfo, destroy, init_process_group
+
+T = TypeVar("T")
+_INIT_TIMEOUT_S = 300
+_MARKER = ".convert-ranks"
+
+
+class _Stop(Exception):
+    """Another rank failed (rank 0 prints why); this rank stops without a message of its own."""
+
+
+def split_files(sizes: list[int], world: int) -> list[range]:
+    """Contiguous runs of file indices, one per rank, each ending where the running byte count is
+    nearest to the rank's share of the total; in file order, so rank order is input order."""
+    cumulative = np.concatenate([[0], np.cumsum(sizes, dtype=np.float64)])
+    ends, previous = [], 0
+    for rank in range(1, world):
+        target = cumulative[-1] * rank / world
+        end = int(np.argmin(np.abs(cumulative - target)))  # first of equally near: earlier boundary
+        previous = max(previous, end)
+        ends.append(previous)
+    bounds = [0, *ends, len(sizes)]
+    return [range(bounds[r], bounds[r + 1]) for r in range(world)]
+
+
+def _agree(step: Callable[[], T], info: LaunchInfo) -> T:
+    """Run ``step`` here, then learn whether it worked on every rank; on a failure anywhere every rank
+    raises: rank 0 a UserError naming the rank(s) and their message, the others ``_Stop``."""
+    result, problem = None, None
+    try:
+        result = step()
+    except UserError as exc:
+        problem = str(exc)
+    except Exception as exc:  # a bug: its traceback stays on the rank that hit it
+        traceback.print_exc()
+        problem = f"{type(exc).__name__}: {exc}"
+    problems: list[str | None] = [None] * info.world_size
+    dist.all_gather_object(problems, problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return result  # type: ignore[return-value]
+    if info.rank == 0:
+        raise UserError("; ".join(f"rank {rank} of {info.world_size} stopped the conversion: {p}"
+                                  for rank, p in failed))
+    raise _Stop
+
+
+@dataclasses.dataclass
+class _Rank:
+    """What one rank has: its files, the tokenizer, its staging and piece writers."""
+
+    cfg: DataConvertConfig
+    info: LaunchInfo
+    files: list[Path]
+    all_files: list[Path]
+    tokenizer: Any = None
+    total_docs: int | None = None
+    staging: _Shards | None = None
+    pieces: list[IndexedDatasetWriter] = dataclasses.field(default_factory=list)
+    written: list[Path] = dataclasses.field(default_factory=list)
+
+    @property
+    def output(self) -> Path:
+        return Path(self.cfg.output_path)
+
+    def staging_prefix(self) -> Path:
+        return self.output / f"staging-{self.info.rank:05d}"
+
+    def cleanup(self) -> None:
+        for writer in ([*self.staging.writers] if self.staging else []) + self.pieces:
+            writer.abort()
+        for prefix in [self.staging_prefix(), *self.written]:
+            for suffix in (".bin", ".idx"):
+                Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+
+
+def _start(rank: _Rank, nonce: str) -> tuple[str, list[tuple[str, int]]]:
+    """Check this rank's inputs and load the tokenizer; rank 0 prepares the output. What every rank
+    must agree on comes back: the tokenizer's hash and the input files with their sizes."""
+    rank.total_docs = check_inputs(rank.files, rank.cfg.text_column)
+    rank.tokenizer = load_tokenizer(rank.cfg.tokenizer_path, rank.cfg.tokenizer_backend)
+    if rank.info.rank == 0:
+        print(_backend_line(rank.tokenizer), file=sys.stderr)
+        _prepare_output(rank.output, rank.tokenizer.sha256)
+        (rank.output / _MARKER).write_text(nonce)
+    return rank.tokenizer.sha256, [(str(f), f.stat().st_size) for f in rank.all_files]
+
+
+def _check_shared(rank: _Rank, nonce: str, views: list[tuple[str, list[tuple[str, int]]]]) -> None:
+    """Every rank sees the tokenizer, the input files and the output folder rank 0 sees."""
+    mine, first = views[rank.info.rank], views[0]
+    if mine[0] != first[0]:
+        raise UserError(f"tokenizer_path {rank.cfg.tokenizer_path!r}: this rank's tokenizer.json differs from rank "
+                        "0's; every node must see the same files at the same paths (a shared filesystem)")
+    if mine[1] != first[1]:
+        raise UserError(f"input_path {rank.cfg.input_path!r}: this rank sees other files (or sizes) than rank 0; "
+                        "every node must see the same files at the same paths (a shared filesystem)")
+    marker = rank.output / _MARKER
+    if not marker.is_file() or marker.read_text() != nonce:
+        raise UserError(f"output_path {str(rank.output)!r} is not the folder rank 0 prepared (no {_MARKER} "
+                        "from rank 0 there): every node must see output_path on a shared filesystem")
+
+
+def _tokenize(rank: _Rank) -> _Progress:
+    """This rank's files, tokenized into its staging dataset in input order."""
+    dtype = dtype_for_vocab(rank.tokenizer.vocab_size)
+    rank.staging = _Shards([rank.staging_prefix()], dtype, rank.cfg.max_doc_length, rank.cfg.append_eod)
+    workers = rank.cfg.workers or available_cores()
+    desc = f"convert (rank 0's share of {rank.info.world_size})"
+    progress = _tokenize_into(rank.staging, rank.cfg, rank.files, rank.tokenizer, workers, rank.total_docs, desc,
+                              show=rank.info.rank == 0)
+    rank.staging.finalize()
+    return progress
+
+
+def _assign(rank: _Rank, doc_tokens: np.ndarray) -> np.ndarray:
+    """Each staged document's shard under the one-process rule, continuing from the loads the ranks
+    before this one left; the loads after this rank's documents go on to the next rank."""
+    loads = torch.zeros(rank.cfg.shards, dtype=torch.int64)
+    if rank.info.rank > 0:
+        dist.recv(loads, src=rank.info.rank - 1)
+    heap = [(int(tokens), index) for index, tokens in enumerate(loads.tolist())]
+    heapq.heapify(heap)  # the minimum of distinct (tokens, index) pairs is the same however they are held
+    shards = np.empty(len(doc_tokens), dtype=np.int64)
+    for doc, tokens in _numbered(doc_tokens):
+        load, index = heap[0]
+        shards[doc] = index
+        heapq.heapreplace(heap, (load + tokens, index))
+    if rank.info.rank + 1 < rank.info.world_size:
+        for load, index in heap:
+            loads[index] = load
+        dist.send(loads, dst=rank.info.rank + 1)
+    return shards
+
+
+def _numbered(values: np.ndarray, block: int = 1 << 16) -> Iterator[tuple[int, int]]:
+    """(position, value) as Python ints, a block at a time: a list of every value of a large share
+    would hold tens of bytes per document."""
+    for start in range(0, len(values), block):
+        yield from enumerate(values[start:start + block].tolist(), start)
+
+
+def _staged_documents(staged: IndexedDataset) -> tuple[np.ndarray, np.ndarray]:
+    """(first sequence, tokens) of every staged document."""
+    first = np.asarray(staged.document_indices[:-1], dtype=np.int64)
+    lengths = staged.sequence_lengths.astype(np.int64)
+    tokens = np.add.reduceat(lengths, first) if len(first) else np.zeros(0, np.int64)
+    return first, tokens
+
+
+def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> list[tuple[str, _ShardCounts]]:
+    """Copy the staged documents into this rank's pieces; the pieces that got documents, by shard."""
+    prefixes = [rank.output / f"shard_{s:05d}-{rank.info.rank:05d}" for s in range(rank.cfg.shards)]
+    rank.pieces = [IndexedDatasetWriter(p, staged.dtype) for p in prefixes]
+    counts = [_ShardCounts() for _ in prefixes]
+    bounds = np.asarray(staged.document_indices, dtype=np.int64)
+    for doc, shard in _numbered(shards):
+        for seq in range(int(bounds[doc]), int(bounds[doc + 1])):
+            piece = staged.get(seq)
+            rank.pieces[shard].add_sequence(piece)
+            counts[shard].num_sequences += 1
+            counts[shard].num_tokens += len(piece)
+        rank.pieces[shard].end_document()
+        counts[shard].num_documents += 1
+    named = []
+    for prefix, writer, count in zip(prefixes, rank.pieces, counts):
+        if count.num_documents:
+            writer.finalize()
+            rank.written.append(prefix)
+            named.append((prefix.name, count))
+        else:
+            writer.abort()
+    return named
+
+
+def _place(rank: _Rank) -> list[tuple[str, _ShardCounts]]:
+    staged = IndexedDataset(rank.staging_prefix())
+    shards = _assign(rank, _staged_documents(staged)[1])
+    named = _write_pieces(rank, staged, shards)
+    del staged  # its memory maps, before the files go
+    for suffix in (".bin", ".idx"):
+        Path(f"{rank.staging_prefix()}{suffix}").unlink()
+    return named
+
+
+def _finish(rank: _Rank, gathered: list[tuple[list[tuple[str, _ShardCounts]], _Progress]],
+            start: float) -> dict[str, Any] | None:
+    """Rank 0: check it sees every piece, then write the one manifest over all of them."""
+    if rank.info.rank != 0:
+        return None
+    pieces = sorted((name, count) for named, _ in gathered for name, count in named)  # shard, then rank
+    for name, _ in pieces:
+        for suffix in (".bin", ".idx"):
+            if not (rank.output / f"{name}{suffix}").is_file():
+                raise UserError(f"{rank.output / (name + suffix)}: written by another rank but not visible from "
+                                "rank 0; every node must see output_path on a shared filesystem")
+    if not pieces:
+        raise UserError(f"input_path {rank.cfg.input_path!r}: no document has any text; nothing to write")
+    cfg, workers = rank.cfg, rank.cfg.workers or available_cores()
+    manifest = _manifest(cfg, rank.tokenizer, dtype_for_vocab(rank.tokenizer.vocab_size), pieces, rank.all_files,
+                         workers, time.perf_counter() - start)
+    manifest["ranks"] = rank.info.world_size
+    (rank.output / _MARKER).unlink(missing_ok=True)
+    write_json_atomic(rank.output / MANIFEST, manifest)
+    progress = _Progress(sum(p.empty for _, p in gathered), sum(p.text_bytes for _, p in gathered))
+    print(_summary(manifest, progress, rank.output, f" from {rank.info.world_size} ranks"))
+    return manifest
+
+
+def convert_on_ranks(cfg: DataConvertConfig, files: list[Path], info: LaunchInfo,
+                     start: float) -> dict[str, Any]:
+    """Convert ``files`` as rank ``info.rank`` of ``info.world_size``; rank 0 returns the manifest."""
+    runs = split_files([f.stat().st_size for f in files], info.world_size)
+    rank = _Rank(cfg, info, [files[i] for i in runs[info.rank]], files)
+    init_process_group(info, torch.device("cpu"), cfg.rank_timeout_s, _INIT_TIMEOUT_S)
+    try:
+        nonce = [uuid.uuid4().hex]
+        dist.broadcast_object_list(nonce, src=0)
+        view = _agree(lambda: _start(rank, nonce[0]), info)
+        views: list[Any] = [None] * info.world_size
+        dist.all_gather_object(views, view)
+        _agree(lambda: _check_shared(rank, nonce[0], views), info)
+        progress = _agree(lambda: _tokenize(rank), info)
+        named = _agree(lambda: _place(rank), info)
+        gathered: list[Any] = [None] * info.world_size
+        dist.all_gather_object(gathered, (named, progress))
+        manifest = _agree(lambda: _finish(rank, gathered, start), info)
+    except BaseException as exc:
+        rank.cleanup()
+        if info.rank == 0:
+            (rank.output / _MARKER).unlink(missing_ok=True)
+        destroy()
+        if isinstance(exc, _Stop):
+            raise SystemExit(2) from None
+        raise
+    destroy()
+    return manifest or {}

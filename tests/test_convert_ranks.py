@@ -1,0 +1,173 @@
+"""``convert`` on two ranks (torchrun, mpirun; gloo): the same corpus as one process, and a failure anywhere
+stops every rank with no manifest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from qwen3_pretrain.data import wiki
+from qwen3_pretrain.data.convert import DataConvertConfig, convert
+from qwen3_pretrain.data.convert import _Progress, _ShardCounts
+from qwen3_pretrain.data.convert_ranks import _check_shared, _finish, _Rank, split_files
+from qwen3_pretrain.data.indexed_dataset import IndexedDataset
+from qwen3_pretrain.data.reader import PackedDataset, open_corpus
+from qwen3_pretrain.data.reader_manifest import validate_manifest
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.parallel.env import LaunchInfo
+from tests._train_helpers import check_ok, child_env, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN = REPO / "assets" / "qwen3-tokenizer"
+DUMP = REPO / "assets" / "enwiki-sample" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# Small enough shards and pieces that documents are split and every shard gets documents from both ranks.
+SETTINGS = {"shards": 3, "max_doc_length": 3000, "seq_length": 64, "workers": 1}
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled sample (all.parquet), and its first 40 articles as five parquet files of uneven size."""
+    root = tmp_path_factory.mktemp("multi")
+    wiki.wiki_to_parquet(DUMP, root / "all.parquet", workers=1)
+    table = pq.read_table(root / "all.parquet").slice(0, 40)
+    folder = root / "in"
+    folder.mkdir()
+    cuts = [0, 3, 12, 15, 28, 40]
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        pq.write_table(table.slice(a, b - a), folder / f"part-{i}.parquet")
+    return folder
+
+
+def overrides(input_path: Path, output: Path) -> list[str]:
+    return [f"input_path={input_path}", f"tokenizer_path={QWEN}", f"output_path={output}",
+            *(f"{k}={v}" for k, v in SETTINGS.items())]
+
+
+def torchrun(input_path: Path, output: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "qwen3_pretrain", "convert", *overrides(input_path, output)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=child_env())
+
+
+def stream(output: Path) -> tuple[list[int], list[int]]:
+    """All tokens in manifest order, and where each document ends in that stream (the reader's view)."""
+    manifest = json.loads((output / "manifest.json").read_text())
+    tokens = np.concatenate([np.asarray(IndexedDataset(output / s["prefix"]).tokens, dtype=np.int64)
+                             for s in manifest["shards"]])
+    corpus = open_corpus(output, manifest)
+    return tokens.tolist(), np.cumsum(corpus.doc_len).tolist()
+
+
+def assert_same_corpus(got: Path, want: Path) -> None:
+    assert stream(got) == stream(want)
+    validate_manifest(got, 151936, QWEN, SETTINGS["seq_length"])
+    a, b = PackedDataset(got, SETTINGS["seq_length"], seed=3), PackedDataset(want, SETTINGS["seq_length"], seed=3)
+    assert len(a) == len(b) > 0
+    for i in range(len(a)):
+        assert a[i]["input_ids"].tolist() == b[i]["input_ids"].tolist(), f"sample {i}"
+    assert sorted(p.name for p in got.iterdir() if not p.name.startswith("shard_")) == ["manifest.json"]
+
+
+def convert_here(input_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("one")
+    convert(DataConvertConfig(input_path=str(input_path), tokenizer_path=str(QWEN), output_path=str(output),
+                              **SETTINGS))
+    return output
+
+
+@pytest.fixture(scope="module")
+def one_process(multi: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return convert_here(multi, tmp_path_factory)
+
+
+@pytest.mark.parametrize("sizes,world", [([5, 1, 1, 1, 1, 1], 2), ([1, 2, 3, 4, 5, 6, 7], 3), ([9, 1], 4),
+                                         ([3, 3, 3, 3], 2), ([], 2)])
+def test_split_is_contiguous_and_balanced_by_bytes(sizes: list[int], world: int) -> None:
+    runs = split_files(sizes, world)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))
+    prefix = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    for rank, run in enumerate(runs[:-1], 1):
+        # Each boundary is one of the prefixes nearest to this rank's share (or clamped to the one before).
+        best = min(abs(p - sum(sizes) * rank / world) for p in prefix[run.start:])
+        assert abs(prefix[run.stop] - sum(sizes) * rank / world) == best or run.stop == run.start
+
+
+@pytest.mark.distributed
+def test_two_ranks_under_torchrun_give_the_one_process_corpus(multi: Path, one_process: Path,
+                                                              tmp_path: Path) -> None:
+    proc = torchrun(multi, tmp_path / "out")
+    check_ok(proc)
+    assert "from 2 ranks" in proc.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    # Every shard got documents from both ranks: the test covers the loads passed from rank to rank.
+    assert sorted(s["prefix"] for s in manifest["shards"]) == [f"shard_{s:05d}-{r:05d}" for s in range(3)
+                                                              for r in range(2)]
+    assert_same_corpus(tmp_path / "out", one_process)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_two_ranks_under_mpirun_with_a_hostfile(multi: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                tmp_path: Path) -> None:
+    """The bundled sample is one file: rank 1 converts it all, rank 0 idles, the corpus is the same."""
+    sample = multi.parent / "all.parquet"
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    env = dict(child_env(), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    cmd = ["mpirun", "-np", "2", "-hostfile", "hostfile", "-x", "PATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
+           sys.executable, "-m", "qwen3_pretrain", "convert", *overrides(sample, tmp_path / "out"),
+           "master_addr=127.0.0.1", f"master_port={free_port()}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    check_ok(proc)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert {s["prefix"][-5:] for s in manifest["shards"]} == {"00001"}
+    assert_same_corpus(tmp_path / "out", convert_here(sample, tmp_path_factory))
+
+
+@pytest.mark.distributed
+def test_a_bad_file_on_one_rank_stops_both_and_leaves_no_manifest(tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)))
+    # Rank 1's file: a good start (passes the up-front check), a broken line further on.
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": f"more {i}"}) + "\n" for i in range(15))
+                                    + "{not json\n" + json.dumps({"text": "after"}) + "\n")
+    output = tmp_path / "out"
+    proc = torchrun(folder, output)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "rank 1 of 2 stopped the conversion:" in errors[0] and "b.jsonl:16: not a JSON object" in errors[0], errors[0]
+    # torchrun reports the failed children with its own traceback; none comes from our code.
+    frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File")]
+    assert not [line for line in frames if "qwen3_pretrain/" in line]
+    assert sorted(p.name for p in output.iterdir()) == []  # no manifest, no shard, nothing staged
+
+
+def _rank(tmp_path: Path, rank: int) -> _Rank:
+    cfg = DataConvertConfig(input_path="in", tokenizer_path=str(QWEN), output_path=str(tmp_path), **SETTINGS)
+    return _Rank(cfg, LaunchInfo(rank, 2, 0, "torchrun"), [], [])
+
+
+def test_a_rank_that_does_not_share_the_output_folder_says_so(tmp_path: Path) -> None:
+    view = ("sha", [("in/a.parquet", 10)])
+    (tmp_path / ".convert-ranks").write_text("nonce-of-rank-0")
+    _check_shared(_rank(tmp_path, 1), "nonce-of-rank-0", [view, view])  # the same folder: fine
+    with pytest.raises(UserError, match="output_path .* is not the folder rank 0 prepared .* shared filesystem"):
+        _check_shared(_rank(tmp_path, 1), "another-run", [view, view])
+    with pytest.raises(UserError, match="input_path 'in': this rank sees other files .* shared filesystem"):
+        _check_shared(_rank(tmp_path, 1), "nonce-of-rank-0", [view, ("sha", [("in/a.parquet", 11)])])
+
+
+def test_rank_0_refuses_a_manifest_over_pieces_it_cannot_see(tmp_path: Path) -> None:
+    gathered = [([("shard_00000-00001", _ShardCounts(1, 1, 5))], _Progress())]
+    with pytest.raises(UserError, match="shard_00000-00001.bin: written by another rank but not visible from rank 0"):
+        _finish(_rank(tmp_path, 0), gathered, 0.0)
+    assert not (tmp_path / "manifest.json").exists()
