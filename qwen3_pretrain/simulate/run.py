@@ -16,8 +16,10 @@ those it uses on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,7 @@ class RankResult:
     predicted: MemoryBreakdown
     comm: dict[str, dict[str, float]]  # axis -> kind -> bytes per step
     seconds: float
+    simulated_as: int | None = None  # the rank whose simulation stands for this one (same stage)
 
 
 def model_source(cfg: TrainConfig) -> ModelSource:
@@ -109,6 +112,7 @@ def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda") -> World
 def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
     """``steps`` training steps of ``rank``: its peak memory by category and the bytes it sends."""
     start = time.perf_counter()
+    _quiet_known_notices()
     cfg, dims = world.cfg, world.dims
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
@@ -195,9 +199,32 @@ def _use_target_reduce_scatter(engine: Engine, target: str) -> None:
                 module.set_custom_reduce_scatter(DefaultReduceScatter())
 
 
-def simulate_ranks(world: World, ranks: list[int], steps: int = 2, jobs: int = 1) -> list[RankResult]:
-    """``simulate_rank`` for each of ``ranks``, each in a fresh child process: torch.distributed keeps
-    per-process state (group names, mesh caches) that one world would leave to the next."""
+def simulate_ranks(world: World, ranks: list[int], steps: int = 2, jobs: int = 1,
+                   each: bool = False) -> list[RankResult]:
+    """``simulate_rank`` for ``ranks``, each in a fresh child process (torch.distributed keeps per-process
+    state, group names and mesh caches, that one world would leave to the next).
+
+    Ranks of one pipeline stage hold equal-sized slices of the same tensors and run the same operators
+    on the same shapes, so unless ``each`` is set one rank per stage is simulated and its figures stand
+    for the others of its stage (``simulated_as``).
+    """
+    chosen: dict[int, int] = {}
+    for rank in ranks:
+        chosen.setdefault(rank if each else world.coords(rank)["pp"], rank)
     context = multiprocessing.get_context("fork")
     with context.Pool(processes=max(1, jobs), maxtasksperchild=1) as pool:
-        return pool.starmap(simulate_rank, [(world, rank, steps) for rank in ranks], chunksize=1)
+        done = pool.starmap(simulate_rank, [(world, rank, steps) for rank in chosen.values()], chunksize=1)
+    by_rank = {r.rank: r for r in done}
+    out = []
+    for rank in ranks:
+        rep = by_rank[chosen[rank if each else world.coords(rank)["pp"]]]
+        out.append(rep if rep.rank == rank else
+                   dataclasses.replace(rep, rank=rank, coords=world.coords(rank), simulated_as=rep.rank))
+    return out
+
+
+def _quiet_known_notices() -> None:
+    # The trainer's own filters (train/trainer.py), plus DTensor's note on the gradient norm's two
+    # sequential all-reduces over (dp, tp): a handful of scalars per step.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
