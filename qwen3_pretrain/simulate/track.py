@@ -104,6 +104,10 @@ class CommCounter(TorchDispatchMode):
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
     def _add(self, group, kind: str, nbytes: int) -> None:
         if isinstance(group, str):
             name = group
