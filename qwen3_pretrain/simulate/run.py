@@ -138,8 +138,12 @@ def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
         tracker.track_external(*engine.parts, *engine.optimizers)
         with fake, ScalarReads(), tracker, comm:
             for step in range(steps):
-                if step == steps - 1:  # the steady state: no first-step set-up (pipeline shape vote)
+                if step == steps - 1:
+                    # The steady state: the optimizer state exists, and the first step's one-time work is
+                    # over (the pipeline's shape vote; DTensor's sharding propagation, whose example
+                    # tensors this fake mode would otherwise count, is cached by then).
                     comm.reset()
+                    tracker.reset_peak()
                 _train_step(engine, batches, step)
         coords = world.coords(rank)
         predicted = predict_memory(world.source.config, world.layout, stage=coords["pp"])

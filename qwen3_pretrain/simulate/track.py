@@ -35,6 +35,11 @@ class StepMemTracker(MemTracker):
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
 
+    def reset_peak(self) -> None:
+        """Start a new peak from what is held now."""
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+        self._peak_mem_snap = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
+
     def _pre_fw_hook(self, module, inputs) -> None:
         if module not in self.memory_tracking:
             self._track_module_params_and_buffers(module, install_grad_hooks=True)
