@@ -8,10 +8,10 @@ Per micro-batch on the slowest pipeline stage:
   the FLOPs are the PaLM count of ``formulas``;
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
-  layer 2 + 2 in forward, 2 + 2 in backward, 2 + 2 more for full recompute and
-  1 for selective; the embedding's reduce-scatter, the loss's gather of the
-  hidden states and all-reduce of its gradient, and the loss's per-chunk
-  statistics all-reduces;
+  layer 2 + 2 in forward, 2 + 2 in backward, 2 + 1 more for full recompute (it
+  stops before the MLP's output scatter) and 1 gather for selective; the
+  embedding's reduce-scatter, the loss's gather of the hidden states and
+  all-reduce of its gradient, and the loss's per-chunk statistics all-reduces;
 * pipeline = one activation received and one gradient sent per micro-batch
   (``[tokens / tp, hidden]``), not overlapped.
 
@@ -84,7 +84,9 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     act = layout.dtype_bytes * tokens * cfg.hidden_size  # one [tokens, hidden] activation
     # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
     gathers = 4 + {"full": 2, "selective": 1, "none": 0}[layout.activation_checkpointing]
-    scatters = 4 + (2 if layout.activation_checkpointing == "full" else 0)
+    # Recomputation stops once the last tensor backward needs is rebuilt (checkpointing's early stop),
+    # before the MLP's output reduce-scatter: full recompute repeats one of the layer's two scatters.
+    scatters = 4 + (1 if layout.activation_checkpointing == "full" else 0)
     calls: list[tuple[F.Collective, float]] = \
         ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.num_layers
     if shape.has_embedding:
