@@ -118,7 +118,7 @@ def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
     try:
         mesh = dims.build_mesh("cpu")
         groups = {mesh[a].get_group().group_name: ("dp" if a.startswith("dp") else a) for a in AXES}
-        groups[dist.group.WORLD.group_name] = "world"
+        groups.setdefault(dist.group.WORLD.group_name, "world")  # an axis spanning the world keeps its name
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         device = torch.device("cpu")
 
