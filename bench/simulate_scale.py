@@ -21,7 +21,7 @@ CASES = {  # name -> (world size, overrides of the seed config)
     "8b-tp8": (8, ["tp=8", "pp=1"]),
     "8b-tp4-pp2-dp4": (32, []),
     "32b-tp8-pp4-dp2": (64, ["model_name=qwen3-32b", "tp=8", "pp=4"]),
-    "32b-tp8-pp8-dp8": (512, ["model_name=qwen3-32b", "tp=8", "pp=8"]),
+    "32b-tp8-pp4-dp16": (512, ["model_name=qwen3-32b", "tp=8", "pp=4"]),
 }
 GiB = 2**30
 
