@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("qwen3_pretrain.checkpoint.merge:main", "merge a sharded checkpoint into one HuggingFace model"),
     "parse-log": ("qwen3_pretrain.analysis.parse_log:main", "training log or metrics.jsonl -> CSV (+ PNG plot)"),
     "plan": ("qwen3_pretrain.plan.cli:main", "predict memory and throughput per parallel layout"),
+    "simulate": ("qwen3_pretrain.simulate.cli:main", "run the engine at full size on fake tensors: memory and comm per rank"),
     "commbench": ("qwen3_pretrain.plan.commbench:main", "measure collective latency and bandwidth per mesh axis"),
     "generate": ("qwen3_pretrain.models.qwen3.generate:main", "continue a prompt with a (merged) HF model directory"),
     "demo": ("qwen3_pretrain.models.qwen3.demo:main", "tiny random Qwen3 -> HF format -> reload -> logits checksum"),

@@ -8,8 +8,8 @@ Per micro-batch on the slowest pipeline stage:
   the FLOPs are the PaLM count of ``formulas``;
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
-  layer 2 + 2 in forward, 2 + 2 in backward, 2 + 2 more for full recompute and
-  1 for MLP recompute (none for selective, the attention core); the embedding's reduce-scatter, the loss's gather of the
+  layer 2 + 2 in forward, 2 + 2 in backward, 2 + 1 more for full recompute (it
+  stops before the MLP's output scatter) and 1 gather for MLP recompute (none for selective, the attention core); the embedding's reduce-scatter, the loss's gather of the
   hidden states and all-reduce of its gradient, and the loss's per-chunk
   statistics all-reduces;
 * context parallelism = per layer an all-gather of the whole sequence's K and
@@ -97,7 +97,9 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
     # (the attention core that selective recompute reruns sits between them: no collective of its own)
     gathers = 4 + {"full": 2, "mlp": 1, "selective": 0, "none": 0}[layout.activation_checkpointing]
-    scatters = 4 + (2 if layout.activation_checkpointing == "full" else 0)
+    # Recomputation stops once the last tensor backward needs is rebuilt (checkpointing's early stop),
+    # before the MLP's output reduce-scatter: full recompute repeats one of the layer's two scatters.
+    scatters = 4 + (1 if layout.activation_checkpointing == "full" else 0)
     calls: list[tuple[F.Collective, float]] = \
         ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.num_layers
     if shape.has_embedding:

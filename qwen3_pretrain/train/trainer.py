@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest, read_meta
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
@@ -28,27 +26,17 @@ from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
-from qwen3_pretrain.hardware import default_chunk_tokens, optimizer_impl
-from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
+from qwen3_pretrain.hardware import default_chunk_tokens
 from qwen3_pretrain.parallel import env
-from qwen3_pretrain.parallel.context_parallel import shard_sequence
-from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size, stage_layer_ranges
-from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
-from qwen3_pretrain.parallel.parallelize import (
-    PartSpec,
-    build_stage,
-    local_stage_indices,
-    materialize,
-    parallelize_stage,
-)
+from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
-from qwen3_pretrain.parallel.pipeline import build_schedule
 from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
 from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib, synchronize
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
-from qwen3_pretrain.train.optim import build_optimizer, lr_at, set_lr
+from qwen3_pretrain.train.engine import Engine, engine_layout
+from qwen3_pretrain.train.optim import lr_at
 
 log = logging.getLogger("qwen3_pretrain.train")
 
@@ -103,49 +91,21 @@ class Trainer:
         self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
         if cfg.eval_steps and not cfg.valid_fraction:
             raise ConfigError("eval_steps needs a held-out split: set valid_fraction (e.g. 0.01)")
-        self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
-        self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
         check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
                             cfg.pp_microbatch_size, batch_key="batch_size")
         validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
 
     def _build_model(self) -> None:
-        cfg, model_cfg, dims = self.cfg, self.source.config, self.dims
-        padded = self.padded_vocab = padded_vocab_size(model_cfg.vocab_size, dims.tp)
-        stage_cfg = type(model_cfg)(**{**model_cfg.__dict__, "vocab_size": padded})
-        num_stages = dims.pp * self.stages_per_rank
-        ranges = stage_layer_ranges(model_cfg.num_hidden_layers, num_stages)
-        self.stage_indices = local_stage_indices(self.mesh.get_local_rank("pp"), dims.pp, self.stages_per_rank)
-        dp_mesh = dims.dp_mesh(self.mesh)
-        source = self.source.tensor_source(padded, cfg.seed)
-        self.parts = []
-        for idx in self.stage_indices:
-            part = build_stage(stage_cfg, PartSpec(idx, num_stages, ranges[idx]), model_cfg.vocab_size,
-                               self.loss_chunk_tokens, attention=attention_kernel(self.device.type),
-                               fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask,
-                               cp_mesh=self.mesh["cp"] if dims.cp > 1 else None)
-            parallelize_stage(part, self.mesh, dp_mesh, cfg.mixed_precision, cfg.compile)
-            materialize(part, self.device, source)
-            self.parts.append(part)
-        self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings and dims.pp > 1 else None
-        self.params = [p for part in self.parts for p in part.parameters()]
-        # The tied head's gradient equals the embedding's: count it once in the global norm.
-        skip = {id(self.tied.head)} if self.tied is not None and self.tied.head is not None else set()
-        self.norm_params = [p for p in self.params if id(p) not in skip]
-        # One optimizer per part, so optimizer state is saved and resharded by parameter name.
-        self.optimizers = [build_optimizer([part], cfg, tied=model_cfg.tie_word_embeddings) for part in self.parts]
-        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
-        self.has_first = 0 in self.stage_indices
-        self.has_last = num_stages - 1 in self.stage_indices
-        if dims.pp > 1:
-            self.schedule = build_schedule(self.parts, self.stage_indices, num_stages, self.device, self.pp_group,
-                                           cfg.pp_schedule, self.num_microbatches, self._loss_fn)
+        self.engine = Engine(self.cfg, self.source, self.dims, self.mesh, self.device, self.stages_per_rank,
+                             self.fp32_matmul, self.loss_chunk_tokens)
+        e = self.engine
+        self.parts, self.optimizers, self.padded_vocab = e.parts, e.optimizers, e.padded_vocab
 
     def _build_data(self) -> None:
         cfg, dims = self.cfg, self.dims
         dataset = self.train_data = BlendedDataset.open(cfg.data_sources, cfg.seq_length, cfg.seed,
                                                         valid_fraction=cfg.valid_fraction)
-        self.global_batch = cfg.batch_size * dims.dp * cfg.gradient_accumulation_steps
+        self.global_batch = self.engine.global_batch
         dp_rank = self.mesh.get_local_rank("dp_replicate") * dims.dp_shard + self.mesh.get_local_rank("dp_shard")
         micro = cfg.batch_size
         # The next steps' batches are read in a thread while this one runs (data/prefetch.py).
@@ -155,11 +115,7 @@ class Trainer:
             valid = BlendedDataset.open(cfg.data_sources, cfg.seq_length, cfg.seed, split="valid",
                                         valid_fraction=cfg.valid_fraction)
             self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
-        self.global_tokens = self.global_batch * cfg.seq_length
-        # Each rank's loss is its token sum over the global batch's token count, times dp x cp because
-        # FSDP averages gradients over the dp and cp ranks: together they give the global token mean.
-        self.loss_scale = dims.dp * dims.cp / self.global_tokens
-        self.cp_rank = self.mesh.get_local_rank("cp")
+        self.global_tokens = self.engine.global_tokens
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -211,97 +167,26 @@ class Trainer:
 
     # --- one step -------------------------------------------------------------------
 
-    def _loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        head = self.parts[-1].lm_head
-        if self.dims.tp > 1:
-            hidden = DTensor.from_local(hidden, self.mesh["tp"], [Shard(1)])
-        return head(hidden, labels) * self.loss_scale
-
-    def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Sum over this rank's micro-batches of the scaled loss (zero where the rank holds no head)."""
-        if self.dims.pp > 1:
-            return self._run_pipeline(self.schedule.step, batches)
-        total = torch.zeros((), device=self.device)
-        part = self.parts[0]
-        for i, mb in enumerate(batches):
-            part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or i == len(batches) - 1)
-            hidden = part(self._tokens(mb, "input_ids"), self._positions(mb))
-            loss = self._loss_fn(hidden, self._tokens(mb, "labels"))
-            loss.backward()
-            total += loss.detach()
-        return total
-
-    @property
-    def _uses_positions(self) -> bool:
-        # Under cp a rank's tokens are not 0..n-1: each carries its own position.
-        return self.cfg.reset_position_ids or self.cfg.document_mask or self.dims.cp > 1
-
-    def _tokens(self, mb: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-        """``mb[key]`` [batch, seq] on the device, this cp rank's part of each sequence."""
-        return shard_sequence(mb[key], self.dims.cp, self.cp_rank).to(self.device)
-
-    def _positions(self, mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """Per-document (or, under cp, global) RoPE positions; None means 0..seq-1 in every sample."""
-        if not self._uses_positions:
-            return None
-        if self.cfg.reset_position_ids or self.cfg.document_mask:
-            return self._tokens(mb, "positions")
-        positions = torch.arange(self.cfg.seq_length).expand_as(mb["input_ids"])
-        return shard_sequence(positions, self.dims.cp, self.cp_rank).to(self.device)
-
-    def _run_pipeline(self, run, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """One pass of the schedule (``step`` or ``eval``) over this rank's micro-batches, re-cut into
-        pipeline micro-batches; returns the sum of the scaled losses (zero off the last stage)."""
-        inputs = torch.cat([self._tokens(mb, "input_ids") for mb in batches])
-        labels = torch.cat([self._tokens(mb, "labels") for mb in batches])
-        losses: list[torch.Tensor] = []
-        args: tuple[torch.Tensor, ...] = ()
-        if self.has_first:  # per-document positions enter with the ids and travel with the hidden states
-            args = (inputs, torch.cat([self._positions(mb) for mb in batches])) \
-                if self._uses_positions else (inputs,)
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        run(*args, return_outputs=False, **kwargs)
-        total = torch.zeros((), device=self.device)
-        for loss in losses:
-            total += loss.detach()
-        return total
-
     def _global_mean_loss(self, local: torch.Tensor) -> float:
         reduced = local.detach().float().clone()
         dist.all_reduce(reduced)
         return reduced.item() / (self.dims.tp * self.dims.dp * self.dims.cp)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over ``eval_iters`` global batches of the held-out split (the same ones each time)."""
         loader = GlobalBatchLoader(*self.eval_loader_args)
         total = 0.0
         for _ in range(self.cfg.eval_iters):
-            batches = next(loader)
-            if self.dims.pp > 1:
-                local = self._run_pipeline(self.schedule.eval, batches)
-            else:
-                local = torch.zeros((), device=self.device)
-                for mb in batches:
-                    hidden = self.parts[0](self._tokens(mb, "input_ids"), self._positions(mb))
-                    local += self._loss_fn(hidden, self._tokens(mb, "labels"))
-            total += self._global_mean_loss(local)
-        # Without a backward pass, units kept gathered after forward (the embedding of a tied head)
-        # stay gathered: give the memory back, and let checkpoints see the sharded parameters.
-        for part in self.parts:
-            for module in part.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            total += self._global_mean_loss(self.engine.eval_loss(next(loader)))
+        self.engine.reshard()
         return total / self.cfg.eval_iters
 
     def train_step(self) -> dict:
         cfg = self.cfg
         start = time.perf_counter()
         batches = next(self.loader)
-        local_loss = self._forward_backward(batches)
-        if self.tied is not None:
-            self.tied.sync_grads()
-        grad_norm = global_grad_norm(self.norm_params, self.pp_group).item()
+        local_loss = self.engine.forward_backward(batches)
+        grad_norm = self.engine.grad_norm().item()
         # Every last-stage rank holds its dp x cp share of the loss, replicated over tp. The same reduction
         # tells every rank whether any of them was asked to stop (SIGTERM/SIGINT).
         reduced = torch.stack([local_loss.float(), torch.tensor(float(self.stop_requested), device=self.device)])
@@ -310,13 +195,7 @@ class Trainer:
         self.stop_agreed = reduced[1].item() > 0
         lr = lr_at(self.step, cfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not skipped:
-            clip_grads(self.params, cfg.clip_grad, grad_norm)
-            for opt in self.optimizers:
-                set_lr(opt, lr)
-                opt.step()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        self.engine.optimizer_step(lr, None if skipped else grad_norm)
         synchronize(self.device)  # the step's time is the device's, not the time to queue its work
         self.step += 1
         self.tokens_seen += self.global_tokens
@@ -428,17 +307,8 @@ class Trainer:
                                 "global_batch": self.global_batch})
 
     def _layout(self) -> Layout:
-        cfg, dims = self.cfg, self.dims
-        return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, micro_batch_size=cfg.batch_size,
-                      gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
-                      activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
-                      dp_shard=cfg.dp_shard,
-                      mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
-                      virtual_stages=self.stages_per_rank, loss_chunk_tokens=self.loss_chunk_tokens,
-                      pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
-                      dense_document_mask=dense_document_mask(self.device.type),
-                      reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
-                      optimizer_impl=optimizer_impl(self.device.type), fp32_matmul=self.fp32_matmul)
+        return engine_layout(self.cfg, self.dims, self.stages_per_rank, self.loss_chunk_tokens, self.device.type,
+                             self.fp32_matmul)
 
     def _log_predicted_memory(self) -> None:
         """The planner's prediction for this very layout, and a warning when it exceeds the device."""

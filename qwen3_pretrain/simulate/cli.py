@@ -1,0 +1,125 @@
+"""``qwen3-pretrain simulate``: the training engine at full size on fake tensors, rank by rank, beside the
+planner's prediction.
+
+    qwen3-pretrain simulate --config pretrain_config.yaml [--nodes N] [--devices-per-node D]
+                            [--ranks all|stages|LIST] [--steps 2] [--jobs 1] [--each] [key=value ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.simulate.run import RankResult, World, make_world, simulate_ranks
+from qwen3_pretrain.train.config import TrainConfig
+
+GiB = 2**30
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="qwen3-pretrain simulate", description=(
+        "Run the training engine for chosen ranks of the configured world on fake tensors (no data, weights or "
+        "devices needed): peak memory by category per rank beside the planner's prediction, and the bytes each "
+        "rank sends per step per mesh axis."))
+    parser.add_argument("--config", help="training config YAML (the one 'train' takes)")
+    parser.add_argument("--nodes", type=int, help="nodes of the simulated world (with --devices-per-node)")
+    parser.add_argument("--devices-per-node", type=int, help="devices per node")
+    parser.add_argument("--ranks", default="all", help="all, stages (the first rank of each pipeline stage), "
+                        "or a comma-separated list of ranks")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per rank (the second has the "
+                        "optimizer state of the first: the steady state)")
+    parser.add_argument("--jobs", type=int, default=1, help="ranks simulated at once, one process each")
+    parser.add_argument("--each", action="store_true", help="simulate every chosen rank, not one per pipeline "
+                        "stage standing for the others of its stage")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+    return parser.parse_args(argv)
+
+
+def world_size(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    if (args.nodes is None) != (args.devices_per_node is None):
+        raise UserError("--nodes and --devices-per-node go together; give both or neither")
+    if args.nodes is not None:
+        if args.nodes < 1 or args.devices_per_node < 1:
+            raise UserError("--nodes and --devices-per-node must be at least 1")
+        return args.nodes * args.devices_per_node
+    if cfg.rank_size is None:
+        raise UserError("the world size is unknown: set rank_size in the config (or rank_size=N) or give "
+                        "--nodes and --devices-per-node")
+    return cfg.rank_size
+
+
+def select_ranks(spec: str, world: World) -> list[int]:
+    size = world.dims.world_size
+    if spec == "all":
+        return list(range(size))
+    if spec == "stages":
+        return world.ranks_of_stages()
+    ranks = []
+    for item in spec.split(","):
+        if not item.strip().isdigit() or not 0 <= int(item) < size:
+            raise UserError(f"--ranks: {item.strip()!r} is not a rank of this {size}-rank world (0..{size - 1}); "
+                            "give all, stages or a comma-separated list of ranks")
+        ranks.append(int(item))
+    return ranks
+
+
+def to_json(results: list[RankResult], seconds: float) -> dict:
+    ranks = [{"rank": r.rank, "stage": r.coords["pp"], "coords": r.coords,
+              "peak_gib": round(r.peak["total"] / GiB, 3),
+              "predicted_gib": round(r.predicted.allocated / GiB, 3),
+              "predicted_with_overhead_gib": round(r.predicted.total / GiB, 3),
+              "categories": {k: round(v / GiB, 3) for k, v in r.peak.items() if k != "total"},
+              "predicted_categories": {k: v for k, v in r.predicted.gib().items()
+                                       if k not in ("total", "overhead")},
+              "comm_bytes_per_step": r.comm, "seconds": round(r.seconds, 1),
+              **({"simulated_as": r.simulated_as} if r.simulated_as is not None else {})} for r in results]
+    # The rank of each stage that sends most stands for the axis (ranks of a stage send alike).
+    comm: dict[str, dict[str, float]] = {}
+    for r in results:
+        for axis, kinds in r.comm.items():
+            if sum(kinds.values()) > sum(comm.get(axis, {}).values()):
+                comm[axis] = dict(kinds)
+    return {"ranks": ranks, "comm_bytes_per_step": {a: comm.get(a, {}) for a in ("tp", "pp", "dp", "cp")},
+            "seconds": round(seconds, 1)}
+
+
+def format_table(world: World, results: list[RankResult], seconds: float) -> str:
+    cfg, d = world.cfg, world.dims
+    lines = [f"simulated {cfg.model_name} ({world.source.description}) on {d.world_size} ranks: tp {d.tp} x pp "
+             f"{d.pp} x dp {d.dp}, seq {cfg.seq_length}, batch_size {cfg.batch_size}, recompute {cfg.ac_mode}; "
+             f"fake tensors on the CPU device type, engine built as for {world.target}",
+             f"{'rank':>5} {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'temps':>8} "
+             f"{'peak':>8} {'planner':>8} {'diff':>7}  (GiB)"]
+    for r in results:
+        p = {k: v / GiB for k, v in r.peak.items()}
+        pred = r.predicted.allocated / GiB
+        diff = (pred - p["total"]) / p["total"] if p["total"] else 0.0
+        lines.append(f"{r.rank:>5} {r.coords['pp']:>5} {p['parameters']:>8.2f} {p['gradients']:>8.2f} "
+                     f"{p['optimizer']:>8.2f} {p['activations']:>8.2f} {p['temporaries']:>8.2f} {p['total']:>8.2f} "
+                     f"{pred:>8.2f} {diff:>+7.1%}")
+    lines.append("bytes sent per rank per step (MiB), by mesh axis and collective:")
+    for axis, kinds in to_json(results, seconds)["comm_bytes_per_step"].items():
+        text = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(kinds.items())) or "none"
+        lines.append(f"  {axis}: {text}")
+    simulated = sum(r.simulated_as is None for r in results)
+    lines.append(f"{len(results)} rank(s), {simulated} simulated (one per stage stands for its stage unless "
+                 f"--each), in {seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    world = make_world(cfg, world_size(args, cfg))
+    ranks = select_ranks(args.ranks, world)
+    start = time.perf_counter()
+    results = simulate_ranks(world, ranks, args.steps, args.jobs, args.each)
+    seconds = time.perf_counter() - start
+    print(json.dumps(to_json(results, seconds), indent=1) if args.json else format_table(world, results, seconds))
+    return 0

@@ -1,0 +1,238 @@
+"""Run the training engine as one rank of a world that does not exist, on fake tensors.
+
+One process plays rank r of a W-rank world: torch's ``fake`` process-group
+backend accepts every collective and moves nothing, and ``FakeTensorMode``
+gives every tensor its shape and dtype but no storage, so Qwen3-32B on 64
+ranks fits in a laptop's memory. The engine is the trainer's own
+(``train/engine.py``): mesh, stage split, TP, activation checkpointing, FSDP,
+the fused loss, AdamW and the pipeline schedule, on synthetic token batches.
+
+Tensors live on the CPU device type (fake CUDA tensors need a CUDA build of
+torch), but the engine is built as for an accelerator (``target``): its
+attention kernel, loss chunk, native bf16 matmuls and FSDP's reduce-scatter are
+those it uses on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.hardware import default_chunk_tokens
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.parallel.dims import ParallelDims
+from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
+from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
+from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
+from qwen3_pretrain.train.config import TrainConfig
+from qwen3_pretrain.train.engine import Engine, engine_layout
+from qwen3_pretrain.train.model_source import ModelSource, resolve_model
+from qwen3_pretrain.train.optim import lr_at
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class World:
+    """What every simulated rank shares: the model, the degrees and the planner's layout."""
+
+    cfg: TrainConfig
+    source: ModelSource
+    dims: ParallelDims
+    stages_per_rank: int
+    layout: Layout
+    target: str
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of ``rank`` (the mesh is row-major over pp, dp_replicate, dp_shard, cp, tp)."""
+        d = self.dims
+        out, rest = {}, rank
+        for axis, size in reversed(list(zip(AXES, (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)))):
+            out[axis] = rest % size
+            rest //= size
+        return dict(reversed(list(out.items())))
+
+    def ranks_of_stages(self) -> list[int]:
+        """One rank per pipeline rank: the first of each."""
+        per_stage = self.dims.world_size // self.dims.pp
+        return [s * per_stage for s in range(self.dims.pp)]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    coords: dict[str, int]
+    peak: dict[str, int]  # bytes by category, and "total"
+    predicted: MemoryBreakdown
+    comm: dict[str, dict[str, float]]  # axis -> kind -> bytes per step
+    seconds: float
+    simulated_as: int | None = None  # the rank whose simulation stands for this one (same stage)
+
+
+def model_source(cfg: TrainConfig) -> ModelSource:
+    """The architecture only: ``model_path``'s config.json when it exists, else the ``model_name`` preset.
+    No weights, data or tokenizer are read."""
+    config_json = Path(cfg.model_path) / "config.json" if cfg.model_path else None
+    if config_json is not None and config_json.is_file():
+        return ModelSource(Qwen3Config.from_json_file(config_json), None, f"{config_json}")
+    preset = resolve_model(dataclasses.replace(cfg, model_path=None))
+    return ModelSource(preset.config, None, f"{cfg.model_name} preset")
+
+
+def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda") -> World:
+    """Check the layout against the world and the model, as the trainer does before it starts."""
+    source = model_source(cfg)
+    if cfg.seq_length > source.config.max_position_embeddings:
+        raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
+                          f"{source.config.max_position_embeddings}")
+    dims = ParallelDims(world_size, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard, cfg.cp)
+    stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
+    dims.validate(source.config, cfg.pp * stages_per_rank)
+    check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
+                        cfg.pp_microbatch_size, batch_key="batch_size")
+    chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target)
+    layout = engine_layout(cfg, dims, stages_per_rank, chunk, target, fp32_matmul=False)
+    return World(cfg, source, dims, stages_per_rank, layout, target)
+
+
+def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
+    """``steps`` training steps of ``rank``: its peak memory by category and the bytes it sends."""
+    start = time.perf_counter()
+    _quiet_known_notices()
+    cfg, dims = world.cfg, world.dims
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        mesh = dims.build_mesh("cpu")
+        groups = {mesh[a].get_group().group_name: ("dp" if a.startswith("dp") else a) for a in AXES}
+        groups.setdefault(dist.group.WORLD.group_name, "world")  # an axis spanning the world keeps its name
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        device = torch.device("cpu")
+
+        def allocate(part: nn.Module) -> None:
+            with fake:
+                part.to_empty(device=device)
+
+        engine = Engine(cfg, world.source, dims, mesh, device, world.stages_per_rank, False,
+                        world.layout.loss_chunk_tokens, allocate=allocate,
+                        stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target)
+        _use_target_reduce_scatter(engine, world.target)
+        if dims.cp > 1:  # FSDP shards over dp_shard and cp together, on a flattened group of its own
+            groups.setdefault(mesh["dp_shard_cp"].get_group().group_name, "dp")
+        if engine.tied is not None and engine.tied.group is not None:
+            groups[engine.tied.group.group_name] = "pp"  # the tied embedding and head, first and last stage
+        tracker, comm = StepMemTracker(), CommCounter(groups)
+        with fake:
+            batches = _synthetic_batches(cfg, engine.uses_positions)
+        tracker.track_external(*engine.parts, *engine.optimizers)
+        with fake, ScalarReads(), tracker, comm:
+            for step in range(steps):
+                if step == steps - 1:
+                    # The steady state: the optimizer state exists, and the first step's one-time work is
+                    # over (the pipeline's shape vote; DTensor's sharding propagation, whose example
+                    # tensors this fake mode would otherwise count, is cached by then).
+                    comm.reset()
+                    tracker.reset_peak()
+                _train_step(engine, batches, step)
+        coords = world.coords(rank)
+        predicted = predict_memory(world.source.config, world.layout, stage=coords["pp"])
+        per_step = {axis: dict(kinds) for axis, kinds in comm.bytes.items()}
+        return RankResult(rank, coords, tracker.peak_by_category(), predicted, per_step,
+                          time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_step(engine: Engine, batches: list[dict[str, torch.Tensor]], step: int) -> None:
+    """The engine's part of ``Trainer.train_step``: forward/backward, the norm, the loss's reduction, the update."""
+    local_loss = engine.forward_backward(batches)
+    grad_norm = engine.grad_norm().item()
+    reduced = torch.stack([local_loss.float(), torch.zeros((), device=engine.device)])
+    dist.all_reduce(reduced)
+    engine.optimizer_step(lr_at(step, engine.cfg), grad_norm)
+
+
+def _synthetic_batches(cfg: TrainConfig, positions: bool) -> list[dict[str, torch.Tensor]]:
+    """One step's micro-batches of token id 0 (the values are never read)."""
+    shape = (cfg.batch_size, cfg.seq_length)
+    mb = {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long)}
+    if positions:
+        mb["positions"] = torch.arange(cfg.seq_length).expand(shape)
+    return [dict(mb) for _ in range(cfg.gradient_accumulation_steps)]
+
+
+def _stage_io(engine: Engine, fake: FakeTensorMode, allocate):
+    """Example inputs and outputs of this rank's pipeline stages, found by running stage 0 (and the last
+    stage) forward once: the message between stages is what stage 0 returns."""
+    cfg = engine.cfg
+    # built outside the fake mode: slicing the device mesh reads its (real) rank tensor
+    first = engine.parts[0] if engine.has_first else engine.build_part(0, allocate)
+    with fake, ScalarReads():
+        ids = torch.zeros((cfg.pp_microbatch_size, cfg.seq_length), dtype=torch.long)
+        first_in = (ids, torch.arange(cfg.seq_length).expand(ids.shape)) if engine.uses_positions else (ids,)
+        message = _as_tuple(first(*first_in))
+        io = []
+        for part, idx in zip(engine.parts, engine.stage_indices):
+            inputs = first_in if idx == 0 else message
+            outputs = _as_tuple(part(*inputs)) if idx == engine.num_stages - 1 else message
+            io.append((inputs, outputs))
+    return io
+
+
+def _as_tuple(x) -> tuple[torch.Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _use_target_reduce_scatter(engine: Engine, target: str) -> None:
+    """On a CPU mesh the engine reduces gradients with an all-reduce (gloo's reduce-scatter is slow);
+    on an accelerator it uses FSDP's reduce-scatter, which is what is simulated."""
+    if target == "cpu":
+        return
+    for part in engine.parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(DefaultReduceScatter())
+
+
+def simulate_ranks(world: World, ranks: list[int], steps: int = 2, jobs: int = 1,
+                   each: bool = False) -> list[RankResult]:
+    """``simulate_rank`` for ``ranks``, each in a fresh child process (torch.distributed keeps per-process
+    state, group names and mesh caches, that one world would leave to the next).
+
+    Ranks of one pipeline stage hold equal-sized slices of the same tensors and run the same operators
+    on the same shapes, so unless ``each`` is set one rank per stage is simulated and its figures stand
+    for the others of its stage (``simulated_as``).
+    """
+    chosen: dict[int, int] = {}
+    for rank in ranks:
+        chosen.setdefault(rank if each else world.coords(rank)["pp"], rank)
+    context = multiprocessing.get_context("fork")
+    with context.Pool(processes=max(1, jobs), maxtasksperchild=1) as pool:
+        done = pool.starmap(simulate_rank, [(world, rank, steps) for rank in chosen.values()], chunksize=1)
+    by_rank = {r.rank: r for r in done}
+    out = []
+    for rank in ranks:
+        rep = by_rank[chosen[rank if each else world.coords(rank)["pp"]]]
+        out.append(rep if rep.rank == rank else
+                   dataclasses.replace(rep, rank=rank, coords=world.coords(rank), simulated_as=rep.rank))
+    return out
+
+
+def _quiet_known_notices() -> None:
+    # The trainer's own filters (train/trainer.py), plus DTensor's note on the gradient norm's two
+    # sequential all-reduces over (dp, tp): a handful of scalars per step.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -1,0 +1,164 @@
+"""What a simulated step is measured with: memory by category, collective bytes by axis and kind, and
+the one stand-in a run without data needs (scalar reads).
+
+All three are ``TorchDispatchMode``s stacked above ``FakeTensorMode``: they see
+every operator the engine issues on fake tensors, collectives included.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = {"PARAM": "parameters", "BUFFER": "parameters", "GRAD": "gradients",
+              "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries", "OTH": "parameters"}
+
+
+class StepMemTracker(MemTracker):
+    """torch's ``MemTracker`` keeping only the whole-device peak by category.
+
+    The stock tracker also snapshots every module's memory at each of its
+    hooks and at each operator, which makes a step of a 36-layer model take
+    minutes; here the hooks keep only what the categories need (parameters
+    registered when first seen, the recomputation region of activation
+    checkpointing) and the peak is the device's alone.
+    """
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is held now."""
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+        self._peak_mem_snap = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module not in self.memory_tracking:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self.memory_tracking[module] = True
+        elif self._mod_tracker.is_bw and self._ac_mod is None:
+            # A module run again during backward is recomputation (activation checkpointing).
+            self._ac_mod = _weak(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
+
+    def _post_bw_hook(self, module, args) -> None:
+        pass
+
+    def peak_by_category(self) -> dict[str, int]:
+        """Bytes at the peak, summed into this project's categories, plus ``total``."""
+        snap = next(iter(self._peak_mem_snap.values()), {})
+        out = dict.fromkeys(sorted(set(CATEGORIES.values())), 0)
+        for ref, nbytes in snap.items():
+            if ref != "Total":
+                out[CATEGORIES[ref.name]] += nbytes
+        out["total"] = snap.get("Total", 0)
+        return out
+
+
+def _weak(module):
+    return weakref.ref(module)
+
+
+_c10d = torch.ops.c10d
+_fn = torch.ops._c10d_functional
+
+
+def _ring_bytes(kind: str, nbytes: int, n: int) -> float:
+    """Bytes one rank sends in a ring implementation of ``kind`` over ``n`` ranks (``nbytes``: the full
+    tensor for all-gather and all-reduce, the input for reduce-scatter)."""
+    if n <= 1:
+        return 0.0
+    return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
+            "send": 1.0, "recv": 1.0, "broadcast": 1.0}[kind] * nbytes
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+class CommCounter(TorchDispatchMode):
+    """Bytes each collective sends from this rank, by mesh axis (the process group's name) and kind.
+
+    Under the fake process group collectives move nothing, but they are still
+    issued, with their tensors and group: that is what is counted. Ring
+    algorithms' per-rank traffic is used (``_ring_bytes``), the convention of
+    bus bandwidth (``plan/formulas.py``).
+    """
+
+    def __init__(self, axis_of_group: dict[str, str]) -> None:
+        super().__init__()
+        self.axis_of_group = axis_of_group
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def _add(self, group, kind: str, nbytes: int) -> None:
+        if isinstance(group, str):
+            name = group
+            n = dist.distributed_c10d._resolve_process_group(group).size()
+        else:
+            if not isinstance(group, dist.ProcessGroup):  # the boxed form c10d operators take
+                group = dist.ProcessGroup.unbox(group)
+            name, n = group.group_name, group.size()
+        axis = self.axis_of_group.get(name, "other")
+        self.bytes[axis][kind] += _ring_bytes(kind, nbytes, n)
+        self.calls[axis][kind] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        entry = _KINDS.get(func)
+        if entry is not None:
+            kind, tensor_arg, group_arg = entry
+            # the functional all-gather takes this rank's shard and the group's size
+            nbytes = _nbytes(args[0]) * args[1] if tensor_arg is None else _nbytes(args[tensor_arg])
+            self._add(args[group_arg], kind, nbytes)
+        return func(*args, **kwargs)
+
+
+# op -> (kind, index of the tensor whose size defines the traffic, index of the group)
+_KINDS = {
+    _c10d._allgather_base_.default: ("all_gather", 0, 2),
+    _c10d.allgather_.default: ("all_gather", 0, 2),
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 1, 2),
+    _c10d.reduce_scatter_.default: ("reduce_scatter", 1, 2),
+    _c10d.allreduce_.default: ("all_reduce", 0, 1),
+    _c10d.broadcast_.default: ("broadcast", 0, 1),
+    _c10d.send.default: ("send", 0, 1),
+    _c10d.recv_.default: ("recv", 0, 1),
+    _fn.all_gather_into_tensor.default: ("all_gather", None, 2),
+    _fn.reduce_scatter_tensor.default: ("reduce_scatter", 0, 3),
+    _fn.all_reduce.default: ("all_reduce", 0, 2),
+    _fn.all_reduce_.default: ("all_reduce", 0, 2),
+}
+
+
+class ScalarReads(TorchDispatchMode):
+    """Answers the engine's reads of tensor values (``.item()``, ``bool(t)``), which fake tensors cannot:
+    a boolean reads False (no bad label, nothing non-finite), a number reads 1 (a loss, a gradient norm
+    at the clipping threshold, the pipeline's vote that every stage knows its message shapes)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))

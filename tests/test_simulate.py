@@ -1,0 +1,73 @@
+"""``qwen3-pretrain simulate``: the engine on fake tensors for 8 fake ranks of a tiny model (tp 2 x pp 2 x dp 2).
+
+Expected figures come from the model's shapes and the layout, not from the simulation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qwen3_pretrain.cli import main as cli_main
+from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.models.qwen3.config import get_preset
+from qwen3_pretrain.parallel.dims import padded_vocab_size
+from qwen3_pretrain.parallel.dims import stage_layer_ranges
+from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage
+from qwen3_pretrain.simulate.run import make_world, simulate_ranks
+from qwen3_pretrain.train.config import TrainConfig
+
+TINY = {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
+OVERRIDES = ["model_name=qwen3-8b", f"model_overrides={json.dumps(TINY)}", "tp=2", "pp=2", "seq_length=64",
+             "batch_size=2", "activation_checkpointing=full"]
+TP, PP, DP = 2, 2, 2
+
+
+@pytest.fixture(scope="module")
+def results():
+    cfg = load_config(TrainConfig, None, OVERRIDES)
+    world = make_world(cfg, TP * PP * DP)
+    return world, simulate_ranks(world, world.ranks_of_stages(), steps=2)
+
+
+def _local_shapes(stage: int) -> tuple[int, int]:
+    """(values, tensors) of the parameters one rank holds after TP (matrices split in tp) and FSDP
+    (everything split in dp)."""
+    cfg = get_preset("qwen3-8b")
+    cfg = type(cfg)(**{**cfg.__dict__, **TINY, "vocab_size": padded_vocab_size(TINY["vocab_size"], TP)})
+    spec = PartSpec(stage, PP, stage_layer_ranges(cfg.num_hidden_layers, PP)[stage])
+    part = build_stage(cfg, spec, TINY["vocab_size"], 4096)
+    params = list(part.parameters())
+    return sum(p.numel() // DP // (TP if p.dim() > 1 else 1) for p in params), len(params)
+
+
+def test_adam_state_matches_the_shapes(results):
+    _, ranks = results
+    for r in ranks:
+        values, tensors = _local_shapes(r.coords["pp"])
+        # two fp32 moments per local value and one fp32 step count per tensor
+        assert r.peak["optimizer"] == 8 * values + 4 * tensors, r.peak
+        # at least the fp32 master shards (at the peak some units may also be gathered in bf16)
+        assert r.peak["parameters"] >= 4 * values, r.peak
+
+
+def test_pipeline_messages_are_one_microbatch_of_hidden_states(results):
+    world, ranks = results
+    # 1F1B over 2 micro-batches of pp_microbatch_size 1: each holds [1, seq / tp, hidden] bf16 per tp rank,
+    # and forward the positions [1, seq] int64 travel with the hidden states
+    message = 1 * 64 // TP * TINY["hidden_size"] * torch.bfloat16.itemsize
+    positions = 1 * 64 * torch.int64.itemsize
+    micro = world.cfg.batch_size // world.cfg.pp_microbatch_size
+    first, last = ranks
+    assert first.comm["pp"]["send"] == micro * (message + positions)  # activations forward
+    assert last.comm["pp"]["send"] == micro * message  # gradients backward
+
+
+def test_bad_rank_and_layout_are_clear_errors(capsys):
+    assert cli_main(["simulate", "--ranks", "9", "--nodes", "1", "--devices-per-node", "8", *OVERRIDES]) == 2
+    assert "'9' is not a rank of this 8-rank world" in capsys.readouterr().err
+    assert cli_main(["simulate", "--nodes", "1", "--devices-per-node", "6", *OVERRIDES]) == 2
+    assert "does not divide the 6 launched processes" in capsys.readouterr().err
