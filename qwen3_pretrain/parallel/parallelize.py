@@ -104,7 +104,8 @@ class AllReduceScatter:
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
 
 
-def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> None:
+def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
+               reduce_scatter_device: str | None = None) -> None:
     """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
     the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
     root. The embedding is a unit of its own so that it is gathered only around its own forward and
@@ -122,21 +123,23 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str) -> 
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-    if dp_mesh.device_type == "cpu":
+    # Whose reduce-scatter the gradients take: the mesh's device by default; the scale simulation builds
+    # on a CPU mesh what an accelerator would run, so it names the accelerator.
+    if (reduce_scatter_device or dp_mesh.device_type) == "cpu":
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(AllReduceScatter())
 
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, mixed_precision: str,
-                      compile_layers: bool = False) -> None:
+                      compile_layers: bool = False, reduce_scatter_device: str | None = None) -> None:
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if compile_layers:
         # Each decoder layer on its own (they share one graph); in place, so parameter names stay.
         for layer in model.layers.values():
             layer.compile()
-    apply_fsdp(model, dp_mesh, mixed_precision)
+    apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device)
 
 
 @torch.no_grad()

@@ -27,8 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from qwen3_pretrain.errors import ConfigError
@@ -129,7 +127,6 @@ def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
         engine = Engine(cfg, world.source, dims, mesh, device, world.stages_per_rank, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
                         stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target)
-        _use_target_reduce_scatter(engine, world.target)
         if dims.cp > 1:  # FSDP shards over dp_shard and cp together, on a flattened group of its own
             groups.setdefault(mesh["dp_shard_cp"].get_group().group_name, "dp")
         if engine.tied is not None and engine.tied.group is not None:
@@ -194,17 +191,6 @@ def _stage_io(engine: Engine, fake: FakeTensorMode, allocate):
 
 def _as_tuple(x) -> tuple[torch.Tensor, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _use_target_reduce_scatter(engine: Engine, target: str) -> None:
-    """On a CPU mesh the engine reduces gradients with an all-reduce (gloo's reduce-scatter is slow);
-    on an accelerator it uses FSDP's reduce-scatter, which is what is simulated."""
-    if target == "cpu":
-        return
-    for part in engine.parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(DefaultReduceScatter())
 
 
 def simulate_ranks(world: World, ranks: list[int], steps: int = 2, jobs: int = 1,

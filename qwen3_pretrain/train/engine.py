@@ -83,7 +83,8 @@ class Engine:
                            self.loss_chunk_tokens, attention=attention_kernel(self.target_device_type),
                            fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask,
                            cp_mesh=self.mesh["cp"] if self.dims.cp > 1 else None)
-        parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile)
+        parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
+                          reduce_scatter_device=self.target_device_type)
         if allocate is None:
             materialize(part, self.device, self.source.tensor_source(self.padded_vocab, cfg.seed))
         else:
