@@ -90,7 +90,8 @@ def to_json(results: list[RankResult], seconds: float) -> dict:
 def format_table(world: World, results: list[RankResult], seconds: float) -> str:
     cfg, d = world.cfg, world.dims
     lines = [f"simulated {cfg.model_name} ({world.source.description}) on {d.world_size} ranks: tp {d.tp} x pp "
-             f"{d.pp} x dp {d.dp}, seq {cfg.seq_length}, batch_size {cfg.batch_size}, recompute {cfg.ac_mode}; "
+             f"{d.pp} x dp {d.dp}" + (f" (dp_shard {d.dp_shard})" if d.dp_replicate > 1 else "")
+             + (f" x cp {d.cp}" if d.cp > 1 else "") + f", seq {cfg.seq_length}, batch_size {cfg.batch_size}, recompute {cfg.ac_mode}; "
              f"fake tensors on the CPU device type, engine built as for {world.target}",
              f"{'rank':>5} {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'temps':>8} "
              f"{'peak':>8} {'planner':>8} {'diff':>7}  (GiB)"]

@@ -127,8 +127,8 @@ def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
         engine = Engine(cfg, world.source, dims, mesh, device, world.stages_per_rank, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
                         stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target)
-        if dims.cp > 1:  # FSDP shards over dp_shard and cp together, on a flattened group of its own
-            groups.setdefault(mesh["dp_shard_cp"].get_group().group_name, "dp")
+        for group in engine.dp_mesh.get_all_groups():  # under cp, FSDP's flattened dp_shard x cp group
+            groups.setdefault(group.group_name, "dp")
         if engine.tied is not None and engine.tied.group is not None:
             groups[engine.tied.group.group_name] = "pp"  # the tied embedding and head, first and last stage
         tracker, comm = StepMemTracker(), CommCounter(groups)
