@@ -19,7 +19,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from qwen3_pretrain.config.loader import nearest
+from qwen3_pretrain.config.loader import lookup
 from qwen3_pretrain.errors import UserError
 
 GB = 1e9
@@ -194,12 +194,7 @@ def device_by_reported_name(name: str) -> Hardware | None:
 
 def get_device(name: str) -> Hardware:
     """The named device (case-insensitive); an unknown name suggests the nearest one."""
-    key = name.strip().lower()
-    if key not in DEVICES:
-        hint = nearest(key, DEVICES)
-        raise UserError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                        + f" (known: {', '.join(DEVICES)}; or give --device-memory-gib and --peak-tflops)")
-    return DEVICES[key]
+    return lookup(DEVICES, name, "device", "; or give --device-memory-gib and --peak-tflops")
 
 
 def with_overrides(hw: Hardware, **values: float | None) -> Hardware:

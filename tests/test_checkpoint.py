@@ -77,13 +77,9 @@ def test_one_stage_stores_a_tied_weight_once(uninterrupted, tmp_path):
     assert not any(".lm_head." in k for k in optim), [k for k in optim if ".lm_head." in k]
 
 
-def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path):
-    total, kill_after = 20, 5  # many steps left after the kill: it lands mid-run even on a slow machine
-    ref = tmp_path / "ref"
-    cfg_ref = write_config(tmp_path / "r.yaml", corpus, ref, total_steps=total, save_steps=2)
-    check_ok(run_train(cfg_ref, 1, timeout=900))
-    out = tmp_path / "out"
-    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=total, save_steps=2)
+def _kill_then_resume(cfg, out, kill_after: int, total: int) -> subprocess.CompletedProcess:
+    """Start ``cfg``, SIGKILL it after step ``kill_after`` of ``total``, run it again to the end; the
+    resumed run's completed process."""
     proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     _wait_for_step(out / "metrics.jsonl", kill_after, proc)
     proc.send_signal(signal.SIGKILL)
@@ -94,6 +90,17 @@ def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path)
     assert len(losses(out)) < total, "the run finished before it was killed"
     proc = run_train(cfg, 1, timeout=900)
     check_ok(proc)
+    return proc
+
+
+def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path):
+    total, kill_after = 20, 5  # many steps left after the kill: it lands mid-run even on a slow machine
+    ref = tmp_path / "ref"
+    cfg_ref = write_config(tmp_path / "r.yaml", corpus, ref, total_steps=total, save_steps=2)
+    check_ok(run_train(cfg_ref, 1, timeout=900))
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=total, save_steps=2)
+    proc = _kill_then_resume(cfg, out, kill_after, total)
     assert "resumed from" in proc.stdout
     assert records(out) == records(ref)
     assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
@@ -110,14 +117,7 @@ def test_blended_run_killed_then_resumed_gives_identical_losses_weights_and_mix(
     check_ok(run_train(write_config(tmp_path / "r.yaml", data_path, ref, total_steps=total, save_steps=2), 1,
                        timeout=900))
     cfg = write_config(tmp_path / "c.yaml", data_path, out, total_steps=total, save_steps=2)
-    proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    _wait_for_step(out / "metrics.jsonl", kill_after, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended (exit {proc.returncode}) before it could be killed"
-    assert len(losses(out)) < total, "the run finished before it was killed"
-    proc = run_train(cfg, 1, timeout=900)
-    check_ok(proc)
+    proc = _kill_then_resume(cfg, out, kill_after, total)
     assert "resumed from" in proc.stdout and f"| mix {corpus.name}=" in proc.stdout
     assert records(out) == records(ref)
     mixes = [r["samples_by_dataset"] for r in step_records(out)]

@@ -16,11 +16,11 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal, TypeVar
+from typing import Any, Iterable, Literal, Mapping, TypeVar
 
 import yaml
 
-from qwen3_pretrain.errors import ConfigError, MissingFileError
+from qwen3_pretrain.errors import ConfigError, MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_text_atomic
 
 T = TypeVar("T")
@@ -41,6 +41,17 @@ def nearest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate closest to ``name``, or None when nothing is close."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
     return matches[0] if matches else None
+
+
+def lookup(table: Mapping[str, T], name: str, what: str, alternative: str = "") -> T:
+    """``table[name]``, the name case-insensitive; an unknown name is the user's error, naming ``what`` it
+    should be, the nearest known name and the known ones (then ``alternative``, e.g. "; or give ...")."""
+    key = name.strip().lower()
+    if key not in table:
+        hint = nearest(key, table)
+        raise UserError(f"unknown {what} {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" (known: {', '.join(table)}{alternative})")
+    return table[key]
 
 
 def _type_name(tp: Any) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwen3_pretrain.config.loader import nearest
+from qwen3_pretrain.config.loader import lookup
 from qwen3_pretrain.errors import MissingFileError, UserError
 
 # The tokenizer has 151,669 ids; the embedding is padded to 151,936 = 128 * 1187.
@@ -170,12 +170,7 @@ PRESETS: dict[str, Qwen3Config] = {
 
 def get_preset(name: str) -> Qwen3Config:
     """A copy of the named preset; the name is case-insensitive (``Qwen3-8B`` works)."""
-    key = name.strip().lower()
-    if key not in PRESETS:
-        hint = nearest(key, PRESETS)
-        raise UserError(f"unknown model preset {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                        + f" (known: {', '.join(PRESETS)})")
-    return dataclasses.replace(PRESETS[key])
+    return dataclasses.replace(lookup(PRESETS, name, "model preset"))
 
 
 def is_preset_name(name: str | None) -> bool:
