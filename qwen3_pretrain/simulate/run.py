@@ -107,7 +107,7 @@ def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda") -> World
     return World(cfg, source, dims, stages_per_rank, layout, target)
 
 
-def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
+def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
     """``steps`` training steps of ``rank``: its peak memory by category and the bytes it sends."""
     start = time.perf_counter()
     _quiet_known_notices()
@@ -134,13 +134,11 @@ def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
         tracker, comm = StepMemTracker(), CommCounter(groups)
         with fake:
             batches = _synthetic_batches(cfg, engine.uses_positions)
+        _create_optimizer_state(engine, fake)
         tracker.track_external(*engine.parts, *engine.optimizers)
         with fake, ScalarReads(), tracker, comm:
             for step in range(steps):
-                if step == steps - 1:
-                    # The steady state: the optimizer state exists, and the first step's one-time work is
-                    # over (the pipeline's shape vote; DTensor's sharding propagation, whose example
-                    # tensors this fake mode would otherwise count, is cached by then).
+                if step == steps - 1:  # the figures are the last step's
                     comm.reset()
                     tracker.reset_peak()
                 _train_step(engine, batches, step)
@@ -151,6 +149,15 @@ def simulate_rank(world: World, rank: int, steps: int = 2) -> RankResult:
                           time.perf_counter() - start)
     finally:
         dist.destroy_process_group()
+
+
+def _create_optimizer_state(engine: Engine, fake: FakeTensorMode) -> None:
+    """An update with zero gradients, before anything is tracked: AdamW creates its state, so the first
+    tracked step is already the steady state (the optimizer state held through forward and backward)."""
+    with fake, ScalarReads():
+        for p in engine.params:
+            p.grad = torch.zeros_like(p)
+        engine.optimizer_step(0.0, 1.0)
 
 
 def _train_step(engine: Engine, batches: list[dict[str, torch.Tensor]], step: int) -> None:
@@ -193,7 +200,7 @@ def _as_tuple(x) -> tuple[torch.Tensor, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def simulate_ranks(world: World, ranks: list[int], steps: int = 2, jobs: int = 1,
+def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1,
                    each: bool = False) -> list[RankResult]:
     """``simulate_rank`` for ``ranks``, each in a fresh child process (torch.distributed keeps per-process
     state, group names and mesh caches, that one world would leave to the next).

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = {"PARAM": "parameters", "BUFFER": "parameters", "GRAD": "gradients",
@@ -27,7 +30,70 @@ class StepMemTracker(MemTracker):
     minutes; here the hooks keep only what the categories need (parameters
     registered when first seen, the recomputation region of activation
     checkpointing) and the peak is the device's alone.
+
+    DTensor works out an operator's output shapes by running it once on
+    example tensors of the global shape, in the active fake mode (the first
+    time it meets each operator and shape; then it is cached). Those
+    tensors are no device memory: the tracker ignores every operator issued
+    while DTensor propagates (``_propagation``), so the first step's figures
+    are the steady state's and one step is enough.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._propagating = 0
+
+    def __enter__(self) -> "StepMemTracker":
+        self._saved_lock = ShardingPropagator._fake_mode_lock
+        ShardingPropagator._fake_mode_lock = self._propagation()
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        ShardingPropagator._fake_mode_lock = self._saved_lock
+        super().__exit__(*args)
+
+    @contextmanager
+    def _propagation_once(self):
+        self._propagating += 1
+        try:
+            yield
+        finally:
+            self._propagating -= 1
+
+    def _propagation(self):
+        tracker = self
+
+        class Guard:  # entered for every propagation: a fresh generator each time
+            def __enter__(self):
+                self._cm = tracker._propagation_once()
+                return self._cm.__enter__()
+
+            def __exit__(self, *exc):
+                return self._cm.__exit__(*exc)
+
+        return Guard()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """MemTracker's, with its per-operator work cut to what the categories need."""
+        if DTensor in types:
+            return NotImplemented  # let DTensor run its local operators, which this mode then sees
+        if func is _WAIT:
+            # the fake kernel of wait_tensor returns a new tensor; eagerly it hands back its input
+            return args[0]
+        res = func(*args, **(kwargs or {}))
+        if self._propagating:
+            return res
+        if self._in_opt:
+            reftype = _MemRefType.OPT
+        elif self._mod_tracker.is_bw and not self._in_ac:
+            reftype = _MemRefType.TEMP
+        else:
+            reftype = _MemRefType.ACT
+        for t in (res if isinstance(res, (tuple, list)) else (res,)):
+            if isinstance(t, torch.Tensor):
+                self._track(reftype, t)
+        self._update_peak_stats(None)
+        return res
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
@@ -69,6 +135,9 @@ class StepMemTracker(MemTracker):
                 out[CATEGORIES[ref.name]] += nbytes
         out["total"] = snap.get("Total", 0)
         return out
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _weak(module):
