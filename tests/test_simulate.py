@@ -71,3 +71,13 @@ def test_bad_rank_and_layout_are_clear_errors(capsys):
     assert "'9' is not a rank of this 8-rank world" in capsys.readouterr().err
     assert cli_main(["simulate", "--nodes", "1", "--devices-per-node", "6", *OVERRIDES]) == 2
     assert "does not divide the 6 launched processes" in capsys.readouterr().err
+
+
+def test_one_step_is_the_steady_state(results):
+    # The optimizer state exists before the first tracked step and DTensor's one-time shape propagation
+    # is not device memory, so one step reports what the second of two does.
+    world, two = results
+    one = simulate_ranks(world, world.ranks_of_stages(), steps=1)
+    assert [r.peak for r in one] == [r.peak for r in two]
+    for a, b in zip(one, two):
+        assert a.comm["tp"] == b.comm["tp"] and a.comm.get("dp") == b.comm.get("dp")

@@ -2,7 +2,7 @@
 planner's prediction.
 
     qwen3-pretrain simulate --config pretrain_config.yaml [--nodes N] [--devices-per-node D]
-                            [--ranks all|stages|LIST] [--steps 2] [--jobs 1] [--each] [key=value ...] [--json]
+                            [--ranks all|stages|LIST] [--steps 1] [--jobs 1] [--each] [key=value ...] [--json]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--devices-per-node", type=int, help="devices per node")
     parser.add_argument("--ranks", default="all", help="all, stages (the first rank of each pipeline stage), "
                         "or a comma-separated list of ranks")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per rank (the second has the "
-                        "optimizer state of the first: the steady state)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per rank, figures of the last "
+                        "(the optimizer state exists before the first, so one step is the steady state)")
     parser.add_argument("--jobs", type=int, default=1, help="ranks simulated at once, one process each")
     parser.add_argument("--each", action="store_true", help="simulate every chosen rank, not one per pipeline "
                         "stage standing for the others of its stage")
