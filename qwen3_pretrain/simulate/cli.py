@@ -2,7 +2,7 @@
 planner's prediction.
 
     qwen3-pretrain simulate --config pretrain_config.yaml [--nodes N] [--devices-per-node D]
-                            [--ranks all|stages|LIST] [--steps 1] [--jobs 1] [--each] [key=value ...] [--json]
+                            [--ranks all|stages|LIST] [--steps 1] [--jobs N] [--each] [key=value ...] [--json]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import time
 
 from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.data.pool import available_cores
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.simulate.run import RankResult, World, make_world, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
@@ -31,7 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "or a comma-separated list of ranks")
     parser.add_argument("--steps", type=int, default=1, help="training steps per rank, figures of the last "
                         "(the optimizer state exists before the first, so one step is the steady state)")
-    parser.add_argument("--jobs", type=int, default=1, help="ranks simulated at once, one process each")
+    parser.add_argument("--jobs", type=int, help="ranks simulated at once, one process each (default: the "
+                        "cores this process may use)")
     parser.add_argument("--each", action="store_true", help="simulate every chosen rank, not one per pipeline "
                         "stage standing for the others of its stage")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -117,10 +119,12 @@ def main(argv: list[str]) -> int:
     cfg = load_config(TrainConfig, args.config, args.overrides)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {args.jobs}")
     world = make_world(cfg, world_size(args, cfg))
     ranks = select_ranks(args.ranks, world)
     start = time.perf_counter()
-    results = simulate_ranks(world, ranks, args.steps, args.jobs, args.each)
+    results = simulate_ranks(world, ranks, args.steps, args.jobs or available_cores(), args.each)
     seconds = time.perf_counter() - start
     print(json.dumps(to_json(results, seconds), indent=1) if args.json else format_table(world, results, seconds))
     return 0

@@ -213,7 +213,7 @@ def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1
     for rank in ranks:
         chosen.setdefault(rank if each else world.coords(rank)["pp"], rank)
     context = multiprocessing.get_context("fork")
-    with context.Pool(processes=max(1, jobs), maxtasksperchild=1) as pool:
+    with context.Pool(processes=max(1, min(jobs, len(chosen))), maxtasksperchild=1) as pool:
         done = pool.starmap(simulate_rank, [(world, rank, steps) for rank in chosen.values()], chunksize=1)
     by_rank = {r.rank: r for r in done}
     out = []
