@@ -131,12 +131,13 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
             groups.setdefault(group.group_name, "dp")
         if engine.tied is not None and engine.tied.group is not None:
             groups[engine.tied.group.group_name] = "pp"  # the tied embedding and head, first and last stage
-        tracker, comm = StepMemTracker(), CommCounter(groups)
+        comm = CommCounter(groups)
+        tracker = StepMemTracker(comm)
         with fake:
             batches = _synthetic_batches(cfg, engine.uses_positions)
         _create_optimizer_state(engine, fake)
         tracker.track_external(*engine.parts, *engine.optimizers)
-        with fake, ScalarReads(), tracker, comm:
+        with fake, tracker:
             for step in range(steps):
                 if step == steps - 1:  # the figures are the last step's
                     comm.reset()

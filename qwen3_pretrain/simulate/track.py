@@ -1,8 +1,9 @@
 """What a simulated step is measured with: memory by category, collective bytes by axis and kind, and
 the one stand-in a run without data needs (scalar reads).
 
-All three are ``TorchDispatchMode``s stacked above ``FakeTensorMode``: they see
-every operator the engine issues on fake tensors, collectives included.
+``StepMemTracker`` is a ``TorchDispatchMode`` above ``FakeTensorMode``: it sees
+every operator the engine issues on fake tensors, collectives included, and
+does all three.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ class StepMemTracker(MemTracker):
     are the steady state's and one step is enough.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, comm: "CommCounter | None" = None) -> None:
         super().__init__()
         self._propagating = 0
+        self.comm = comm
 
     def __enter__(self) -> "StepMemTracker":
         self._saved_lock = ShardingPropagator._fake_mode_lock
@@ -74,9 +76,14 @@ class StepMemTracker(MemTracker):
         return Guard()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """MemTracker's, with its per-operator work cut to what the categories need."""
+        """MemTracker's, with its per-operator work cut to what the categories need; it also answers scalar
+        reads and counts collectives (one mode instead of three: every operator crosses each mode)."""
         if DTensor in types:
             return NotImplemented  # let DTensor run its local operators, which this mode then sees
+        if func is _SCALAR:
+            return scalar_read(args[0])
+        if self.comm is not None:
+            self.comm.count(func, args)
         if func is _WAIT:
             # the fake kernel of wait_tensor returns a new tensor; eagerly it hands back its input
             return args[0]
@@ -163,17 +170,17 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter:
     """Bytes each collective sends from this rank, by mesh axis (the process group's name) and kind.
 
     Under the fake process group collectives move nothing, but they are still
-    issued, with their tensors and group: that is what is counted. Ring
+    issued, with their tensors and group: ``StepMemTracker`` hands every
+    operator to ``count``, which counts the collectives. Ring
     algorithms' per-rank traffic is used (``_ring_bytes``), the convention of
     bus bandwidth (``plan/formulas.py``).
     """
 
     def __init__(self, axis_of_group: dict[str, str]) -> None:
-        super().__init__()
         self.axis_of_group = axis_of_group
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -194,15 +201,13 @@ class CommCounter(TorchDispatchMode):
         self.bytes[axis][kind] += _ring_bytes(kind, nbytes, n)
         self.calls[axis][kind] += 1
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def count(self, func, args) -> None:
         entry = _KINDS.get(func)
         if entry is not None:
             kind, tensor_arg, group_arg = entry
             # the functional all-gather takes this rank's shard and the group's size
             nbytes = _nbytes(args[0]) * args[1] if tensor_arg is None else _nbytes(args[tensor_arg])
             self._add(args[group_arg], kind, nbytes)
-        return func(*args, **kwargs)
 
 
 # op -> (kind, index of the tensor whose size defines the traffic, index of the group)
@@ -222,12 +227,20 @@ _KINDS = {
 }
 
 
+def scalar_read(t: torch.Tensor):
+    """What a fake tensor's value reads as (``.item()``, ``bool(t)``): a boolean reads False (no bad label,
+    nothing non-finite), a number reads 1 (a loss, a gradient norm at the clipping threshold, the
+    pipeline's vote that every stage knows its message shapes)."""
+    return False if t.dtype == torch.bool else 1
+
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
 class ScalarReads(TorchDispatchMode):
-    """Answers the engine's reads of tensor values (``.item()``, ``bool(t)``), which fake tensors cannot:
-    a boolean reads False (no bad label, nothing non-finite), a number reads 1 (a loss, a gradient norm
-    at the clipping threshold, the pipeline's vote that every stage knows its message shapes)."""
+    """``scalar_read`` for the engine's reads of tensor values outside the tracked step."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return False if args[0].dtype == torch.bool else 1
+        if func is _SCALAR:
+            return scalar_read(args[0])
         return func(*args, **(kwargs or {}))
