@@ -66,6 +66,20 @@ def test_pipeline_messages_are_one_microbatch_of_hidden_states(results):
     assert last.comm["pp"]["send"] == micro * message  # gradients backward
 
 
+def test_the_last_stage_peaks_at_the_loss_with_only_the_head_gathered():
+    """Layers big enough beside the head that the planner would be 6% high if it counted them gathered at
+    the loss: under 1F1B each layer frees its weights after its forward (the schedule keeps them only after
+    backward), so the last stage's peak, the fused loss, holds the head's and the final norm's alone."""
+    model = {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 16000}
+    cfg = load_config(TrainConfig, None, ["model_name=qwen3-8b", f"model_overrides={json.dumps(model)}", "tp=2",
+                                          "pp=2", "seq_length=512", "batch_size=2", "activation_checkpointing=full"])
+    world = make_world(cfg, 4)
+    (last,) = simulate_ranks(world, [2], steps=2)
+    assert last.predicted.moment == "loss"
+    assert last.predicted.allocated == pytest.approx(last.peak["total"], rel=0.02)
+
+
 def test_bad_rank_and_layout_are_clear_errors(capsys):
     assert cli_main(["simulate", "--ranks", "9", "--nodes", "1", "--devices-per-node", "8", *OVERRIDES]) == 2
     assert "'9' is not a rank of this 8-rank world" in capsys.readouterr().err

@@ -7,10 +7,12 @@ shard the weights: the data-parallel degree with the distributed optimizer,
 
 * **parameters**: fp32 master weights sharded by FSDP (``4 P / dp``), plus the
   unsharded working weights FSDP gathers in the compute dtype: the two largest
-  FSDP units at a time (the one computing, the one prefetched), or the whole
-  stage (``d P``) under pipeline parallelism, whose schedule keeps them
-  gathered between micro-batches. FSDP wraps every layer, the LM head, and the
-  rest (embedding, final norm) at the root.
+  FSDP units at a time (the one computing, the one prefetched), or, under
+  pipeline parallelism, whose schedule keeps units gathered after their
+  backward, up to the whole stage (``d P``); a layer still frees its weights
+  after its forward, so at the loss only the head and the root are gathered.
+  FSDP wraps every layer, the LM head, and the rest (embedding, final norm) at
+  the root.
 * **gradients**: fp32 and sharded like the master weights (``4 P / dp``) after
   the step's reduce-scatter. With several micro-batches per step the engine
   skips the reduction until the last one, so the stage's *unsharded* fp32
@@ -221,7 +223,8 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     gradient appears in the compute dtype and, when the weights are sharded,
     an fp32 reduce-scatter input; with one shard the reduced gradient is that
     buffer itself (measured: ``bench/plan_validate.py``). Under pipeline
-    parallelism every unit stays gathered.
+    parallelism a unit stays gathered after its backward (the schedule sets
+    ``reshard_after_backward=False``) but not after its forward.
     """
     sp = stage_params(cfg, layout, shape)
     d, m = layout.dtype_bytes, layout.num_microbatches
@@ -257,10 +260,16 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         head_grad = 0.0 if accumulated and before else 4 * sp.head * (1 if accumulated else 1 / shard)
         head_copy = d * sp.head if copies else 0.0
     held = _held_activations(cfg, layout, shape)
+    at_loss = gathered(head_weight, sp.layer)
+    if layout.pp > 1 and layout.reshard_after_forward:
+        # The schedule keeps a unit gathered after its backward, but a layer still frees its weights
+        # after its forward: at the loss, which follows the layers' forward on the last stage, only the
+        # head and the root (the final norm) are gathered; backward gathers the layers again.
+        at_loss = master + d * (head_weight + sp.root)
     step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
                  "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]
     return {
-        "loss": dict(parameters=gathered(head_weight, sp.layer), gradients=before, optimizer=adam, activations=held,
+        "loss": dict(parameters=at_loss, gradients=before, optimizer=adam, activations=held,
                      logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
         "backward start": dict(parameters=gathered(sp.root) + root_gathering, optimizer=adam,
                                gradients=before + head_grad + head_copy, activations=held, logits=0.0),
