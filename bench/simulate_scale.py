@@ -40,7 +40,8 @@ def run(name: str, jobs: int) -> None:
         print(f"{name:>16} stage {r.coords['pp']}: simulated {sim:6.2f} GiB, planner {pred:6.2f} GiB "
               f"({(pred - sim) / sim:+.1%}); sent GiB/step simulated "
               + ", ".join(f"{a} {v:.2f}" for a, v in sorted(comm.items()))
-              + " | planner " + ", ".join(f"{a} {v / GiB:.2f}" for a, v in sorted(step.comm_bytes_per_axis.items())))
+              + " | planner " + ", ".join(f"{a} {v / GiB:.2f}" for a, v in
+                                          sorted(step.comm_bytes_per_stage[r.coords["pp"]].items())))
     print(f"{name:>16}: {len(results)} stage(s) simulated in {seconds:.0f} s")
 
 

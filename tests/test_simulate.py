@@ -12,10 +12,12 @@ import torch
 
 from qwen3_pretrain.cli import main as cli_main
 from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.hardware import get_device
 from qwen3_pretrain.models.qwen3.config import get_preset
 from qwen3_pretrain.parallel.dims import padded_vocab_size
 from qwen3_pretrain.parallel.dims import stage_layer_ranges
 from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage
+from qwen3_pretrain.plan.step import predict_step
 from qwen3_pretrain.simulate.run import make_world, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
 
@@ -78,6 +80,20 @@ def test_the_last_stage_peaks_at_the_loss_with_only_the_head_gathered():
     (last,) = simulate_ranks(world, [2], steps=2)
     assert last.predicted.moment == "loss"
     assert last.predicted.allocated == pytest.approx(last.peak["total"], rel=0.02)
+
+
+def test_planned_pipeline_and_dp_bytes_match_the_simulation_per_stage():
+    """pp 4: the end stages and a middle one (which passes messages on both ways) send and receive what the
+    planner says, positions included; FSDP's bytes follow each stage's own parameters (no embedding or head
+    in the middle)."""
+    cfg = load_config(TrainConfig, None, [*OVERRIDES, "tp=1", "pp=4", "batch_size=4"])
+    world = make_world(cfg, 8)
+    planned = predict_step(world.source.config, world.layout, get_device("h100")).comm_bytes_per_stage
+    for r in simulate_ranks(world, [0, 2, 6], steps=2):
+        stage = r.coords["pp"]
+        assert planned[stage]["pp"] == r.comm["pp"]["send"] + r.comm["pp"]["recv"], stage
+        # (beside FSDP's collectives the gradient norm's all-reduce of a scalar, which the planner leaves out)
+        assert planned[stage]["dp"] == pytest.approx(sum(r.comm["dp"].values()), rel=1e-4), stage
 
 
 def test_bad_rank_and_layout_are_clear_errors(capsys):
