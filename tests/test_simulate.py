@@ -80,6 +80,11 @@ def test_the_last_stage_peaks_at_the_loss_with_only_the_head_gathered():
     (last,) = simulate_ranks(world, [2], steps=2)
     assert last.predicted.moment == "loss"
     assert last.predicted.allocated == pytest.approx(last.peak["total"], rel=0.02)
+    # By category too: the first micro-batch's unsharded fp32 gradients, which FSDP keeps (accumulating) until
+    # the step's reduce-scatter, are gradients, not temporaries; the gathered head is a parameter.
+    assert last.peak["gradients"] == pytest.approx(last.predicted.gradients, rel=0.01)
+    assert last.peak["parameters"] == pytest.approx(last.predicted.parameters, rel=0.01)
+    assert last.peak["temporaries"] < 0.01 * last.peak["total"]
 
 
 def test_planned_pipeline_and_dp_bytes_match_the_simulation_per_stage():
