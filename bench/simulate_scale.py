@@ -40,7 +40,12 @@ def run(name: str, jobs: int) -> None:
         print(f"{name:>16} stage {r.coords['pp']}: simulated {sim:6.2f} GiB, planner {pred:6.2f} GiB "
               f"({(pred - sim) / sim:+.1%}); sent GiB/step simulated "
               + ", ".join(f"{a} {v:.2f}" for a, v in sorted(comm.items()))
-              + " | planner " + ", ".join(f"{a} {v / GiB:.2f}" for a, v in sorted(step.comm_bytes_per_axis.items())))
+              + " | planner " + ", ".join(f"{a} {v / GiB:.2f}" for a, v in
+                                          sorted(step.comm_bytes_per_stage[r.coords["pp"]].items())))
+        planned = {k: v for k, v in r.predicted.gib().items() if k not in ("total", "overhead")}
+        print(f"{'':>16} GiB by category at the peak, simulated " + ", ".join(
+            f"{k} {v / GiB:.2f}" for k, v in r.peak.items() if k != "total")
+            + f" | planner ({r.predicted.moment}) " + ", ".join(f"{k} {v:.2f}" for k, v in planned.items()))
     print(f"{name:>16}: {len(results)} stage(s) simulated in {seconds:.0f} s")
 
 

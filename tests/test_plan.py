@@ -17,6 +17,7 @@ from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, get_preset
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan import memory
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
 from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
@@ -210,19 +211,22 @@ def test_step_estimate_is_consistent():
 def test_hsdp_shards_state_by_its_group_and_keeps_only_an_all_reduce_across_nodes():
     """HSDP over 8 nodes x 8: memory follows the shard group (dp 64 sharded by 8 holds what dp 8 fully
     sharded holds); cross-node bytes, by hand: flat FSDP over all 64 ranks sends everything across nodes
-    (two bf16 all-gathers and one fp32 reduce-scatter of the weights per step, (n-1)/n each); shard groups of
-    one node's 8 ranks leave only the all-reduce of the fp32 gradient shards, 2 (r-1)/r x 4P/8, r = 8."""
+    (two bf16 all-gathers of the weights per step, one of the LM head and final norm, which stay gathered
+    from forward to backward, and one fp32 reduce-scatter, (n-1)/n each); shard groups of one node's 8 ranks
+    leave only the all-reduce of the fp32 gradient shards, 2 (r-1)/r x 4P/8, r = 8."""
     cfg, hw, cluster = get_preset("qwen3-8b"), get_device("h100"), Cluster(8, 8)
     flat = Layout(dp=64, seq_length=4096)
     hsdp = flat.replace(dp_shard=8)
     assert (hsdp.shards, hsdp.replicas) == (8, 8)
     assert predict_memory(cfg, hsdp) == predict_memory(cfg, Layout(dp=8, seq_length=4096))
     p = cfg.num_params()
+    kept = cfg.vocab_size * cfg.hidden_size + cfg.hidden_size  # the LM head and the final norm
+    gathered = 2 * (2 * (p - kept) + kept)
     assert predict_memory(cfg, hsdp).optimizer == pytest.approx(8 * p / 8)
     flat_est, hsdp_est = predict_step(cfg, flat, hw, cluster), predict_step(cfg, hsdp, hw, cluster)
-    assert flat_est.cross_node_bytes == pytest.approx((2 * 2 * p + 4 * p) * 63 / 64)
+    assert flat_est.cross_node_bytes == pytest.approx((gathered + 4 * p) * 63 / 64)
     assert hsdp_est.cross_node_bytes == pytest.approx(2 * 7 / 8 * 4 * p / 8)
-    assert hsdp_est.dp_bytes_per_group["dp_shard"] == pytest.approx((2 * 2 * p + 4 * p) * 7 / 8)
+    assert hsdp_est.dp_bytes_per_group["dp_shard"] == pytest.approx((gathered + 4 * p) * 7 / 8)
     # one node: nothing crosses, with or without HSDP
     assert predict_step(cfg, Layout(dp=8, seq_length=4096, dp_shard=4), hw, Cluster(1, 8)).cross_node_bytes == 0
 
@@ -344,14 +348,17 @@ def test_document_mask_memory_follows_the_kernel_that_runs():
     kernels take the document boundaries and hold no seq x seq tensor."""
     cfg = get_preset("qwen3-0.6b")
     base = Layout(pp=2, micro_batch_size=4, pp_microbatch_size=2, seq_length=8192, activation_checkpointing="full")
-    plain = predict_memory(cfg, base, stage=0).activations
+
+    def held(layout: Layout) -> float:  # what stage 0 holds for its micro-batches in flight
+        return memory._held_activations(cfg, layout, stage_shapes(cfg, layout)[0])
+
+    plain = held(base)
     in_flight = 2  # 1F1B: the first of 2 stages holds 2 micro-batches
     for dense, fp32_matmul, mask_bytes in ((False, False, 0), (True, False, 2), (True, True, 4)):
         layout = base.replace(document_mask=True, dense_document_mask=dense, fp32_matmul=fp32_matmul)
-        extra = predict_memory(cfg, layout, stage=0).activations - \
-            predict_memory(cfg, base.replace(fp32_matmul=fp32_matmul), stage=0).activations
+        extra = held(layout) - held(base.replace(fp32_matmul=fp32_matmul))
         assert extra == in_flight * 2 * 8192 * 8192 * mask_bytes
-    assert predict_memory(cfg, base.replace(document_mask=True), stage=0).activations == plain
+    assert held(base.replace(document_mask=True)) == plain
     for device, dense in (("h100", False), ("910b3", False), ("cpu", True)):
         args = build_parser().parse_args(["--device", device])
         layout, _ = fixed_settings(args, {"document_mask": True})

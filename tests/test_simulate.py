@@ -12,10 +12,12 @@ import torch
 
 from qwen3_pretrain.cli import main as cli_main
 from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.hardware import get_device
 from qwen3_pretrain.models.qwen3.config import get_preset
 from qwen3_pretrain.parallel.dims import padded_vocab_size
 from qwen3_pretrain.parallel.dims import stage_layer_ranges
 from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage
+from qwen3_pretrain.plan.step import predict_step
 from qwen3_pretrain.simulate.run import make_world, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
 
@@ -64,6 +66,41 @@ def test_pipeline_messages_are_one_microbatch_of_hidden_states(results):
     first, last = ranks
     assert first.comm["pp"]["send"] == micro * (message + positions)  # activations forward
     assert last.comm["pp"]["send"] == micro * message  # gradients backward
+
+
+def test_pipeline_stages_peak_where_the_planner_says():
+    """tp 2 x pp 2 x dp 2, layers big enough beside the head that the planner would be 5-6% off if it
+    counted them gathered when they are not. Under 1F1B each layer frees its weights after its forward (the
+    schedule keeps them only after backward): the last stage's peak, the fused loss, holds the head's and
+    the final norm's alone. The first stage peaks while the schedule reduces the units at the step's end,
+    each freed first, or in its cool-down backward (all gathered, an earlier micro-batch's gradients held)."""
+    model = {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 16000}
+    cfg = load_config(TrainConfig, None, ["model_name=qwen3-8b", f"model_overrides={json.dumps(model)}", "tp=2",
+                                          "pp=2", "seq_length=512", "batch_size=2", "activation_checkpointing=full"])
+    first, last = simulate_ranks(make_world(cfg, 8), [0, 4], steps=2)
+    for r in (first, last):
+        assert r.predicted.allocated == pytest.approx(r.peak["total"], rel=0.02), r.coords
+    assert last.predicted.moment == "loss"
+    # By category too: the first micro-batch's unsharded fp32 gradients, which FSDP keeps (accumulating) until
+    # the step's reduce-scatter, are gradients, not temporaries; the gathered head is a parameter.
+    assert last.peak["gradients"] == pytest.approx(last.predicted.gradients, rel=0.01)
+    assert last.peak["parameters"] == pytest.approx(last.predicted.parameters, rel=0.01)
+    assert last.peak["temporaries"] < 0.01 * last.peak["total"]
+
+
+def test_planned_pipeline_and_dp_bytes_match_the_simulation_per_stage():
+    """pp 4: the end stages and a middle one (which passes messages on both ways) send and receive what the
+    planner says, positions included; FSDP's bytes follow each stage's own parameters (no embedding or head
+    in the middle)."""
+    cfg = load_config(TrainConfig, None, [*OVERRIDES, "tp=1", "pp=4", "batch_size=4"])
+    world = make_world(cfg, 8)
+    planned = predict_step(world.source.config, world.layout, get_device("h100")).comm_bytes_per_stage
+    for r in simulate_ranks(world, [0, 2, 6], steps=2):
+        stage = r.coords["pp"]
+        assert planned[stage]["pp"] == r.comm["pp"]["send"] + r.comm["pp"]["recv"], stage
+        # (beside FSDP's collectives the gradient norm's all-reduce of a scalar, which the planner leaves out)
+        assert planned[stage]["dp"] == pytest.approx(sum(r.comm["dp"].values()), rel=1e-4), stage
 
 
 def test_bad_rank_and_layout_are_clear_errors(capsys):

@@ -7,10 +7,12 @@ shard the weights: the data-parallel degree with the distributed optimizer,
 
 * **parameters**: fp32 master weights sharded by FSDP (``4 P / dp``), plus the
   unsharded working weights FSDP gathers in the compute dtype: the two largest
-  FSDP units at a time (the one computing, the one prefetched), or the whole
-  stage (``d P``) under pipeline parallelism, whose schedule keeps them
-  gathered between micro-batches. FSDP wraps every layer, the LM head, and the
-  rest (embedding, final norm) at the root.
+  FSDP units at a time (the one computing, the one prefetched), or, under
+  pipeline parallelism, whose schedule keeps units gathered after their
+  backward, up to the whole stage (``d P``); a layer still frees its weights
+  after its forward, so at the loss only the head and the root are gathered.
+  FSDP wraps every layer, the LM head, and the rest (embedding, final norm) at
+  the root.
 * **gradients**: fp32 and sharded like the master weights (``4 P / dp``) after
   the step's reduce-scatter. With several micro-batches per step the engine
   skips the reduction until the last one, so the stage's *unsharded* fp32
@@ -154,6 +156,13 @@ def _microbatch_tokens(layout: Layout) -> int:
 
 def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
     """Activations the stage keeps for all micro-batches in flight at its peak."""
+    inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, layout.num_microbatches,
+                                       layout.stages_per_rank)
+    return inflight * _microbatch_activations(cfg, layout, shape)
+
+
+def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """Activations the stage keeps for one micro-batch from its forward to its backward."""
     tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
     per_mb = shape.num_layers * tokens * _layer_bytes_per_token(cfg, layout, layout.activation_checkpointing)
     per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
@@ -167,9 +176,7 @@ def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
         # Final norm (fp32 input + normalized value, sequence-sharded) and the gradient of the
         # gathered hidden states that the fused loss computes in forward and keeps for backward.
         per_mb += tokens * ((4 + d) * h / layout.tp + d * h)
-    inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, layout.num_microbatches,
-                                       layout.stages_per_rank)
-    return inflight * per_mb
+    return per_mb
 
 
 def _backward_working(cfg: Qwen3Config, layout: Layout) -> float:
@@ -221,7 +228,8 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     gradient appears in the compute dtype and, when the weights are sharded,
     an fp32 reduce-scatter input; with one shard the reduced gradient is that
     buffer itself (measured: ``bench/plan_validate.py``). Under pipeline
-    parallelism every unit stays gathered.
+    parallelism a unit stays gathered after its backward (the schedule sets
+    ``reshard_after_backward=False``) but not after its forward.
     """
     sp = stage_params(cfg, layout, shape)
     d, m = layout.dtype_bytes, layout.num_microbatches
@@ -259,9 +267,9 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     held = _held_activations(cfg, layout, shape)
     step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
                  "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]
-    return {
-        "loss": dict(parameters=gathered(head_weight, sp.layer), gradients=before, optimizer=adam, activations=held,
-                     logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
+    moments = {
+        "loss": dict(parameters=gathered(head_weight, sp.layer), gradients=before, optimizer=adam,
+                     activations=held, logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
         "backward start": dict(parameters=gathered(sp.root) + root_gathering, optimizer=adam,
                                gradients=before + head_grad + head_copy, activations=held, logits=0.0),
         "layer backward": dict(parameters=gathered(sp.root, 2 * sp.layer), optimizer=adam,
@@ -273,6 +281,44 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         "optimizer step": dict(parameters=master, gradients=sharded_grads, optimizer=adam + step_temp,
                                activations=0.0, logits=0.0),
     }
+    if layout.pp > 1 and layout.reshard_after_forward:
+        _pipelined(moments, cfg, layout, shape, head_weight, head_grad, accumulated or sharded_grads)
+    return moments
+
+
+def _pipelined(moments: dict[str, dict[str, float]], cfg: Qwen3Config, layout: Layout, shape: StageShape,
+               head_weight: float, head_grad: float, accumulated: float) -> None:
+    """The moments of a pipeline stage, in place. The schedule keeps a unit gathered after its backward,
+    but a layer still frees its weights after its forward: at the loss, which follows the layers' forward
+    on the last stage, and when a backward follows a forward, only the head and the root (the final norm,
+    or the embedding) are gathered; backward gathers the layers again one by one and keeps them.
+
+    * A layer's backward: the larger of two moments. A backward right after a forward starts with all
+      in-flight micro-batches held and two layers gathered; a backward right after another (the
+      cool-down, on stages that hold more than one micro-batch) finds the whole stage gathered, one
+      micro-batch fewer held and an earlier one's gradients accumulated. Gradients are not reduced until
+      the step's end: a layer adds only its compute-dtype gradient to the accumulation.
+    * The end of backward: the schedule reduces the units one by one after the last backward, each
+      freeing its weights first; the largest unit's reduce-scatter input and output (fp32) beside the
+      other units' weights and all accumulated gradients.
+    """
+    sp, d, shard = stage_params(cfg, layout, shape), layout.dtype_bytes, layout.shards
+    master = 4 * sp.total / shard
+    few = master + d * (head_weight + sp.root)
+    moments["loss"]["parameters"] = moments["backward start"]["parameters"] = few
+    if layout.pp_schedule != "interleaved":
+        grad = d * sp.layer if layout.mixed_precision == "bf16" else 0.0
+        step = moments["layer backward"]
+        first = dict(step, parameters=few + 2 * d * sp.layer, gradients=moments["loss"]["gradients"] + head_grad + grad)
+        inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, layout.num_microbatches)
+        earlier = accumulated if inflight >= 2 else moments["loss"]["gradients"]
+        cooldown = dict(step, gradients=earlier + head_grad + grad,
+                        activations=step["activations"] - _microbatch_activations(cfg, layout, shape))
+        moments["layer backward"] = max(first, cooldown, key=lambda parts: sum(parts.values()))
+    if shard > 1 and layout.accumulates_unsharded:
+        big = max(sp.layer if shape.num_layers else 0.0, sp.root, sp.head)
+        moments["end of backward"].update(parameters=master + d * (sp.total - big),
+                                          gradients=accumulated + 4 * big * (1 + 1 / shard))
 
 
 def _stage_breakdown(cfg: Qwen3Config, layout: Layout, shape: StageShape, overhead_fraction: float,

@@ -16,13 +16,16 @@ Per micro-batch on the slowest pipeline stage:
   V over the cp ranks (twice with selective or full recompute, which rerun
   attention) and a reduce-scatter of their gradients, not overlapped; every
   token count above is a rank's share of the sequence (``seq / cp``);
-* pipeline = one activation received and one gradient sent per micro-batch
-  (``[tokens / tp, hidden]``), not overlapped.
+* pipeline = one activation (``[tokens / tp, hidden]`` and the int64 RoPE
+  positions ``[tokens]``) and one gradient transferred per micro-batch, not
+  overlapped; a middle stage moves each twice (received and sent on), an end
+  stage once (``_pp_bytes_and_time``).
 
 A step runs ``m + (p - 1)/v`` micro-batch times (the last ``(p - 1)/v`` are
 the bubble). Data parallelism (FSDP) all-gathers the stage's compute-dtype
-weights for each micro-batch's forward and backward (once per micro-batch
-under pipeline parallelism, which keeps them gathered in between) and
+weights for each micro-batch's forward and backward (the head and final norm
+once per micro-batch; under pipeline parallelism, which keeps units gathered
+after backward, ``m + 1`` times a step, the head once: ``_gathers``) and
 reduce-scatters fp32 gradients once per step (all-reduces them without the
 distributed optimizer); it overlaps with compute, so only what exceeds the
 step's compute time is exposed, plus one unit's gather and one's reduction at
@@ -58,6 +61,8 @@ class StepEstimate:
     compute_time_s: float  # busy compute time of the slowest stage per step
     comm_time_s: dict[str, float]  # exposed communication seconds per step, per mesh axis
     comm_bytes_per_axis: dict[str, float]  # bytes each device moves per step, per mesh axis (bus bytes)
+    # ... on each pipeline rank (the figures above are the slowest one's): the pp and dp terms differ by stage
+    comm_bytes_per_stage: tuple[dict[str, float], ...]
     dp_bytes_per_group: dict[str, float]  # the dp axis's bytes split by group: dp_shard, dp_replicate
     cross_node_bytes: float  # the bytes above on groups that span nodes (each device's share of its NIC's load)
 
@@ -129,12 +134,25 @@ def _cp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     return nbytes, seconds
 
 
-def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, link: _Link) -> tuple[float, float]:
+def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
+    """(bytes sent + received, seconds) of one micro-batch's pipeline messages on this pipeline rank.
+
+    Forward a stage passes its hidden states ``[tokens / tp, hidden]`` and the
+    RoPE positions (int64 ``[tokens]``, which every stage needs and which have
+    no gradient); backward the hidden states' gradient. Each model chunk the
+    rank holds exchanges both with the chunk before it and the one after it,
+    except the first chunk of the model (no one before) and the last (no one
+    after): an end stage moves one message each way per micro-batch, a middle
+    one two. The time counts one transfer each way, on the critical path.
+    """
     if layout.pp == 1:
         return 0.0, 0.0
     tokens = layout.microbatch_tokens
-    msg = layout.dtype_bytes * tokens * cfg.hidden_size / layout.tp
-    return 2 * msg, 2 * F.collective_seconds("p2p", msg, 2, link.bandwidth, link.latency)
+    hidden = layout.dtype_bytes * tokens * cfg.hidden_size / layout.tp
+    forward, backward = hidden + 8 * tokens, hidden
+    neighbours = 2 * layout.stages_per_rank - (shape.stage == 0) - (shape.stage == layout.pp - 1)
+    seconds = sum(F.collective_seconds("p2p", b, 2, link.bandwidth, link.latency) for b in (forward, backward))
+    return neighbours * (forward + backward), seconds
 
 
 def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> list[tuple[str, F.Collective, float]]:
@@ -148,12 +166,30 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> list[tuple
     reductions = 1 if layout.accumulates_unsharded else m
     calls: list[tuple[str, F.Collective, float]] = []
     if shards > 1:
-        gathers = 2 * m if layout.pp == 1 else m + layout.pp - shape.stage
-        calls += [("dp_shard", "all_gather", layout.dtype_bytes * sp.total)] * gathers
+        for units, gathers in _gathers(cfg, layout, shape, sp):
+            calls += [("dp_shard", "all_gather", layout.dtype_bytes * units)] * gathers
         calls += [("dp_shard", "reduce_scatter", grads)] * reductions
     if replicas > 1:
         calls += [("dp_replicate", "all_reduce", grads / shards)] * reductions
     return calls
+
+
+def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp) -> list[tuple[float, int]]:
+    """(parameters, all-gathers per step) of the stage's FSDP units, in two groups.
+
+    Layers and the embedding free their weights after forward (``reshard_after_forward``), so backward
+    gathers them again; the LM head and the root (final norm) keep theirs from forward to backward, and a
+    tied embedding too (its head applies it in the loss). Without pipelining a backward frees them all
+    again: per micro-batch two gathers and one. Under pipeline parallelism the schedule keeps a unit
+    gathered after its backward until the step ends, so a forward right after a backward finds it
+    gathered: of a stage's ``m`` forwards and ``m`` backwards, each forward after a forward gathers (the
+    warm-up), each backward after a forward (one per micro-batch in the steady state, plus the first of
+    the cool-down) too: ``m + 1`` for the units freed after forward, once for the others.
+    """
+    embedding = cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_embedding and not sp.tied_head else 0.0
+    freed = shape.num_layers * sp.layer + embedding if layout.reshard_after_forward else 0.0
+    m = layout.num_microbatches
+    return [(freed, 2 * m if layout.pp == 1 else m + 1), (sp.total - freed, m if layout.pp == 1 else 1)]
 
 
 def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
@@ -190,7 +226,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         compute = _stage_flops_per_microbatch(cfg, layout, shape) / speed
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
         cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
-        pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, links["pp"])
+        pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
         dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links)
         per_stage.append(dict(compute=compute, tp=tp_time, cp=cp_time, pp=pp_time, dp=dp_time, dp_edges=dp_edges,
                               bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes}, dp_bytes=dp_bytes, shape=shape))
@@ -203,8 +239,9 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     optimizer = ADAMW_BYTES_PER_PARAM * total_params / layout.shards / (hardware.memory_bandwidth_gbps * GB)
     step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"]) + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
-    per_axis = {"tp": m * slowest["bytes"]["tp"], "cp": m * slowest["bytes"]["cp"], "pp": m * slowest["bytes"]["pp"],
-                "dp": sum(slowest["dp_bytes"].values())}
+    per_stage_axis = tuple({"tp": m * x["bytes"]["tp"], "cp": m * x["bytes"]["cp"], "pp": m * x["bytes"]["pp"],
+                            "dp": sum(x["dp_bytes"].values())} for x in per_stage)
+    per_axis = per_stage_axis[per_stage.index(slowest)]
     return StepEstimate(
         step_time_s=step,
         tokens_per_sec_per_device=tokens_per_device,
@@ -213,6 +250,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         compute_time_s=busy,
         comm_time_s={"tp": m * slowest["tp"], "cp": m * slowest["cp"], "pp": m * slowest["pp"], "dp": dp_exposed},
         comm_bytes_per_axis=per_axis,
+        comm_bytes_per_stage=per_stage_axis,
         dp_bytes_per_group=slowest["dp_bytes"],
         cross_node_bytes=sum(b for axis, b in {**{k: per_axis[k] for k in ("tp", "cp", "pp")},
                                                **slowest["dp_bytes"]}.items()

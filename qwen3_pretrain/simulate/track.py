@@ -15,8 +15,10 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = {"PARAM": "parameters", "BUFFER": "parameters", "GRAD": "gradients",
@@ -30,7 +32,16 @@ class StepMemTracker(MemTracker):
     hooks and at each operator, which makes a step of a 36-layer model take
     minutes; here the hooks keep only what the categories need (parameters
     registered when first seen, the recomputation region of activation
-    checkpointing) and the peak is the device's alone.
+    checkpointing, FSDP's gradients) and the peak is the device's alone.
+
+    FSDP's gradients are tensors the stock tracker does not know as such:
+    autograd's gradients of the *unsharded* parameters, the fp32 copies FSDP
+    accumulates them in across micro-batches before the step's reduce-scatter,
+    and the reduced shards it assigns to the sharded parameters. Created in
+    backward, they would count as temporaries; ``_settle_grads`` files them as
+    gradients at the next FSDP unit's hook (and before the optimizer step).
+    It also files the units' gathered weights as parameters, which first
+    appear in forward (as activations) and keep their storage afterwards.
 
     DTensor works out an operator's output shapes by running it once on
     example tensors of the global shape, in the active fake mode (the first
@@ -42,8 +53,11 @@ class StepMemTracker(MemTracker):
 
     def __init__(self, comm: "CommCounter | None" = None) -> None:
         super().__init__()
-        self._propagating = 0
         self.comm = comm
+        self._propagating = 0
+        self._grad_units: set[FSDPModule] = set()  # units whose backward may have left unfiled gradients
+        self._units: weakref.WeakSet[FSDPModule] = weakref.WeakSet()  # every unit seen in backward
+        self._settle_hook = None
 
     def __enter__(self) -> "StepMemTracker":
         self._saved_lock = ShardingPropagator._fake_mode_lock
@@ -114,6 +128,8 @@ class StepMemTracker(MemTracker):
         self._peak_mem_snap = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
 
     def _pre_fw_hook(self, module, inputs) -> None:
+        if self._grad_units and isinstance(module, FSDPModule):
+            self._settle_grads()
         if module not in self.memory_tracking:
             self._track_module_params_and_buffers(module, install_grad_hooks=True)
             self.memory_tracking[module] = True
@@ -128,10 +144,55 @@ class StepMemTracker(MemTracker):
             self._in_ac = False
 
     def _pre_bw_hook(self, module, args) -> None:
-        pass
+        if isinstance(module, FSDPModule):
+            self._units.add(module)
+            self._grad_units.add(module)
+            self._settle_grads()
 
     def _post_bw_hook(self, module, args) -> None:
-        pass
+        if self._grad_units and isinstance(module, FSDPModule):
+            self._settle_grads()
+
+    def _settle_grads(self) -> None:
+        """File the FSDP tensors of the units lately in backward; a unit is done once FSDP's post-backward
+        has taken autograd's compute-dtype gradients (into the fp32 accumulation, or reduced them)."""
+        for unit in list(self._grad_units):
+            if self._file_unit(unit):
+                self._grad_units.discard(unit)
+
+    def _file_unit(self, unit: FSDPModule) -> bool:
+        """Files ``unit``'s gathered weights as parameters and its gradients as gradients; True when its
+        post-backward is over (a gradient exists and none awaits FSDP's upcast)."""
+        held = waiting = False
+        for param in _fsdp_params(unit):
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is None:
+                continue
+            # the gathered weight: its storage is kept (emptied and refilled) from gather to gather
+            self._update_and_maybe_create_winfos(unsharded, _MemRefType.PARAM)
+            grad = unsharded.grad
+            low = grad is not None and param.reduce_dtype is not None and grad.dtype != param.reduce_dtype
+            for t in (grad, param.unsharded_accumulated_grad, param.sharded_param.grad):
+                if t is not None:
+                    self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+                    held |= t is not grad or not low
+            waiting |= low
+        return held and not waiting
+
+    def _before_optimizer_step(self, *args) -> None:
+        # the reduced shards of the last units, whose post-backward ran after the last module hook
+        self._grad_units.update(self._units)
+        self._settle_grads()
+
+    def _register_global_optimizer_hook(self) -> None:
+        super()._register_global_optimizer_hook()
+        self._settle_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    def _deregister_param_and_optimizer_hooks(self) -> None:
+        super()._deregister_param_and_optimizer_hooks()
+        if self._settle_hook is not None:
+            self._settle_hook.remove()
+            self._settle_hook = None
 
     def peak_by_category(self) -> dict[str, int]:
         """Bytes at the peak, summed into this project's categories, plus ``total``."""
@@ -149,6 +210,13 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 def _weak(module):
     return weakref.ref(module)
+
+
+def _fsdp_params(unit: FSDPModule) -> list:
+    """FSDP2's records of the parameters of ``unit``'s own group (torch-internal: ``FSDPParam``, which holds
+    the unsharded parameter and the accumulated gradient)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
 
 
 _c10d = torch.ops.c10d
