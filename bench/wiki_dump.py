@@ -7,13 +7,17 @@ sample (its header once, its pages as many times as needed), compressed as
 concatenated bzip2 streams (a multistream dump; one stream per repetition, so
 building it costs one compression of the sample). Then prints, on that file:
 bzip2 decompression alone (the standard library, ``indexed_bzip2`` on 1 and 2
-threads), ``wiki2parquet`` with 1 and 2 workers and ``wikiextractor
---processes 2`` (run by ``--wikiextractor-python``, or by this interpreter
-when it has the package; the row is skipped otherwise), each in MB/s of XML,
-with CPU seconds and the peak memory of the process tree. Last, a projection
-for a dump of ``--project-gb`` GB of XML on ``--project-cores`` cores from the
-measured per-core figures (CPU seconds per MB in the workers, and in the main
-process's serial part).
+threads), ``wiki2parquet`` with 1 worker held to one core, 1 worker (its
+decompressing thread free to use another core), 2 workers (the default: one
+decompressing thread) and 2 workers with 2 decompressing threads, and
+``wikiextractor --processes 2`` (run by ``--wikiextractor-python``, or by this
+interpreter when it has the package; the row is skipped otherwise), each in
+MB/s of XML, with CPU seconds and the peak memory of the process tree. Last, a
+projection for a dump of ``--project-gb`` GB of XML on ``--project-cores``
+cores from the measured per-MB CPU figures: the workers', parallel
+decompression's (``indexed_bzip2`` on 2 threads) and the main process's part
+that holds the interpreter lock (its CPU less the decompression's), which
+cannot spread over cores.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import bz2
 import importlib.util
+import os
 import resource
 import shutil
 import subprocess
@@ -87,17 +92,32 @@ def wikiextractor_python(option: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("wikiextractor") else None
 
 
-def project(args: argparse.Namespace, ours: dict[str, float], megabytes: float) -> None:
-    """Rate on ``--project-cores`` cores: the CPU of the workers and the decompressing threads spread over
-    all cores, capped by the main thread's serial part (reading, cutting pages, moving batches, writing
-    parquet)."""
-    serial = max(ours["main_thread"], 1e-9) / megabytes  # CPU s per MB on the main thread
-    parallel = (ours["children"] + ours["own"]) / megabytes - serial  # CPU s per MB that spreads over cores
-    rate = min(args.project_cores / (parallel + serial), 1 / serial)
+def project(args: argparse.Namespace, ours: dict[str, float], serial_decode: dict[str, float],
+            parallel_decode: dict[str, float], megabytes: float) -> None:
+    """Rate on ``--project-cores`` cores: the workers' CPU and parallel decompression's spread over all
+    cores, capped by the main process's part that holds the interpreter lock (cutting pages, moving batches
+    and results, writing parquet): its CPU less that of the decompression it ran on one thread."""
+    workers = ours["children"] / megabytes  # CPU s per MB
+    decode = parallel_decode["own"] / megabytes
+    serial = max(ours["own"] - serial_decode["own"], ours["main_thread"], 1e-9) / megabytes
+    rate = min(args.project_cores / (workers + decode + serial), 1 / serial)
     hours = args.project_gb * 1e3 / rate / 3600
-    print(f"per MB of XML: {parallel * 1e3:.1f} ms CPU that spreads over cores, {serial * 1e3:.1f} ms on the main "
-          f"thread; projected {rate:.0f} MB/s on {args.project_cores} cores: {args.project_gb:.0f} GB of XML in "
-          f"{hours:.2f} h (capped by the main thread: {rate >= 1 / serial - 1e-6})")
+    print(f"per MB of XML: {workers * 1e3:.1f} ms CPU in the workers, {decode * 1e3:.1f} ms decompressing on "
+          f"parallel threads, {serial * 1e3:.1f} ms holding the main process's lock; projected {rate:.0f} MB/s on "
+          f"{args.project_cores} cores: {args.project_gb:.0f} GB of XML in {hours:.2f} h (capped by the serial "
+          f"part: {rate >= 1 / serial - 1e-6})")
+
+
+def on_one_core(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` with this thread (and the threads and processes it starts) held to one core."""
+    def pinned() -> Any:
+        cores = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(cores)})
+        try:
+            return work()
+        finally:
+            os.sched_setaffinity(0, cores)
+    return pinned
 
 
 def main() -> None:
@@ -113,15 +133,16 @@ def main() -> None:
         megabytes = build_dump(dump, args.mb) / 1e6
         print(f"{megabytes:.1f} MB of XML, {dump.stat().st_size / 1e6:.1f} MB of bzip2, "
               f"{available_cores()} cores", flush=True)
-        measure("bz2 (standard library) alone", megabytes, lambda: read_all(lambda: bz2.open(dump)))
+        serial_decode = measure("bz2 (standard library) alone", megabytes, lambda: read_all(lambda: bz2.open(dump)))
         measure("indexed_bzip2 alone, 1 thread", megabytes,
                       lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=1)))
-        measure("indexed_bzip2 alone, 2 threads", megabytes,
-                lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=2)))
+        parallel_decode = measure("indexed_bzip2 alone, 2 threads", megabytes,
+                                  lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=2)))
         runs = {}
-        for workers in (1, 2):
-            runs[workers] = measure(f"wiki2parquet, {workers} worker{'s' * (workers > 1)}", megabytes,
-                                    lambda: wiki_to_parquet(dump, Path(tmp) / f"w{workers}.parquet", workers))
+        for name, workers, threads, pin in (("1 worker on 1 core", 1, 0, True), ("1 worker", 1, 0, False),
+                                            ("2 workers", 2, 0, False), ("2 workers, 2 decoding threads", 2, 2, False)):
+            work = lambda w=workers, t=threads: wiki_to_parquet(dump, Path(tmp) / "out.parquet", w, t)  # noqa: E731
+            runs[name] = measure(f"wiki2parquet, {name}", megabytes, on_one_core(work) if pin else work)
         python = wikiextractor_python(args.wikiextractor_python)
         if python is None:
             print("wikiextractor --processes 2: not installed here (give --wikiextractor-python), skipped")
@@ -131,9 +152,11 @@ def main() -> None:
             wx = measure("wikiextractor --processes 2", megabytes,
                          lambda: subprocess.run(command, check=True, capture_output=True))
             print(f"wiki2parquet 2 workers vs wikiextractor --processes 2: "
-                  f"{wx['seconds'] / runs[2]['seconds']:.1f}x")
-        print(f"wiki2parquet 2 workers vs 1: {runs[1]['seconds'] / runs[2]['seconds']:.2f}x")
-        project(args, runs[2], megabytes)
+                  f"{wx['seconds'] / runs['2 workers']['seconds']:.2f}x")
+        print(f"wiki2parquet 2 workers vs 1 worker on 1 core: "
+              f"{runs['1 worker on 1 core']['seconds'] / runs['2 workers']['seconds']:.2f}x, vs 1 worker: "
+              f"{runs['1 worker']['seconds'] / runs['2 workers']['seconds']:.2f}x")
+        project(args, runs["2 workers"], serial_decode, parallel_decode, megabytes)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -157,9 +158,12 @@ def test_dump_route_counts_and_schema(dump_parquet: tuple[Path, wiki.WikiStats])
         assert not any(marker in r["text"] for r in rows), marker
 
 
-def test_dump_route_is_worker_count_independent(dump_parquet: tuple[Path, wiki.WikiStats], tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers, decode_threads", [(1, 0), (1, 3)])
+def test_dump_route_is_worker_and_thread_count_independent(dump_parquet: tuple[Path, wiki.WikiStats], tmp_path: Path,
+                                                           workers: int, decode_threads: int) -> None:
+    """bzip2 decoded by the standard library (one thread) or by indexed_bzip2 (several): the same output."""
     single = tmp_path / "one.parquet"
-    wiki.wiki_to_parquet(DUMP, single, workers=1)
+    wiki.wiki_to_parquet(DUMP, single, workers=workers, decode_threads=decode_threads)
     assert pq.read_table(single).equals(pq.read_table(dump_parquet[0]))
 
 
@@ -194,7 +198,7 @@ def test_dump_parts_multistream_and_globs_give_the_single_file_output(tmp_path: 
                                    workers=1)
         two = wiki.wiki_to_parquet([str(tmp_path / "enwiki-pages-articles2.xml-p2p3.bz2"),
                                     tmp_path / "enwiki-pages-articles1?.xml-p*.bz2"], tmp_path / "two.parquet",
-                                   workers=2)
+                                   workers=2, decode_threads=2)
     expected = pq.read_table(tmp_path / "reference.parquet")
     assert pq.read_table(tmp_path / "one.parquet").equals(expected)
     assert pq.read_table(tmp_path / "two.parquet").equals(expected)
@@ -301,12 +305,30 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
     _no_leftovers(tmp_path)
 
 
-def test_truncated_dump_is_reported_and_nothing_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode_threads", [1, 2])
+def test_truncated_dump_is_reported_and_nothing_written(tmp_path: Path, decode_threads: int) -> None:
     cut = tmp_path / "cut.xml.bz2"
     cut.write_bytes(DUMP.read_bytes()[: len(DUMP.read_bytes()) // 2])
     with pytest.raises(UserError, match="cut.xml.bz2: compressed data ends too early"):
-        wiki.wiki_to_parquet(cut, tmp_path / "out.parquet", workers=1)
+        wiki.wiki_to_parquet(cut, tmp_path / "out.parquet", workers=1, decode_threads=decode_threads)
     _no_leftovers(tmp_path)
+    assert not [t for t in threading.enumerate() if t.name == "wiki2parquet-read"]
+
+
+def test_bad_page_mid_dump_stops_the_reader(tmp_path: Path) -> None:
+    """An error found while the reader thread is still decompressing ends the run: the thread is stopped
+    and joined (no hang, nothing left running), and the error names the file."""
+    xml = bz2.decompress(DUMP.read_bytes())
+    middle = xml.index(b"</page>", len(xml) // 4)
+    broken = tmp_path / "broken.xml.bz2"
+    broken.write_bytes(bz2.compress(xml[:middle] + b"<oops>" + xml[middle:]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wiki_dump, "CLEAN_BATCH_BYTES", 64 << 10)
+        patch.setattr(wiki_dump, "READ_BYTES", 16 << 10)
+        with pytest.raises(UserError, match="broken.xml.bz2: not a valid MediaWiki XML dump"):
+            wiki.wiki_to_parquet(broken, tmp_path / "out.parquet", workers=1)
+    _no_leftovers(tmp_path)
+    assert not [t for t in threading.enumerate() if t.name == "wiki2parquet-read"]
 
 
 def test_malformed_xml_is_reported(tmp_path: Path) -> None:
