@@ -364,3 +364,7 @@ def test_cli_script_summary_and_error(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, script, "--input", tmp_path / "nope", "--output", tmp_path / "x.parquet"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: input") and "Traceback" not in bad.stderr
+    negative = subprocess.run([sys.executable, script, "--input", source, "--output", tmp_path / "x.parquet",
+                               "--decode-threads", "-1"], capture_output=True, text=True, timeout=120)
+    assert negative.returncode == 2 and "--decode-threads -1: give 0" in negative.stderr, negative.stderr
+    assert "Traceback" not in negative.stderr and not (tmp_path / "x.parquet").exists()
