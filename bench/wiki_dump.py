@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -64,18 +65,58 @@ def _cpu() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
+class PythonThreadsCPU:
+    """CPU seconds that this process's Python threads (not the native ones of a C++ library) spend while
+    the block runs, by thread, sampled from /proc (Linux)."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.interval, self.seconds = interval, {}
+        self._done = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True, name="bench-sampler")
+
+    @staticmethod
+    def _read() -> dict[tuple[int, str], float]:
+        tick, seconds = os.sysconf("SC_CLK_TCK"), {}
+        for thread in threading.enumerate():
+            try:
+                fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            seconds[(thread.native_id, thread.name)] = (int(fields[11]) + int(fields[12])) / tick
+        return seconds
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self.seconds.update(self._read())  # a thread that ended keeps its last sample
+
+    def __enter__(self) -> "PythonThreadsCPU":
+        self._before = self._read()
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._sampler.join()
+        self.seconds.update(self._read())
+
+    def total(self, excluding: tuple[str, ...] = ()) -> float:
+        return sum(cpu - self._before.get(key, 0.0) for key, cpu in self.seconds.items() if key[1] not in excluding)
+
+
 def measure(label: str, megabytes: float, work: Callable[[], Any]) -> dict[str, float]:
-    """Run ``work``; print MB/s of XML, CPU seconds (this process / children) and peak memory."""
-    with TreeMemory() as memory:
+    """Run ``work``; print MB/s of XML, CPU seconds (this process: all, its main thread, its Python threads
+    but the reader; children) and peak memory."""
+    with TreeMemory() as memory, PythonThreadsCPU() as threads:
         start, (own, children), main_thread = time.perf_counter(), _cpu(), time.thread_time()
         work()
         seconds, main_thread = time.perf_counter() - start, time.thread_time() - main_thread
         own_end, children_end = _cpu()
     own, children = own_end - own, children_end - children
+    serial = threads.total(excluding=("wiki2parquet-read", "bench-sampler"))
     print(f"{label:<44} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  CPU {own:5.1f} s here ({main_thread:4.1f} "
-          f"on the main thread) + {children:5.1f} s in workers  peak memory {memory.peak / 2**30:4.2f} GiB",
-          flush=True)
-    return {"seconds": seconds, "own": own, "children": children, "main_thread": main_thread}
+          f"main thread, {serial:4.1f} all Python threads but the reader) + {children:5.1f} s in workers  "
+          f"peak memory {memory.peak / 2**30:4.2f} GiB", flush=True)
+    return {"seconds": seconds, "own": own, "children": children, "main_thread": main_thread, "serial": serial}
 
 
 def read_all(open_stream: Callable[[], Any]) -> int:
@@ -92,14 +133,14 @@ def wikiextractor_python(option: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("wikiextractor") else None
 
 
-def project(args: argparse.Namespace, ours: dict[str, float], serial_decode: dict[str, float],
-            parallel_decode: dict[str, float], megabytes: float) -> None:
+def project(args: argparse.Namespace, ours: dict[str, float], parallel_decode: dict[str, float],
+            megabytes: float) -> None:
     """Rate on ``--project-cores`` cores: the workers' CPU and parallel decompression's spread over all
     cores, capped by the main process's part that holds the interpreter lock (cutting pages, moving batches
-    and results, writing parquet): its CPU less that of the decompression it ran on one thread."""
+    and results, writing parquet): the CPU of its Python threads but the reader."""
     workers = ours["children"] / megabytes  # CPU s per MB
     decode = parallel_decode["own"] / megabytes
-    serial = max(ours["own"] - serial_decode["own"], ours["main_thread"], 1e-9) / megabytes
+    serial = max(ours["serial"], 1e-9) / megabytes
     rate = min(args.project_cores / (workers + decode + serial), 1 / serial)
     hours = args.project_gb * 1e3 / rate / 3600
     print(f"per MB of XML: {workers * 1e3:.1f} ms CPU in the workers, {decode * 1e3:.1f} ms decompressing on "
@@ -133,7 +174,7 @@ def main() -> None:
         megabytes = build_dump(dump, args.mb) / 1e6
         print(f"{megabytes:.1f} MB of XML, {dump.stat().st_size / 1e6:.1f} MB of bzip2, "
               f"{available_cores()} cores", flush=True)
-        serial_decode = measure("bz2 (standard library) alone", megabytes, lambda: read_all(lambda: bz2.open(dump)))
+        measure("bz2 (standard library) alone", megabytes, lambda: read_all(lambda: bz2.open(dump)))
         measure("indexed_bzip2 alone, 1 thread", megabytes,
                       lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=1)))
         parallel_decode = measure("indexed_bzip2 alone, 2 threads", megabytes,
@@ -156,7 +197,7 @@ def main() -> None:
         print(f"wiki2parquet 2 workers vs 1 worker on 1 core: "
               f"{runs['1 worker on 1 core']['seconds'] / runs['2 workers']['seconds']:.2f}x, vs 1 worker: "
               f"{runs['1 worker']['seconds'] / runs['2 workers']['seconds']:.2f}x")
-        project(args, runs["2 workers"], serial_decode, parallel_decode, megabytes)
+        project(args, runs["2 workers"], parallel_decode, megabytes)
 
 
 if __name__ == "__main__":
