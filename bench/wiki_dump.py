@@ -99,24 +99,29 @@ class PythonThreadsCPU:
         self._sampler.join()
         self.seconds.update(self._read())
 
-    def total(self, excluding: tuple[str, ...] = ()) -> float:
-        return sum(cpu - self._before.get(key, 0.0) for key, cpu in self.seconds.items() if key[1] not in excluding)
+    def total(self, excluding: tuple[str, ...] = (), only: str | None = None) -> float:
+        return sum(cpu - self._before.get(key, 0.0) for key, cpu in self.seconds.items()
+                   if key[1] not in excluding and only in (None, key[1]))
 
 
 def measure(label: str, megabytes: float, work: Callable[[], Any]) -> dict[str, float]:
     """Run ``work``; print MB/s of XML, CPU seconds (this process: all, its main thread, its Python threads
     but the reader; children) and peak memory."""
-    with TreeMemory() as memory, PythonThreadsCPU() as threads:
+    # Memory is sampled once a second: reading the workers' page tables more often takes CPU from the run.
+    with TreeMemory(interval=1.0) as memory, PythonThreadsCPU() as threads:
         start, (own, children), main_thread = time.perf_counter(), _cpu(), time.thread_time()
         work()
         seconds, main_thread = time.perf_counter() - start, time.thread_time() - main_thread
         own_end, children_end = _cpu()
     own, children = own_end - own, children_end - children
-    serial = threads.total(excluding=("wiki2parquet-read", "bench-sampler"))
+    serial = threads.total(excluding=("wiki2parquet-read", "bench-sampler", "tree-memory"))
     print(f"{label:<44} {megabytes / seconds:6.1f} MB/s  {seconds:6.1f} s  CPU {own:5.1f} s here ({main_thread:4.1f} "
-          f"main thread, {serial:4.1f} all Python threads but the reader) + {children:5.1f} s in workers  "
+          f"main thread, {serial:4.1f} Python threads but the reader) + {children:5.1f} s in workers  "
           f"peak memory {memory.peak / 2**30:4.2f} GiB", flush=True)
-    return {"seconds": seconds, "own": own, "children": children, "main_thread": main_thread, "serial": serial}
+    # The CPU of the run itself: without the memory sampler's.
+    cpu = own + children - threads.total(only="tree-memory")
+    return {"seconds": seconds, "own": own, "children": children, "main_thread": main_thread, "serial": serial,
+            "cpu": cpu}
 
 
 def read_all(open_stream: Callable[[], Any]) -> int:
@@ -161,11 +166,30 @@ def on_one_core(work: Callable[[], Any]) -> Callable[[], Any]:
     return pinned
 
 
+def compare(python: str, dump: Path, tmp: Path, megabytes: float, ours: dict[str, float], pairs: int) -> None:
+    """wikiextractor --processes 2 after ``ours``, then ``pairs`` more runs of both, alternating. On a shared
+    machine the load drifts from minute to minute, so each ratio is taken between neighbouring runs."""
+    command = [python, "-m", "wikiextractor.WikiExtractor", "--processes", "2", "-q", "-o", str(tmp / "wx"),
+               str(dump)]
+    ratios = []
+    for pair in range(pairs + 1):
+        if pair:
+            ours = measure("wiki2parquet, 2 workers (again)", megabytes,
+                           lambda: wiki_to_parquet(dump, tmp / "out.parquet", 2))
+        wx = measure("wikiextractor --processes 2", megabytes,
+                     lambda: subprocess.run(command, check=True, capture_output=True))
+        ratios.append((wx["seconds"] / ours["seconds"], wx["cpu"] / ours["cpu"]))
+    print("wiki2parquet 2 workers vs wikiextractor --processes 2, neighbouring runs: "
+          + ", ".join(f"{wall:.2f}x the speed ({cpu:.2f}x less CPU)" for wall, cpu in ratios))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=120, help="MB of XML in the built dump (default 120)")
     parser.add_argument("--wikiextractor-python", help="Python interpreter that has wikiextractor installed "
                                                        "(default: this one, when it has it; else skipped)")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="more runs of wiki2parquet (2 workers) and wikiextractor, alternating (default 0)")
     parser.add_argument("--project-gb", type=float, default=100, help="XML size to project for (GB; default 100)")
     parser.add_argument("--project-cores", type=int, default=64, help="cores to project for (default 64)")
     args = parser.parse_args()
@@ -180,20 +204,16 @@ def main() -> None:
         parallel_decode = measure("indexed_bzip2 alone, 2 threads", megabytes,
                                   lambda: read_all(lambda: indexed_bzip2.open(str(dump), parallelization=2)))
         runs = {}
+        # "2 workers" last, next to wikiextractor's run, which it is compared with.
         for name, workers, threads, pin in (("1 worker on 1 core", 1, 0, True), ("1 worker", 1, 0, False),
-                                            ("2 workers", 2, 0, False), ("2 workers, 2 decoding threads", 2, 2, False)):
+                                            ("2 workers, 2 decoding threads", 2, 2, False), ("2 workers", 2, 0, False)):
             work = lambda w=workers, t=threads: wiki_to_parquet(dump, Path(tmp) / "out.parquet", w, t)  # noqa: E731
             runs[name] = measure(f"wiki2parquet, {name}", megabytes, on_one_core(work) if pin else work)
         python = wikiextractor_python(args.wikiextractor_python)
         if python is None:
             print("wikiextractor --processes 2: not installed here (give --wikiextractor-python), skipped")
         else:
-            command = [python, "-m", "wikiextractor.WikiExtractor", "--processes", "2", "-q", "-o",
-                       str(Path(tmp) / "wx"), str(dump)]
-            wx = measure("wikiextractor --processes 2", megabytes,
-                         lambda: subprocess.run(command, check=True, capture_output=True))
-            print(f"wiki2parquet 2 workers vs wikiextractor --processes 2: "
-                  f"{wx['seconds'] / runs['2 workers']['seconds']:.2f}x")
+            compare(python, dump, Path(tmp), megabytes, runs["2 workers"], args.pairs)
         print(f"wiki2parquet 2 workers vs 1 worker on 1 core: "
               f"{runs['1 worker on 1 core']['seconds'] / runs['2 workers']['seconds']:.2f}x, vs 1 worker: "
               f"{runs['1 worker']['seconds'] / runs['2 workers']['seconds']:.2f}x")
