@@ -186,10 +186,10 @@ def iter_extracted_articles(folder: Path) -> Iterator[Article]:
 
 # ---------------------------------------------------------------- parquet
 
-def _flush(writer: pq.ParquetWriter, rows: list[Article], texts: list[bytes], stats: WikiStats) -> None:
+def _flush(writer: pq.ParquetWriter, rows: list[tuple[str, str, str]], texts: list[bytes], stats: WikiStats) -> None:
     # The texts arrive already encoded (their size was counted): arrow takes bytes as they are, while
     # from str it would encode every text again.
-    columns = [pa.array(col, pa.string()) for col in list(zip(*rows))[:3]]
+    columns = [pa.array(col, pa.string()) for col in zip(*rows)]
     columns.append(pa.array(texts, pa.binary()).cast(pa.string()))
     writer.write_table(pa.table(columns, schema=SCHEMA), row_group_size=len(rows))
     stats.articles += len(rows)
@@ -210,11 +210,11 @@ def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
         with pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer:
-            rows: list[Article] = []
+            rows: list[tuple[str, str, str]] = []  # (id, title, url)
             texts: list[bytes] = []
             size = 0
             for article in _non_empty(articles, stats):
-                rows.append(article)
+                rows.append(article[:3])
                 texts.append(article[3].encode("utf-8"))
                 size += len(texts[-1])
                 if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
