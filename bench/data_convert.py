@@ -57,7 +57,7 @@ class TreeMemory:
     # conversion's speed on 2 cores. Peaks here last seconds, so 4 samples/s see them.
     def __init__(self, interval: float = 0.25) -> None:
         self.peak, self._interval, self._stop = 0, interval, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tree-memory")
 
     @staticmethod
     def _children(pid: int) -> list[int]:

@@ -9,12 +9,13 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from qwen3_pretrain.data import wiki, wiki_dump
+from qwen3_pretrain.data import wiki, wiki_dump, wikitext
 from qwen3_pretrain.data.wikitext import is_redirect_text, remove_nested, wikitext_to_text
 from qwen3_pretrain.errors import UserError
 
@@ -50,19 +51,77 @@ def test_remove_nested_keeps_text_around_spans() -> None:
     assert remove_nested("a{{b{{c}}d}}e{{f}}g", "{{", "}}") == "aeg"
 
 
-def test_fast_patterns_match_their_plain_definitions() -> None:
-    """The rewritten patterns (literal first, so the engine skips ahead) remove exactly what the plain
-    definitions do, on random strings made of the characters they care about."""
-    from qwen3_pretrain.data import wikitext
+def _plain_remove_nested(text: str, opener: str, closer: str) -> str:
+    depth, kept, opened, out = 0, 0, 0, []
+    for match in re.finditer(f"{re.escape(opener)}|{re.escape(closer)}", text):
+        if match.group() == opener:
+            if depth == 0:
+                out.append(text[kept:match.start()])
+                opened = match.start()
+            depth += 1
+        elif depth:
+            depth -= 1
+            kept = match.end() if depth == 0 else kept
+    return "".join(out) + text[opened if depth else kept:]
 
-    plain = [(re.compile(r"[ \t]?\(\s*(?:[,;]\s*)*\)"), wikitext._drop_empty_parens, " \t(),;\na"),
-             (re.compile(r"'{2,5}"), lambda s: wikitext._EMPHASIS.sub("", s), "'''a"),
-             (re.compile(r"\n{3,}"), lambda s: wikitext._BLANK_LINES.sub("", s), "\n\n\na")]
+
+def _plain_link_text(match: re.Match[str]) -> str:
+    target, pipe, label = match.group(1).partition("|")
+    target = target.strip()
+    if target.startswith(":"):
+        return label.strip() if pipe else target[1:]
+    if ":" in target and target.split(":", 1)[0].strip().lower() in {"file", "image", "category", "media"}:
+        return ""
+    if not pipe and re.match(r"[a-z]{2,3}(?:-[a-z0-9]+)*:", target):
+        return ""
+    return label.strip() if pipe and label.strip() else target
+
+
+def _plain_resolve_links(text: str) -> str:
+    text = re.sub(r"\[(?:https?:|ftp:|mailto:|//)[^\s\[\]]*(?:\s+([^\[\]]*))?\]", lambda m: m.group(1) or "",
+                  text, flags=re.I)
+    while True:
+        resolved = re.sub(r"\[\[((?:(?!\[\[|\]\]).)*)\]\]", _plain_link_text, text, flags=re.S)
+        if resolved == text:
+            return resolved
+        text = resolved
+
+
+def _plain_line_markup(text: str) -> str:
+    text = re.sub(r"^(={1,6})[ \t]*(.+?)[ \t]*\1[ \t]*$", r"\2", text, flags=re.M)
+    return re.sub(r"^[*#:;]+[ \t]*", "", text, flags=re.M)
+
+
+_ELEMENTS = "|".join(wikitext._DISCARDED_ELEMENTS)
+# (plain definition, the cleaner's faster form, pieces the random texts are made of)
+_FAST_FORMS = {
+    "empty parens": (lambda s: re.sub(r"[ \t]?\(\s*(?:[,;]\s*)*\)", "", s), wikitext._drop_empty_parens,
+                     " \t(),;\na"),
+    "emphasis": (lambda s: re.sub(r"'{2,5}", "", s), lambda s: wikitext._EMPHASIS.sub("", s), "'''a"),
+    "blank lines": (lambda s: re.sub(r"\n{3,}", "", s), lambda s: wikitext._BLANK_LINES.sub("", s), "\n\n\na"),
+    "spaces": (lambda s: re.sub(r"[ \t\u00a0]{2,}", "_", s), lambda s: wikitext._SPACES.sub("_", s),
+               " \t\u00a0a\n"),
+    "paired elements": (lambda s: re.sub(rf"<({_ELEMENTS})\b[^>]*>.*?</\1\s*>", "", s, flags=re.I | re.S),
+                        lambda s: wikitext._PAIRED.sub("", s),
+                        ["<ref>", "<Ref a>", "</ref>", "</REF >", "<math>", "</math>", "<", "/", ">", "a", "\n"]),
+    "templates": (lambda s: _plain_remove_nested(s, "{{", "}}"), lambda s: remove_nested(s, "{{", "}}"), "{}|a"),
+    "tables": (lambda s: _plain_remove_nested(s, "{|", "|}"), lambda s: remove_nested(s, "{|", "|}"), "{}|a"),
+    "links": (_plain_resolve_links, wikitext._resolve_links,
+              ["[[", "]]", "[", "]", "|", ":", " ", "a", "File:", "fr:", "Category:", "http://x", "\n"]),
+    "line markup": (_plain_line_markup, wikitext._drop_line_markup,
+                    ["=", "==", "*", "#", ":", ";", " ", "\t", "\n", "a"]),
+}
+
+
+@pytest.mark.parametrize("name", _FAST_FORMS)
+def test_fast_forms_match_their_plain_definitions(name: str) -> None:
+    """The rewritten patterns and scans (a literal first, repeats written out, str.find) give exactly what
+    the plain definitions do, on random texts made of the pieces they care about."""
+    plain, fast, pieces = _FAST_FORMS[name]
     rng = random.Random(0)
-    for pattern, fast, alphabet in plain:
-        for _ in range(10_000):
-            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
-            assert fast(text) == pattern.sub("", text), (pattern.pattern, text)
+    for _ in range(10_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
+        assert fast(text) == plain(text), text
 
 
 def test_redirect_text() -> None:
@@ -99,9 +158,12 @@ def test_dump_route_counts_and_schema(dump_parquet: tuple[Path, wiki.WikiStats])
         assert not any(marker in r["text"] for r in rows), marker
 
 
-def test_dump_route_is_worker_count_independent(dump_parquet: tuple[Path, wiki.WikiStats], tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers, decode_threads", [(1, 0), (1, 3)])
+def test_dump_route_is_worker_and_thread_count_independent(dump_parquet: tuple[Path, wiki.WikiStats], tmp_path: Path,
+                                                           workers: int, decode_threads: int) -> None:
+    """bzip2 decoded by the standard library (one thread) or by indexed_bzip2 (several): the same output."""
     single = tmp_path / "one.parquet"
-    wiki.wiki_to_parquet(DUMP, single, workers=1)
+    wiki.wiki_to_parquet(DUMP, single, workers=workers, decode_threads=decode_threads)
     assert pq.read_table(single).equals(pq.read_table(dump_parquet[0]))
 
 
@@ -136,7 +198,7 @@ def test_dump_parts_multistream_and_globs_give_the_single_file_output(tmp_path: 
                                    workers=1)
         two = wiki.wiki_to_parquet([str(tmp_path / "enwiki-pages-articles2.xml-p2p3.bz2"),
                                     tmp_path / "enwiki-pages-articles1?.xml-p*.bz2"], tmp_path / "two.parquet",
-                                   workers=2)
+                                   workers=2, decode_threads=2)
     expected = pq.read_table(tmp_path / "reference.parquet")
     assert pq.read_table(tmp_path / "one.parquet").equals(expected)
     assert pq.read_table(tmp_path / "two.parquet").equals(expected)
@@ -243,12 +305,30 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
     _no_leftovers(tmp_path)
 
 
-def test_truncated_dump_is_reported_and_nothing_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode_threads", [1, 2])
+def test_truncated_dump_is_reported_and_nothing_written(tmp_path: Path, decode_threads: int) -> None:
     cut = tmp_path / "cut.xml.bz2"
     cut.write_bytes(DUMP.read_bytes()[: len(DUMP.read_bytes()) // 2])
     with pytest.raises(UserError, match="cut.xml.bz2: compressed data ends too early"):
-        wiki.wiki_to_parquet(cut, tmp_path / "out.parquet", workers=1)
+        wiki.wiki_to_parquet(cut, tmp_path / "out.parquet", workers=1, decode_threads=decode_threads)
     _no_leftovers(tmp_path)
+    assert not [t for t in threading.enumerate() if t.name == "wiki2parquet-read"]
+
+
+def test_bad_page_mid_dump_stops_the_reader(tmp_path: Path) -> None:
+    """An error found while the reader thread is still decompressing ends the run: the thread is stopped
+    and joined (no hang, nothing left running), and the error names the file."""
+    xml = bz2.decompress(DUMP.read_bytes())
+    middle = xml.index(b"</page>", len(xml) // 4)
+    broken = tmp_path / "broken.xml.bz2"
+    broken.write_bytes(bz2.compress(xml[:middle] + b"<oops>" + xml[middle:]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wiki_dump, "CLEAN_BATCH_BYTES", 64 << 10)
+        patch.setattr(wiki_dump, "READ_BYTES", 16 << 10)
+        with pytest.raises(UserError, match="broken.xml.bz2: not a valid MediaWiki XML dump"):
+            wiki.wiki_to_parquet(broken, tmp_path / "out.parquet", workers=1)
+    _no_leftovers(tmp_path)
+    assert not [t for t in threading.enumerate() if t.name == "wiki2parquet-read"]
 
 
 def test_malformed_xml_is_reported(tmp_path: Path) -> None:
@@ -284,3 +364,7 @@ def test_cli_script_summary_and_error(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, script, "--input", tmp_path / "nope", "--output", tmp_path / "x.parquet"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: input") and "Traceback" not in bad.stderr
+    negative = subprocess.run([sys.executable, script, "--input", source, "--output", tmp_path / "x.parquet",
+                               "--decode-threads", "-1"], capture_output=True, text=True, timeout=120)
+    assert negative.returncode == 2 and "--decode-threads -1: give 0" in negative.stderr, negative.stderr
+    assert "Traceback" not in negative.stderr and not (tmp_path / "x.parquet").exists()

@@ -186,12 +186,14 @@ def iter_extracted_articles(folder: Path) -> Iterator[Article]:
 
 # ---------------------------------------------------------------- parquet
 
-def _flush(writer: pq.ParquetWriter, rows: list[Article], size: int, stats: WikiStats) -> None:
-    columns = list(zip(*rows))
-    table = pa.table([pa.array(col, pa.string()) for col in columns], schema=SCHEMA)
-    writer.write_table(table, row_group_size=len(rows))
+def _flush(writer: pq.ParquetWriter, rows: list[tuple[str, str, str]], texts: list[bytes], stats: WikiStats) -> None:
+    # The texts arrive already encoded (their size was counted): arrow takes bytes as they are, while
+    # from str it would encode every text again.
+    columns = [pa.array(col, pa.string()) for col in zip(*rows)]
+    columns.append(pa.array(texts, pa.binary()).cast(pa.string()))
+    writer.write_table(pa.table(columns, schema=SCHEMA), row_group_size=len(rows))
     stats.articles += len(rows)
-    stats.text_bytes += size
+    stats.text_bytes += sum(map(len, texts))
 
 
 def _non_empty(articles: Iterable[Article], stats: WikiStats) -> Iterator[Article]:
@@ -208,42 +210,46 @@ def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
         with pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer:
-            rows: list[Article] = []
+            rows: list[tuple[str, str, str]] = []  # (id, title, url)
+            texts: list[bytes] = []
             size = 0
             for article in _non_empty(articles, stats):
-                rows.append(article)
-                size += len(article[3].encode("utf-8"))
+                rows.append(article[:3])
+                texts.append(article[3].encode("utf-8"))
+                size += len(texts[-1])
                 if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
-                    _flush(writer, rows, size, stats)
-                    rows, size = [], 0
+                    _flush(writer, rows, texts, stats)
+                    rows, texts, size = [], [], 0
             if rows:
-                _flush(writer, rows, size, stats)
+                _flush(writer, rows, texts, stats)
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _articles(sources: list[Path], workers: int, progress: DumpProgress) -> Iterator[Article]:
+def _articles(sources: list[Path], workers: int, progress: DumpProgress, threads: int = 0) -> Iterator[Article]:
     """The articles of every source in order; consecutive dumps share one pool of workers."""
     kinds = [(path, detect_source(path)) for path in sources]  # every input checked before any is read
     for kind, group in itertools.groupby(kinds, key=lambda item: item[1]):
         paths = [path for path, _ in group]
         if kind == "dump":
-            yield from iter_dump_articles(paths, workers, progress)
+            yield from iter_dump_articles(paths, workers, progress, threads)
         else:
             for path in paths:
                 yield from iter_extracted_articles(path)
 
 
 def wiki_to_parquet(source: str | os.PathLike | list[str | os.PathLike], output: str | os.PathLike,
-                    workers: int = 0) -> WikiStats:
-    """Convert dumps and/or wikiextractor folders (one, a list, globs) to the parquet file ``output``."""
+                    workers: int = 0, decode_threads: int = 0) -> WikiStats:
+    """Convert dumps and/or wikiextractor folders (one, a list, globs) to the parquet file ``output``;
+    ``workers`` processes clean (0: all cores), ``decode_threads`` threads decompress bzip2 (0: chosen
+    from ``workers``)."""
     sources = resolve_inputs(source if isinstance(source, list) else [source])
     output = Path(output)
     if output.suffix != ".parquet":
         raise UserError(f"--output {str(output)!r}: give a file name ending in .parquet")
     stats, progress = WikiStats(), DumpProgress()
-    write_parquet(_articles(sources, workers or available_cores(), progress), output, stats)
+    write_parquet(_articles(sources, workers or available_cores(), progress, decode_threads), output, stats)
     stats.seconds = time.perf_counter() - progress.start
     stats.skipped, stats.xml_bytes = progress.skipped, progress.xml_bytes
     return stats
@@ -257,10 +263,14 @@ def main(argv: list[str]) -> int:
                              "glob such as 'enwiki-*-pages-articles*.xml-p*.bz2') or wikiextractor output folders")
     parser.add_argument("--output", required=True, help="parquet file to write")
     parser.add_argument("--workers", type=int, default=0,
-                        help="processes cleaning dump wikitext, and threads decompressing it (default: all cores)")
+                        help="processes cleaning dump wikitext (default: all cores)")
+    parser.add_argument("--decode-threads", type=int, default=0,
+                        help="threads decompressing a bzip2 dump (default: 1 for up to 2 workers, else one per "
+                             "worker)")
     args = parser.parse_args(argv)
-    if args.workers < 0:
-        raise UserError(f"--workers {args.workers}: give 0 (all cores) or a positive number")
-    stats = wiki_to_parquet(args.input, args.output, args.workers)
+    for option, value in (("--workers", args.workers), ("--decode-threads", args.decode_threads)):
+        if value < 0:
+            raise UserError(f"{option} {value}: give 0 (the default) or a positive number")
+    stats = wiki_to_parquet(args.input, args.output, args.workers, args.decode_threads)
     print(stats.summary(Path(args.output)))
     return 0

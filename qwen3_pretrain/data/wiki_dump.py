@@ -1,21 +1,26 @@
 """MediaWiki XML dump -> articles: the dump route of ``wiki2parquet``.
 
-The main process only decompresses and cuts: bzip2 is decoded by
-``indexed_bzip2`` on ``workers`` threads (one ordinary stream and the
-concatenated streams of a multistream dump alike), and the XML is cut into
+The main process only decompresses and cuts. A reader thread decompresses
+(see ``decode_threads``: bzip2 on one thread by the standard library, or on
+several by ``indexed_bzip2``; one ordinary stream and the concatenated streams
+of a multistream dump alike), beside the main thread, which cuts the XML into
 batches of whole pages at ``</page>`` (which cannot occur inside XML text,
 where ``<`` is always escaped). Worker processes parse the pages and clean
 their wikitext; batches come back in input order, so the output does not
-depend on the number of workers. Memory stays bounded: one read buffer and at
-most two batches per worker in flight.
+depend on the number of workers or threads. Memory stays bounded: two read
+blocks queued, one read buffer and at most two batches per worker in flight.
 """
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
 import gzip
+import itertools
+import queue
 import re
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from contextlib import closing
@@ -37,6 +42,7 @@ DEFAULT_URL_BASE = "https://en.wikipedia.org/wiki"
 # inter-process transfer, small enough to keep every core busy.
 CLEAN_BATCH_BYTES = 1 << 20
 READ_BYTES = 4 << 20
+READ_AHEAD_BLOCKS = 2
 _PAGE_END = b"</page>"
 _BASE = re.compile(rb"<base>([^<]*)</base>")
 
@@ -63,11 +69,26 @@ def compression(path: Path) -> str | None:
     return "bz2" if magic == b"BZh" else "gzip" if magic[:2] == b"\x1f\x8b" else None
 
 
+def decode_threads(workers: int) -> int:
+    """Threads decompressing bzip2 for ``workers`` cleaning processes.
+
+    One thread decodes on one core more cheaply than two share the work (parallel decoding first
+    searches the stream for block starts), and one keeps up with two workers; past that, parallel
+    decoding costs about as much CPU per MB as the cleaning, so it gets as many threads as there are
+    workers (threads with nothing to decode cost nothing).
+    """
+    return 1 if workers <= 2 else workers
+
+
 def open_binary(path: Path, threads: int = 1) -> IO[bytes]:
-    """``path`` opened for reading, decompressed when it is bzip2 (on ``threads`` threads) or gzip."""
+    """``path`` opened for reading, decompressed when it is bzip2 (on ``threads`` threads) or gzip.
+
+    One bzip2 thread is the standard library's: ``indexed_bzip2`` on one thread keeps the interpreter
+    lock while it decodes, which would stall the main thread and the worker pool's own threads.
+    """
     kind = compression(path)
     if kind == "bz2":
-        return indexed_bzip2.open(str(path), parallelization=max(threads, 1))
+        return indexed_bzip2.open(str(path), parallelization=threads) if threads > 1 else bz2.open(path, "rb")
     return gzip.open(path, "rb") if kind == "gzip" else open(path, "rb")
 
 
@@ -84,14 +105,50 @@ def _read(stream: IO[bytes], path: Path) -> bytes:
                         "download it again") from None
 
 
-def _header(stream: IO[bytes], path: Path) -> tuple[bytes, str]:
+def _read_into(queued: queue.Queue, stop: threading.Event, path: Path, threads: int) -> None:
+    """Reader thread: the decompressed blocks of ``path``, then b"" (or the exception that ended it)."""
+    def put(item: bytes | BaseException) -> bool:
+        while not stop.is_set():
+            try:
+                queued.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        with open_binary(path, threads) as stream:
+            while put(block := _read(stream, path)) and block:
+                pass
+    except BaseException as exc:  # raised again in the consuming thread
+        put(exc)
+
+
+def _read_ahead(path: Path, threads: int) -> Iterator[bytes]:
+    """The decompressed bytes of ``path`` in blocks, read on a thread of their own so that decompression
+    runs beside the cutting (both decompressors let go of the interpreter lock while they decode)."""
+    queued: queue.Queue = queue.Queue(maxsize=READ_AHEAD_BLOCKS)
+    stop = threading.Event()
+    reader = threading.Thread(target=_read_into, args=(queued, stop, path, threads), daemon=True,
+                              name="wiki2parquet-read")
+    reader.start()
+    try:
+        while block := queued.get():
+            if isinstance(block, BaseException):
+                raise block
+            yield block
+    finally:
+        stop.set()
+        reader.join()
+
+
+def _header(blocks: Iterator[bytes], path: Path) -> tuple[bytes, str]:
     """(the bytes read past the ``<siteinfo>`` header, the wiki's URL base)."""
     buffer = b""
-    while b"<page" not in buffer and b"</mediawiki>" not in buffer:
-        block = _read(stream, path)
-        if not block:
-            break
+    for block in blocks:
         buffer += block
+        if b"<page" in buffer or b"</mediawiki>" in buffer:
+            break
     start = min(i for i in (buffer.find(b"<page"), buffer.find(b"</mediawiki>"), len(buffer)) if i >= 0)
     head = buffer[:start]
     if b"<mediawiki" not in head:
@@ -101,25 +158,26 @@ def _header(stream: IO[bytes], path: Path) -> tuple[bytes, str]:
     return buffer[start:], url_base
 
 
+def _batch_end(buffer: bytes, pos: int, eof: bool) -> int:
+    """Where the batch that starts at ``pos`` ends (past its last ``</page>``), or -1: more bytes needed."""
+    end = buffer.find(_PAGE_END, pos + CLEAN_BATCH_BYTES)
+    if end < 0 and eof:
+        end = buffer.rfind(_PAGE_END, pos)
+    return end + len(_PAGE_END) if end >= 0 else -1
+
+
 def _page_batches(path: Path, threads: int) -> Iterator[_Batch]:
     """Batches of whole ``<page>`` elements; a batch ends at the first ``</page>`` past CLEAN_BATCH_BYTES,
     so where batches fall depends on the bytes alone."""
-    with open_binary(path, threads) as stream:
-        buffer, url_base = _header(stream, path)
-        pos, eof = 0, False
-        while not eof:
-            block = _read(stream, path)
-            eof = not block
-            buffer = buffer[pos:] + block
-            pos = 0
-            while True:
-                end = buffer.find(_PAGE_END, pos + CLEAN_BATCH_BYTES)
-                if end < 0 and eof:
-                    end = buffer.rfind(_PAGE_END, pos)
-                if end < 0:
-                    break
-                yield _Batch(str(path), url_base, buffer[pos:end + len(_PAGE_END)])
-                pos = end + len(_PAGE_END)
+    blocks = _read_ahead(path, threads)
+    with closing(blocks):
+        buffer, url_base = _header(blocks, path)
+        pos = 0
+        for block in itertools.chain(blocks, [b""]):
+            buffer, pos = buffer[pos:] + block, 0
+            while (end := _batch_end(buffer, pos, eof=not block)) >= 0:
+                yield _Batch(str(path), url_base, buffer[pos:end])
+                pos = end
         _check_tail(buffer[pos:], path)
 
 
@@ -172,13 +230,16 @@ class DumpProgress:
         return self.xml_bytes / 1e6 / max(time.perf_counter() - self.start, 1e-9)
 
 
-def iter_dump_articles(paths: list[Path], workers: int, progress: DumpProgress | None = None) -> Iterator[Article]:
-    """Articles of the MediaWiki XML dumps ``paths``, one after the other, cleaned by ``workers`` processes."""
+def iter_dump_articles(paths: list[Path], workers: int, progress: DumpProgress | None = None,
+                       threads: int = 0) -> Iterator[Article]:
+    """Articles of the MediaWiki XML dumps ``paths``, one after the other, cleaned by ``workers`` processes
+    and decompressed on ``threads`` threads (0: ``decode_threads(workers)``)."""
     progress = progress or DumpProgress()
+    threads = threads or decode_threads(workers)
     with tqdm(unit="page", file=sys.stderr, desc="wiki2parquet", mininterval=1.0,
               dynamic_ncols=True) as bar:
         for path in paths:
-            batches = ordered_map(_clean_batch, _page_batches(path, workers), workers)
+            batches = ordered_map(_clean_batch, _page_batches(path, threads), workers)
             with closing(batches):
                 for cleaned in batches:
                     progress.pages += cleaned.pages
