@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import html
 import json
+import os
 import random
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from qwen3_pretrain.data import wiki, wiki_dump, wikitext
+from qwen3_pretrain.data import pool, wiki, wiki_dump, wikitext
 from qwen3_pretrain.data.wikitext import is_redirect_text, remove_nested, wikitext_to_text
 from qwen3_pretrain.errors import UserError
 
@@ -165,6 +166,30 @@ def test_dump_route_is_worker_and_thread_count_independent(dump_parquet: tuple[P
     single = tmp_path / "one.parquet"
     wiki.wiki_to_parquet(DUMP, single, workers=workers, decode_threads=decode_threads)
     assert pq.read_table(single).equals(pq.read_table(dump_parquet[0]))
+
+
+def _niceness(_: int) -> int:
+    return os.nice(0)
+
+
+def test_dump_workers_yield_a_core_to_decompression(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cleaning workers run below the main process's priority (the reader thread decompresses for all
+    of them); with one worker the cleaning runs in this process, whose priority stays."""
+    initializers = []
+    real = wiki_dump.ordered_map
+
+    def spy(func, items, workers, **kwargs):
+        initializers.append((workers, kwargs.get("initializer")))
+        return real(func, items, workers, **kwargs)
+
+    monkeypatch.setattr(wiki_dump, "ordered_map", spy)
+    before = os.nice(0)
+    for workers in (1, 2):
+        wiki.wiki_to_parquet(DUMP, tmp_path / f"{workers}.parquet", workers=workers)
+    assert os.nice(0) == before
+    assert initializers == [(1, None), (2, wiki_dump.lower_priority)]
+    niceness = list(pool.ordered_map(_niceness, range(2), 2, initializer=wiki_dump.lower_priority))
+    assert niceness == [min(before + wiki_dump.WORKER_NICENESS, 19)] * 2
 
 
 def _split_dump(xml: bytes, parts: int) -> list[bytes]:

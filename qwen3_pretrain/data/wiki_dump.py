@@ -17,6 +17,7 @@ import bz2
 import dataclasses
 import gzip
 import itertools
+import os
 import queue
 import re
 import sys
@@ -230,6 +231,17 @@ class DumpProgress:
         return self.xml_bytes / 1e6 / max(time.perf_counter() - self.start, 1e-9)
 
 
+# The cleaning workers run slightly below this process's priority: when no core is spare, the reader
+# thread's decompression, which everything else waits for, then gets a core before they do.
+WORKER_NICENESS = 5
+
+
+def lower_priority() -> None:
+    """Pool initializer of the cleaning workers (where the platform has ``nice``)."""
+    if hasattr(os, "nice"):
+        os.nice(WORKER_NICENESS)
+
+
 def iter_dump_articles(paths: list[Path], workers: int, progress: DumpProgress | None = None,
                        threads: int = 0) -> Iterator[Article]:
     """Articles of the MediaWiki XML dumps ``paths``, one after the other, cleaned by ``workers`` processes
@@ -239,7 +251,9 @@ def iter_dump_articles(paths: list[Path], workers: int, progress: DumpProgress |
     with tqdm(unit="page", file=sys.stderr, desc="wiki2parquet", mininterval=1.0,
               dynamic_ncols=True) as bar:
         for path in paths:
-            batches = ordered_map(_clean_batch, _page_batches(path, threads), workers)
+            # with one worker the cleaning runs in this process, which keeps its priority
+            batches = ordered_map(_clean_batch, _page_batches(path, threads), workers,
+                                  initializer=lower_priority if workers > 1 else None)
             with closing(batches):
                 for cleaned in batches:
                     progress.pages += cleaned.pages
