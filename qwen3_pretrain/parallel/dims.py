@@ -56,12 +56,13 @@ class ParallelDims:
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (shard) when every dp rank shards, else 2-D (replicate, shard); the
         shard axis takes in the cp ranks (without the distributed optimizer, the cp ranks alone shard)."""
+        replicate = not (self.dp_replicate == 1 and self.distributed_optimizer)
+        if self.cp == 1:
+            return mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
         # torch deprecates slicing a flattened axis from the root mesh: keep the flattened mesh and join
-        # it to the replicate axis instead
-        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else mesh["dp_shard"]
-        if self.dp_replicate == 1 and self.distributed_optimizer:
-            return shard
-        return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+        # it to the replicate axis
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicate else shard
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
         """Every check that can fail before any heavy work, with the numbers in the message."""
