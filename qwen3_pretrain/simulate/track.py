@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -54,40 +53,20 @@ class StepMemTracker(MemTracker):
     def __init__(self, comm: "CommCounter | None" = None) -> None:
         super().__init__()
         self.comm = comm
-        self._propagating = 0
+        self._propagation = _Depth()
         self._grad_units: set[FSDPModule] = set()  # units whose backward may have left unfiled gradients
         self._units: weakref.WeakSet[FSDPModule] = weakref.WeakSet()  # every unit seen in backward
         self._settle_hook = None
 
     def __enter__(self) -> "StepMemTracker":
+        # DTensor enters its ``_fake_mode_lock`` around every shape propagation: count the nesting there
         self._saved_lock = ShardingPropagator._fake_mode_lock
-        ShardingPropagator._fake_mode_lock = self._propagation()
+        ShardingPropagator._fake_mode_lock = self._propagation
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
         ShardingPropagator._fake_mode_lock = self._saved_lock
         super().__exit__(*args)
-
-    @contextmanager
-    def _propagation_once(self):
-        self._propagating += 1
-        try:
-            yield
-        finally:
-            self._propagating -= 1
-
-    def _propagation(self):
-        tracker = self
-
-        class Guard:  # entered for every propagation: a fresh generator each time
-            def __enter__(self):
-                self._cm = tracker._propagation_once()
-                return self._cm.__enter__()
-
-            def __exit__(self, *exc):
-                return self._cm.__exit__(*exc)
-
-        return Guard()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """MemTracker's, with its per-operator work cut to what the categories need; it also answers scalar
@@ -102,7 +81,7 @@ class StepMemTracker(MemTracker):
             # the fake kernel of wait_tensor returns a new tensor; eagerly it hands back its input
             return args[0]
         res = func(*args, **(kwargs or {}))
-        if self._propagating:
+        if self._propagation.depth:
             return res
         if self._in_opt:
             reftype = _MemRefType.OPT
@@ -206,6 +185,19 @@ class StepMemTracker(MemTracker):
 
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+class _Depth:
+    """A context manager that counts how deep it is entered."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
 
 
 def _weak(module):
