@@ -228,7 +228,8 @@ def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -
 
 
 def _articles(sources: list[Path], workers: int, progress: DumpProgress, threads: int = 0) -> Iterator[Article]:
-    """The articles of every source in order; consecutive dumps share one pool of workers."""
+    """The articles of every source in order; consecutive dumps go to one `iter_dump_articles` (one progress
+    bar), which cleans each file with a pool of its own."""
     kinds = [(path, detect_source(path)) for path in sources]  # every input checked before any is read
     for kind, group in itertools.groupby(kinds, key=lambda item: item[1]):
         paths = [path for path, _ in group]
