@@ -12,7 +12,9 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import queue
 import sys
+import threading
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -64,3 +66,14 @@ def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+def put_unless_stopped(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Wait for room in ``out``, giving up when ``stop`` is set; whether the item went in."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from qwen3_pretrain.data.pool import put_unless_stopped
 from qwen3_pretrain.data.reader import GlobalBatchLoader
 
 Batches = list[dict[str, torch.Tensor]]
@@ -75,7 +76,7 @@ class Prefetcher:
                 item = ("batches", batches, loader.consumed_samples)
             except Exception as exc:  # handed to the training thread, which raises it
                 item = ("error", exc, None)
-            if not self._put(out, item, stop) or item[0] == "error":
+            if not put_unless_stopped(out, item, stop) or item[0] == "error":
                 return
 
     def _get(self) -> tuple:
@@ -85,17 +86,6 @@ class Prefetcher:
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the batch prefetch thread ended without handing over a batch") from None
-
-    @staticmethod
-    def _put(out: queue.Queue, item: tuple, stop: threading.Event) -> bool:
-        """Wait for room in the queue, giving up when asked to stop; whether the item went in."""
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def close(self) -> None:
         """Stop the thread and drop what it read ahead; the position stays at the last batch handed out."""

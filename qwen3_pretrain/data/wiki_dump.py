@@ -32,7 +32,7 @@ from typing import IO, Iterator
 import indexed_bzip2
 from tqdm import tqdm
 
-from qwen3_pretrain.data.pool import ordered_map
+from qwen3_pretrain.data.pool import ordered_map, put_unless_stopped
 from qwen3_pretrain.data.wikitext import is_redirect_text, wikitext_to_text
 from qwen3_pretrain.errors import UserError
 
@@ -109,13 +109,7 @@ def _read(stream: IO[bytes], path: Path) -> bytes:
 def _read_into(queued: queue.Queue, stop: threading.Event, path: Path, threads: int) -> None:
     """Reader thread: the decompressed blocks of ``path``, then b"" (or the exception that ended it)."""
     def put(item: bytes | BaseException) -> bool:
-        while not stop.is_set():
-            try:
-                queued.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(queued, item, stop)
 
     try:
         with open_binary(path, threads) as stream:
