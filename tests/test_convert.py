@@ -327,3 +327,16 @@ def test_token_ids_that_do_not_fit_a_uint16_shard_are_refused(tmp_path: Path) ->
     with pytest.raises(UserError, match="token id 70000 does not fit"):
         writer.add_sequence(np.array([70000, 3]))
     writer.abort()
+
+
+def test_fewer_documents_than_shards_writes_no_empty_shard(tmp_path: Path, capsys) -> None:
+    """Megatron's reader cannot open a shard without documents: only shards that hold some are written and
+    listed, with a warning naming ``shards``; the reader reads the rest."""
+    source = _parquet(tmp_path / "three.parquet", {"text": pa.array(["one doc", "two docs", "three"], pa.string())})
+    manifest = run(source, tmp_path / "out", shards=16, seq_length=4)
+    assert [s["prefix"] for s in manifest["shards"]] == ["shard_00000", "shard_00001", "shard_00002"]
+    assert all(s["num_documents"] == 1 for s in manifest["shards"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        ["manifest.json"] + [f"shard_{i:05d}.{x}" for i in range(3) for x in ("bin", "idx")]
+    assert "warning: shards: 16 asked, but the input has only 3 documents: wrote 3 shards" in capsys.readouterr().err
+    validate_manifest(tmp_path / "out", 151936, QWEN, 4)

@@ -171,3 +171,65 @@ def test_rank_0_refuses_a_manifest_over_pieces_it_cannot_see(tmp_path: Path) -> 
     with pytest.raises(UserError, match="shard_00000-00001.bin: written by another rank but not visible from rank 0"):
         _finish(_rank(tmp_path, 0), gathered, 0.0)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def _stores(world: int) -> list:
+    import datetime
+
+    import torch.distributed as dist
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    return [master] + [dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                                     timeout=datetime.timedelta(seconds=10)) for _ in range(world - 1)]
+
+
+def test_a_waiting_rank_names_a_rank_gone_silent_within_the_timeout() -> None:
+    """Rank 1 neither finishes its step nor makes progress (killed, stuck): rank 0 stops after
+    rank_timeout_s of silence, naming it, rather than waiting out a collective's timeout."""
+    import time
+
+    from qwen3_pretrain.data.convert_ranks import Liveness
+
+    stores = _stores(2)
+    ranks = [Liveness(store, LaunchInfo(r, 2, 0, "torchrun"), timeout_s=1.0, beat_s=0.1)
+             for r, store in enumerate(stores)]
+    try:
+        ranks[0].post("tokenize", None)
+        start = time.monotonic()
+        with pytest.raises(UserError, match=r"rank 1 of 2 made no progress for 1 s \(rank_timeout_s\) before "
+                                            r"finishing the step 'tokenize'"):
+            ranks[0].wait_for_all("tokenize", poll_s=0.05)
+        assert 1.0 <= time.monotonic() - start < 5.0
+    finally:
+        for live in ranks:
+            live.close()
+
+
+def test_a_slow_rank_that_keeps_making_progress_is_waited_for() -> None:
+    """A rank whose share takes longer than rank_timeout_s is not stopped while its work goes on."""
+    import threading
+    import time
+
+    from qwen3_pretrain.data.convert_ranks import Liveness
+
+    stores = _stores(2)
+    ranks = [Liveness(store, LaunchInfo(r, 2, 0, "torchrun"), timeout_s=0.6, beat_s=0.05)
+             for r, store in enumerate(stores)]
+
+    def slow_share() -> None:
+        for _ in range(40):  # 2 s of work, more than three timeouts
+            time.sleep(0.05)
+            ranks[1].tick()
+        ranks[1].post("tokenize", "rank 1's problem")
+
+    worker = threading.Thread(target=slow_share)
+    try:
+        worker.start()
+        ranks[0].post("tokenize", None)
+        assert ranks[0].wait_for_all("tokenize", poll_s=0.05) == [None, "rank 1's problem"]
+    finally:
+        worker.join()
+        for live in ranks:
+            live.close()

@@ -29,7 +29,7 @@ import time
 from contextlib import closing
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -79,8 +79,10 @@ class DataConvertConfig:
     master_addr: str = field_help("127.0.0.1", help="under mpirun with several ranks: host name or address of the "
                                                     "node running rank 0 (torchrun exports its own)")
     master_port: int = field_help(29500, help="under mpirun with several ranks: TCP port rank 0 listens on")
-    rank_timeout_s: int = field_help(172800, help="with several ranks: longest a rank waits for the others "
-                                                  "(a rank done early waits for the slowest one's share)")
+    rank_timeout_s: int = field_help(600, help="with several ranks: a rank that shows no progress for this "
+                                               "many seconds while others wait for it stops the run, named in "
+                                               "the error (a rank done early waits as long as the others keep "
+                                               "making progress)")
     tokenizer_backend: Literal["auto", "fast", "reference"] = field_help(
         "auto", help="fast (tiktoken, exact), reference (the tokenizers library) or auto (fast when it "
                      "can be exact for this tokenizer, else reference)")
@@ -175,10 +177,18 @@ class _Shards:
         heapq.heapreplace(self._load, (tokens + len(doc), index))
         return True
 
-    def finalize(self) -> None:
-        """Rename every shard into place (all complete by now)."""
-        for writer in self.writers:
-            writer.finalize()
+    def finalize(self) -> list[int]:
+        """Rename every shard that holds documents into place (all complete by now) and drop the others
+        (fewer documents than shards: an empty shard is a file Megatron's reader cannot open); the indices
+        of the shards kept."""
+        kept = []
+        for index, (writer, counts) in enumerate(zip(self.writers, self.counts)):
+            if counts.num_documents:
+                writer.finalize()
+                kept.append(index)
+            else:
+                writer.abort()
+        return kept
 
     def abort(self) -> None:
         """Delete every shard's temporary files."""
@@ -221,7 +231,9 @@ class _Progress:
 
 
 def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], tokenizer: Any,
-                   workers: int, total_docs: int | None, desc: str = "convert", show: bool = True) -> _Progress:
+                   workers: int, total_docs: int | None, desc: str = "convert", show: bool = True,
+                   tick: Callable[[], None] = lambda: None) -> _Progress:
+    """Tokenize ``files`` into ``shards`` in input order; ``tick`` is called after each unit of work."""
     progress = _Progress()
     eod_id = tokenizer.eod_id if cfg.append_eod else None
     encoded = ordered_map(_encode_chunk, units(files, cfg.text_column, cfg.chunk_size, cfg.chunk_bytes), workers,
@@ -237,6 +249,7 @@ def _tokenize_into(shards: _Shards, cfg: DataConvertConfig, files: list[Path], t
             progress.empty += empty
             progress.text_bytes += num_bytes
             bar.update(len(lengths) + empty)
+            tick()
             bar.set_postfix_str(f"{progress.rate():.1f} MB/s", refresh=False)
     return progress
 
@@ -282,13 +295,14 @@ def convert(cfg: DataConvertConfig) -> dict[str, Any]:
         progress = _tokenize_into(shards, cfg, files, tokenizer, workers, total_docs)
         if not any(c.num_documents for c in shards.counts):
             raise UserError(f"input_path {cfg.input_path!r}: no document has any text; nothing to write")
-        shards.finalize()
+        kept = shards.finalize()
     except BaseException:
         shards.abort()
         raise
-    named = [(f"shard_{i:05d}", counts) for i, counts in enumerate(shards.counts)]
+    named = [(f"shard_{i:05d}", shards.counts[i]) for i in kept]
     manifest = _manifest(cfg, tokenizer, dtype, named, files, workers, time.perf_counter() - start)
     write_json_atomic(output / MANIFEST, manifest)
+    warn_fewer_shards(manifest)
     print(_summary(manifest, progress, output))
     return manifest
 
@@ -309,12 +323,25 @@ def _backend_line(tokenizer: Any) -> str:
     return f"tokenizer: reference (the tokenizers library) from {tokenizer.path}{why}"
 
 
+def _shards_written(manifest: dict[str, Any]) -> int:
+    return len({s["prefix"].split("-")[0] for s in manifest["shards"]})  # a shard of several ranks has pieces
+
+
+def warn_fewer_shards(manifest: dict[str, Any]) -> None:
+    """A warning on stderr when fewer shards than ``shards`` were written (only non-empty shards are)."""
+    written, asked = _shards_written(manifest), manifest["config"]["shards"]
+    if written < asked:
+        print(f"warning: shards: {asked} asked, but the input has only {manifest['num_documents']} documents: "
+              f"wrote {written} shards (a shard without documents would be a file Megatron's reader cannot "
+              "open); lower shards to silence this", file=sys.stderr)
+
+
 def _summary(manifest: dict[str, Any], progress: _Progress, output: Path, where: str = "") -> str:
-    empty_shards = sum(1 for s in manifest["shards"] if not s["num_documents"])
-    warning = f" ({empty_shards} shards empty: fewer documents than shards)" if empty_shards else ""
+    written, asked = _shards_written(manifest), manifest["config"]["shards"]
+    warning = f" (shards: {asked} asked, fewer documents than that)" if written < asked else ""
     return (f"convert: {manifest['num_documents']} documents ({progress.empty} empty skipped), "
             f"{manifest['num_sequences']} sequences, {manifest['num_tokens']} tokens in "
-            f"{len(manifest['shards'])} shards{warning}{where}; {progress.text_bytes / 1e6:.1f} MB of text in "
+            f"{written} shards{warning}{where}; {progress.text_bytes / 1e6:.1f} MB of text in "
             f"{manifest['elapsed_s']:.1f} s ({progress.text_bytes / 1e6 / max(manifest['elapsed_s'], 1e-3):.1f} MB/s) "
             f"-> {output}")
 

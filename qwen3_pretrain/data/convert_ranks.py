@@ -16,6 +16,13 @@ yields the same samples; only the files are cut finer.
 Every step ends with the ranks agreeing: a failure on any rank stops all of
 them, rank 0 names it, each rank deletes what it wrote and no manifest is
 written. Nodes must share ``output_path`` (and see the same input files).
+
+A rank done with a step early may wait hours for the slowest share, so the
+waits are not bounded in time but in silence: every rank publishes how far its
+work has got (a counter in the rendezvous store, bumped as units are written),
+and a waiting rank stops everything, naming the rank, when one that has not
+finished the step shows no progress for ``rank_timeout_s`` (killed, stuck, or
+its node gone).
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import heapq
+import json
 import os
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -36,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from qwen3_pretrain.data.convert import (MANIFEST, DataConvertConfig, _backend_line, _manifest, _prepare_output,
-                                         _Progress, _ShardCounts, _Shards, _summary, _tokenize_into)
+                                         _Progress, _ShardCounts, _Shards, _summary, _tokenize_into,
+                                         warn_fewer_shards)
 from qwen3_pretrain.data.convert_input import check_inputs
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
 from qwen3_pretrain.data.pool import available_cores
@@ -68,7 +78,76 @@ def split_files(sizes: list[int], world: int) -> list[range]:
     return [range(bounds[r], bounds[r + 1]) for r in range(world)]
 
 
-def _agree(step: Callable[[], T], info: LaunchInfo) -> T:
+class Liveness:
+    """Each rank's progress, published in the rendezvous store, and waits on the other ranks that give up
+    only on one that has gone silent.
+
+    ``tick()`` (cheap: an integer increment) marks progress; a thread publishes the count every
+    ``beat_s`` seconds while it changes. ``wait_for_all(step)`` returns every rank's answer to ``step``
+    once all have posted one (``post``), and raises a UserError naming the ranks whose count has not
+    moved for ``timeout_s`` while they had not posted.
+    """
+
+    def __init__(self, store: dist.Store, info: LaunchInfo, timeout_s: float, beat_s: float = 2.0) -> None:
+        self.store, self.info, self.timeout_s, self.beat_s = store, info, timeout_s, beat_s
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish, name="convert-progress", daemon=True)
+        self._thread.start()
+
+    def tick(self) -> None:
+        self.count += 1
+
+    def _publish(self) -> None:
+        published = None
+        while not self._stop.wait(self.beat_s):
+            if self.count != published:
+                published = self.count
+                try:
+                    self.store.set(f"progress/{self.info.rank}", str(published))
+                except Exception:  # the store is gone (rank 0 ended): the main thread finds out itself
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.beat_s)
+
+    def post(self, step: str, answer: str | None) -> None:
+        self.tick()
+        self.store.set(f"{step}/{self.info.rank}", json.dumps(answer))
+
+    def wait_for_all(self, step: str, poll_s: float = 0.5) -> list[str | None]:
+        world = self.info.world_size
+        last_seen: dict[int, tuple[str, float]] = {}
+        waiting = set(range(world))
+        while True:
+            waiting = {r for r in waiting if not self._has(f"{step}/{r}")}
+            if not waiting:
+                return [json.loads(self.store.get(f"{step}/{r}")) for r in range(world)]
+            now = time.monotonic()
+            silent = []
+            for r in sorted(waiting):
+                count = self.store.get(f"progress/{r}").decode() if self._has(f"progress/{r}") else "0"
+                if r not in last_seen or last_seen[r][0] != count:
+                    last_seen[r] = (count, now)
+                elif now - last_seen[r][1] >= self.timeout_s:
+                    silent.append(r)
+            if silent:
+                names = ", ".join(f"rank {r} of {world}" for r in silent)
+                raise UserError(f"{names} made no progress for {self.timeout_s:g} s (rank_timeout_s) before "
+                                f"finishing the step '{step}' the others finished: its process is stuck or gone "
+                                "(killed, out of memory, its node down; see that rank's output). Every rank stops; "
+                                "raise rank_timeout_s if that rank's work was just slow")
+            time.sleep(poll_s)
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception as exc:  # rank 0, which holds the store under mpirun, has ended
+            raise UserError(f"lost the rendezvous store ({exc}): rank 0 has stopped; see its output") from None
+
+
+def _agree(step: Callable[[], T], info: LaunchInfo, live: Liveness, name: str) -> T:
     """Run ``step`` here, then learn whether it worked on every rank; on a failure anywhere every rank
     raises: rank 0 a UserError naming the rank(s) and their message, the others ``_Stop``."""
     result, problem = None, None
@@ -79,8 +158,8 @@ def _agree(step: Callable[[], T], info: LaunchInfo) -> T:
     except Exception as exc:  # a bug: its traceback stays on the rank that hit it
         traceback.print_exc()
         problem = f"{type(exc).__name__}: {exc}"
-    problems: list[str | None] = [None] * info.world_size
-    dist.all_gather_object(problems, problem)
+    live.post(name, problem)
+    problems = live.wait_for_all(name)
     failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
     if not failed:
         return result  # type: ignore[return-value]
@@ -103,6 +182,7 @@ class _Rank:
     staging: _Shards | None = None
     pieces: list[IndexedDatasetWriter] = dataclasses.field(default_factory=list)
     written: list[Path] = dataclasses.field(default_factory=list)
+    tick: Callable[[], None] = lambda: None  # marks progress (``Liveness.tick``)
 
     @property
     def output(self) -> Path:
@@ -153,7 +233,7 @@ def _tokenize(rank: _Rank) -> _Progress:
     workers = rank.cfg.workers or available_cores()
     desc = f"convert (rank 0's share of {rank.info.world_size})"
     progress = _tokenize_into(rank.staging, rank.cfg, rank.files, rank.tokenizer, workers, rank.total_docs, desc,
-                              show=rank.info.rank == 0)
+                              show=rank.info.rank == 0, tick=rank.tick)
     rank.staging.finalize()
     return progress
 
@@ -167,7 +247,7 @@ def _assign(rank: _Rank, doc_tokens: np.ndarray) -> np.ndarray:
     heap = [(int(tokens), index) for index, tokens in enumerate(loads.tolist())]
     heapq.heapify(heap)  # the minimum of distinct (tokens, index) pairs is the same however they are held
     shards = np.empty(len(doc_tokens), dtype=np.int64)
-    for doc, tokens in _numbered(doc_tokens):
+    for doc, tokens in _numbered(doc_tokens, tick=rank.tick):
         load, index = heap[0]
         shards[doc] = index
         heapq.heapreplace(heap, (load + tokens, index))
@@ -178,11 +258,13 @@ def _assign(rank: _Rank, doc_tokens: np.ndarray) -> np.ndarray:
     return shards
 
 
-def _numbered(values: np.ndarray, block: int = 1 << 16) -> Iterator[tuple[int, int]]:
-    """(position, value) as Python ints, a block at a time: a list of every value of a large share
-    would hold tens of bytes per document."""
+def _numbered(values: np.ndarray, block: int = 1 << 16,
+              tick: Callable[[], None] = lambda: None) -> Iterator[tuple[int, int]]:
+    """(position, value) as Python ints, a block at a time (``tick`` after each): a list of every value
+    of a large share would hold tens of bytes per document."""
     for start in range(0, len(values), block):
         yield from enumerate(values[start:start + block].tolist(), start)
+        tick()
 
 
 def _staged_documents(staged: IndexedDataset) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +281,7 @@ def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> li
     rank.pieces = [IndexedDatasetWriter(p, staged.dtype) for p in prefixes]
     counts = [_ShardCounts() for _ in prefixes]
     bounds = np.asarray(staged.document_indices, dtype=np.int64)
-    for doc, shard in _numbered(shards):
+    for doc, shard in _numbered(shards, block=1 << 12, tick=rank.tick):
         for seq in range(int(bounds[doc]), int(bounds[doc + 1])):
             piece = staged.get(seq)
             rank.pieces[shard].add_sequence(piece)
@@ -247,6 +329,7 @@ def _finish(rank: _Rank, gathered: list[tuple[list[tuple[str, _ShardCounts]], _P
     manifest["ranks"] = rank.info.world_size
     (rank.output / _MARKER).unlink(missing_ok=True)
     write_json_atomic(rank.output / MANIFEST, manifest)
+    warn_fewer_shards(manifest)
     progress = _Progress(sum(p.empty for _, p in gathered), sum(p.text_bytes for _, p in gathered))
     print(_summary(manifest, progress, rank.output, f" from {rank.info.world_size} ranks"))
     return manifest
@@ -257,26 +340,32 @@ def convert_on_ranks(cfg: DataConvertConfig, files: list[Path], info: LaunchInfo
     """Convert ``files`` as rank ``info.rank`` of ``info.world_size``; rank 0 returns the manifest."""
     runs = split_files([f.stat().st_size for f in files], info.world_size)
     rank = _Rank(cfg, info, [files[i] for i in runs[info.rank]], files)
-    init_process_group(info, torch.device("cpu"), cfg.rank_timeout_s, _INIT_TIMEOUT_S)
+    # Collectives run only once every rank has reached them (the long waits are Liveness's), so the
+    # silence limit bounds them as well.
+    store = init_process_group(info, torch.device("cpu"), cfg.rank_timeout_s, _INIT_TIMEOUT_S)
+    live = Liveness(store, info, cfg.rank_timeout_s)
+    rank.tick = live.tick
     try:
         nonce = [uuid.uuid4().hex]
         dist.broadcast_object_list(nonce, src=0)
-        view = _agree(lambda: _start(rank, nonce[0]), info)
+        view = _agree(lambda: _start(rank, nonce[0]), info, live, "start")
         views: list[Any] = [None] * info.world_size
         dist.all_gather_object(views, view)
-        _agree(lambda: _check_shared(rank, nonce[0], views), info)
-        progress = _agree(lambda: _tokenize(rank), info)
-        named = _agree(lambda: _place(rank), info)
+        _agree(lambda: _check_shared(rank, nonce[0], views), info, live, "check")
+        progress = _agree(lambda: _tokenize(rank), info, live, "tokenize")
+        named = _agree(lambda: _place(rank), info, live, "place")
         gathered: list[Any] = [None] * info.world_size
         dist.all_gather_object(gathered, (named, progress))
-        manifest = _agree(lambda: _finish(rank, gathered, start), info)
+        manifest = _agree(lambda: _finish(rank, gathered, start), info, live, "finish")
     except BaseException as exc:
         rank.cleanup()
         if info.rank == 0:
             (rank.output / _MARKER).unlink(missing_ok=True)
+        live.close()
         destroy()
         if isinstance(exc, _Stop):
             raise SystemExit(2) from None
         raise
+    live.close()
     destroy()
     return manifest or {}

@@ -13,10 +13,15 @@ import gc
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import threading
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+from qwen3_pretrain.errors import UserError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -36,6 +41,22 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
+class WorkerDied(UserError):
+    """A worker process ended without returning its result (killed, typically by the out-of-memory killer)."""
+
+
+def _start_worker(initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+    # Ctrl-C reaches every process of the terminal's group: the consumer stops the work, the workers
+    # finish what they hold and exit when told, rather than each dying with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _ready() -> None:
+    """A no-op task: submitted first, it starts the workers."""
+
+
 def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,
                 initializer: Callable[..., Any] | None = None, initargs: tuple = (),
                 max_in_flight: int | None = None) -> Iterator[R]:
@@ -43,7 +64,13 @@ def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,
 
     ``workers <= 1`` runs everything in this process (no pool, same results).
     ``func`` and ``initializer`` must be module-level functions so that a
-    spawned worker can import them.
+    spawned worker can import them. An error anywhere (in ``func``, in
+    ``items``, or in the consumer, which should close the generator, e.g. with
+    ``contextlib.closing``) ends the map: work not started is cancelled, work
+    started is finished and its results read (a pool torn down with large
+    results in flight can hang; this one never tears down), and the workers
+    exit before the error goes on. A worker killed from outside is a
+    ``WorkerDied`` error. Workers ignore SIGINT: Ctrl-C stops the consumer.
     """
     if workers <= 1:
         if initializer is not None:
@@ -51,21 +78,35 @@ def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,
         yield from map(func, items)
         return
     limit = max_in_flight or 2 * workers
-    # Forked workers inherit this process's objects (tokenizer tables: millions of them). Frozen,
-    # the workers' garbage collector neither walks them nor copies their pages by touching them.
-    gc.freeze()
+    executor = ProcessPoolExecutor(workers, mp_context=_context(), initializer=_start_worker,
+                                   initargs=(initializer, initargs))
     try:
-        pool = _context().Pool(workers, initializer, initargs)
-    finally:
-        gc.unfreeze()
-    with pool:
-        pending: deque = deque()
+        # Forked workers inherit this process's objects (tokenizer tables: millions of them). Frozen,
+        # the workers' garbage collector neither walks them nor copies their pages by touching them.
+        # The workers start with the first task, before ``items`` starts any thread of its own.
+        gc.freeze()
+        try:
+            executor.submit(_ready).result()
+        finally:
+            gc.unfreeze()
+        pending: deque[Future] = deque()
         for item in items:
-            pending.append(pool.apply_async(func, (item,)))
+            pending.append(executor.submit(func, item))
             if len(pending) >= limit:
-                yield pending.popleft().get()
+                yield _result(pending.popleft())
         while pending:
-            yield pending.popleft().get()
+            yield _result(pending.popleft())
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future) -> Any:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise WorkerDied("a worker process died before returning its result (killed from outside, most often "
+                         "by the out-of-memory killer: see `dmesg`); use fewer workers or smaller units of "
+                         "work, or free memory") from None
 
 
 def put_unless_stopped(out: queue.Queue, item: Any, stop: threading.Event) -> bool:

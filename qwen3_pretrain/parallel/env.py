@@ -187,10 +187,12 @@ def backend_spec(device_type: str) -> str:
     return f"cpu:gloo,{device_type}:{DEVICE_BACKENDS[device_type]}"
 
 
-def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int, init_timeout_s: int) -> None:
-    """Join the process group; an unreachable rendezvous is a clear error, not a hang."""
+def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int,
+                       init_timeout_s: int) -> dist.Store | None:
+    """Join the process group; an unreachable rendezvous is a clear error, not a hang. Returns the
+    rendezvous store the ranks share (None when the group already existed)."""
     if dist.is_initialized():
-        return
+        return None
     backend = backend_spec(device.type)
     timeout = datetime.timedelta(seconds=timeout_s)
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -207,6 +209,7 @@ def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int, i
     store = dist.PrefixStore(f"qwen3_pretrain/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout, device_id=device if device.type != "cpu" else None)
+    return store
 
 
 def destroy() -> None:
