@@ -4,13 +4,14 @@ outputs and gradients, with and without document masking."""
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
 from qwen3_pretrain.models.qwen3.attention import SdpaAttention
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
@@ -123,3 +124,16 @@ def test_a_sequence_that_cp_cannot_split_is_a_clear_error():
         TrainConfig(data_path="/data/d", seq_length=100, cp=8)
     with pytest.raises(ConfigError, match="compile with cp > 1"):
         TrainConfig(data_path="/data/d", seq_length=128, cp=2, compile=True)
+
+
+@pytest.mark.parametrize("seq,cp,tp,share", [(17, 1, 2, "seq_length 17"), (36, 2, 4, "seq_length / cp = 36 / 2 = 18")])
+def test_a_share_of_the_sequence_that_tp_cannot_split_is_a_clear_error(seq, cp, tp, share):
+    """Sequence parallelism splits each rank's seq_length / cp tokens over tp; before this check, seq 17 at
+    tp 2 aborted inside gloo with a collective mismatch (NCCL would hang). The trainer's config and the
+    planner's layout say so, naming the keys."""
+    message = rf"{re.escape(share)} is not a multiple of tp = {tp}"
+    with pytest.raises(ConfigError, match=message + ".*choose a seq_length, cp or tp"):
+        TrainConfig(data_path="/data/d", seq_length=seq, cp=cp, tp=tp)
+    with pytest.raises(UserError, match="layout: " + message):
+        Layout(seq_length=seq, cp=cp, tp=tp)
+    TrainConfig(data_path="/data/d", seq_length=seq + 1 if seq == 17 else 40, cp=cp, tp=tp)  # fits

@@ -118,3 +118,18 @@ def test_one_step_is_the_steady_state(results):
     assert [r.peak for r in one] == [r.peak for r in two]
     for a, b in zip(one, two):
         assert a.comm["tp"] == b.comm["tp"] and a.comm.get("dp") == b.comm.get("dp")
+
+
+def test_context_and_pipeline_parallel_together():
+    """cp 2 x pp 2 x tp 2: the pipeline's messages are each rank's share of the sequence (seq / cp tokens,
+    split again by tp between the layers), with that share's positions."""
+    cfg = load_config(TrainConfig, None, [*OVERRIDES, "cp=2"])
+    world = make_world(cfg, TP * PP * 2)
+    first, last = simulate_ranks(world, world.ranks_of_stages(), steps=2)
+    local = 64 // 2
+    message = 1 * local // TP * TINY["hidden_size"] * torch.bfloat16.itemsize
+    positions = 1 * local * torch.int64.itemsize
+    micro = world.cfg.batch_size // world.cfg.pp_microbatch_size
+    assert first.comm["pp"]["send"] == micro * (message + positions)
+    assert last.comm["pp"]["send"] == micro * message
+    assert first.comm["cp"]["all_gather"] > 0

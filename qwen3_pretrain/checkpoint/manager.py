@@ -199,8 +199,9 @@ class Checkpointer:
         self.async_save = async_save
         # An asynchronous save runs DCP's collectives in a background thread while training goes on:
         # on a group of their own, so they never interleave with the training's (collective: every rank
-        # builds its Checkpointer at the same point).
-        self._async_group = dist.new_group(backend="gloo") if async_save else None
+        # builds its Checkpointer at the same point). The group takes the default group's backends: its
+        # object collectives run on the CPU one (gloo), and a device bound at init needs one of its own.
+        self._async_group = dist.new_group() if async_save else None
         self._pending: tuple[Any, Path, Path, dict] | None = None
 
     # --- state ----------------------------------------------------------------------

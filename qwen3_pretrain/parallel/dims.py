@@ -81,6 +81,20 @@ class ParallelDims:
         return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
+def sequence_split_problem(seq_length: int, cp: int, tp: int) -> str | None:
+    """Why ``seq_length`` cannot be split over ``cp`` and ``tp`` (None when it can): each cp rank holds two
+    equal chunks of every sequence (``2 cp`` chunks), and sequence parallelism splits a rank's share
+    (``seq_length / cp`` tokens) evenly over the tp ranks between the layers."""
+    if cp > 1 and seq_length % (2 * cp):
+        return (f"seq_length {seq_length} is not a multiple of 2 x cp = {2 * cp} (each cp rank holds two equal "
+                "chunks of every sequence)")
+    if (seq_length // cp) % tp:
+        share = f"seq_length / cp = {seq_length} / {cp} = {seq_length // cp}" if cp > 1 else f"seq_length {seq_length}"
+        return (f"{share} is not a multiple of tp = {tp} (sequence parallelism splits each rank's tokens evenly "
+                "over the tp ranks)")
+    return None
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """The vocabulary padded to a multiple of tp (the padding rows are masked in the loss and stripped on export)."""
     return -(-vocab_size // tp) * tp

@@ -177,7 +177,18 @@ def _npu_available() -> bool:
 # The collective library for device tensors. Host-side collectives (checkpoint agreement, DCP's
 # metadata exchange, its asynchronous save) run on CPU tensors, which NCCL and HCCL do not take:
 # on a device the process group has gloo beside the device library.
-DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl"}
+DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
+# Device libraries that split a communicator (ncclCommSplit). Only there is the device bound at
+# init_process_group (``device_id``): DeviceMesh then splits the world's communicator for each axis
+# instead of creating one per group. Bound elsewhere, DeviceMesh's split raises unless the library
+# reports it can split (HCCL and XCCL have not), and every later group inherits the device, so a
+# group of another library (``new_group(backend="gloo")``) has no backend for it.
+SPLITTING_LIBRARIES = frozenset({"nccl"})
+
+
+def bound_device(device: torch.device) -> torch.device | None:
+    """The ``device_id`` to bind the process group to: the device where its library splits, else None."""
+    return device if DEVICE_BACKENDS.get(device.type) in SPLITTING_LIBRARIES else None
 
 
 def backend_spec(device_type: str) -> str:
@@ -208,7 +219,7 @@ def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int,
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"qwen3_pretrain/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
-                            timeout=timeout, device_id=device if device.type != "cpu" else None)
+                            timeout=timeout, device_id=bound_device(device))
     return store
 
 

@@ -20,7 +20,8 @@ from typing import Iterator, Literal
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.parallel.dims import check_model_split, stage_layer_ranges, valid_tp_degrees
+from qwen3_pretrain.parallel.dims import (check_model_split, sequence_split_problem, stage_layer_ranges,
+                                          valid_tp_degrees)
 
 Checkpointing = Literal["none", "selective", "mlp", "full"]
 # selective: the attention core (as Megatron); mlp: each MLP block; full: every layer
@@ -70,8 +71,9 @@ class Layout:
             if self.dp_shard > 1 and not self.distributed_optimizer:
                 raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
                                 "distributed optimizer")
-        if self.cp > 1 and self.seq_length % (2 * self.cp):
-            raise UserError(f"layout: seq_length {self.seq_length} is not a multiple of 2 x cp = {2 * self.cp}")
+        problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
+        if problem:
+            raise UserError(f"layout: {problem}")
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)

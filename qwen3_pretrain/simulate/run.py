@@ -186,8 +186,9 @@ def _stage_io(engine: Engine, fake: FakeTensorMode, allocate):
     # built outside the fake mode: slicing the device mesh reads its (real) rank tensor
     first = engine.parts[0] if engine.has_first else engine.build_part(0, allocate)
     with fake, ScalarReads():
-        ids = torch.zeros((cfg.pp_microbatch_size, cfg.seq_length), dtype=torch.long)
-        first_in = (ids, torch.arange(cfg.seq_length).expand(ids.shape)) if engine.uses_positions else (ids,)
+        local_seq = cfg.seq_length // engine.dims.cp  # under cp each rank holds its share of every sequence
+        ids = torch.zeros((cfg.pp_microbatch_size, local_seq), dtype=torch.long)
+        first_in = (ids, torch.arange(local_seq).expand(ids.shape)) if engine.uses_positions else (ids,)
         message = _as_tuple(first(*first_in))
         io = []
         for part, idx in zip(engine.parts, engine.stage_indices):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from qwen3_pretrain.config.loader import field_help
 from qwen3_pretrain.data.sources import DataSource, parse_data_path
 from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.parallel.dims import sequence_split_problem
 
 
 @dataclass
@@ -156,9 +157,9 @@ class TrainConfig:
         if self.compile and self.tp > 1:
             raise ConfigError("compile with tp > 1: the compiled tensor-parallel layers gave gradients that differ "
                               "from eager ones (torch 2.13, measured); set compile false or tp 1")
-        if self.cp > 1 and self.seq_length % (2 * self.cp):
-            raise ConfigError(f"seq_length {self.seq_length} is not a multiple of 2 x cp = {2 * self.cp} (each cp rank "
-                              "holds two equal chunks of every sequence); choose a seq_length or cp that fits")
+        problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
+        if problem:
+            raise ConfigError(f"{problem}; choose a seq_length, cp or tp that fits")
         if self.compile and self.cp > 1:
             raise ConfigError("compile with cp > 1: the context-parallel attention's collectives run inside the "
                               "layers, which are not compiled with them; set compile false or cp 1")
