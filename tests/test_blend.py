@@ -178,13 +178,39 @@ def test_config_forms_parse_to_the_same_sources(tmp_path, yaml_text, overrides):
 def test_one_path_is_one_source_even_with_a_space():
     assert TrainConfig(data_path="/data/d_convert").data_sources == (DataSource("/data/d_convert", 1.0),)
     assert TrainConfig(data_path="/data/my corpus").data_sources == (DataSource("/data/my corpus", 1.0),)
+    # only a string that starts with a number is a blend: a folder named with a year is one folder
+    assert TrainConfig(data_path="/data/wiki 2024").data_sources == (DataSource("/data/wiki 2024", 1.0),)
+
+
+def test_weights_after_the_paths_are_one_missing_folder_with_a_hint(tmp_path):
+    value = f"{tmp_path}/wiki 0.7 {tmp_path}/books 0.3"
+    (source,) = TrainConfig(data_path=value).data_sources
+    with pytest.raises(UserError, match=r"no such directory \(a blend of several datasets is written weight "
+                                        r"first: \"0.7 /data/wiki 0.3 /data/books\"\)"):
+        validate_sources([source], VOCAB)
+
+
+def test_resume_refuses_the_same_weights_on_other_datasets(paths):
+    """Two sources of equal weight swapped, or one replaced by another dataset: the weights alone match, the
+    datasets do not, and the error says which position changed."""
+    saved = GlobalBatchLoader(blend(paths[:2], [0.5, 0.5]), 8, 0, 1, 1).state_dict()
+    swapped = GlobalBatchLoader(blend(paths[1::-1], [0.5, 0.5]), 8, 0, 1, 1)
+    with pytest.raises(UserError, match=r"data_path's dataset 1 \(books, \d+ documents, \d+ tokens\) is not the "
+                                        r"one the checkpoint drew from there \(wiki,"):
+        swapped.load_state_dict(saved)
+    other = GlobalBatchLoader(blend([paths[0], paths[2]], [0.5, 0.5]), 8, 0, 1, 1)
+    with pytest.raises(UserError, match=r"dataset 2 \(code, .* \(books,"):
+        other.load_state_dict(saved)
+    same = GlobalBatchLoader(blend(paths[:2], [0.5, 0.5]), 8, 0, 1, 1)
+    same.load_state_dict(saved)
+    assert same.consumed_samples == saved["consumed_samples"]
 
 
 @pytest.mark.parametrize("value,message", [
     ("0.7 /data/wiki 0.3", r"'0.7 /data/wiki 0.3'.* 3 words \(an odd count\)"),
     ("0.7 /data/wiki 0 /data/books", r"the weight of /data/books is '0'; weights must be positive"),
     ("-0.2 /data/wiki 1 /data/books", r"the weight of /data/wiki is '-0.2'; weights must be positive"),
-    ("/data/wiki 0.7 /data/books 0.3", r"'/data/wiki' stands where a weight belongs"),
+    ("0.7 /data/wiki /data/books 0.3", r"'/data/books' stands where a weight belongs"),
     ([{"weight": 0.5}, {"path": "/data/books", "weight": 0.5}], r"data_path\[0\]: \{'weight': 0.5\} has no 'path'"),
     ([{"path": "/data/wiki"}], r"data_path\[0\]: .* has no 'weight'"),
     ([{"path": "/data/wiki", "weight": -1}], r"data_path\[0\]: the weight of /data/wiki is -1; weights must be"),

@@ -96,9 +96,13 @@ class BlendedDataset(torch.utils.data.Dataset):
         return dict(zip((s.path for s in self.sources), self.schedule.counts(num_samples)))
 
     def blend_state(self) -> dict[str, Any]:
-        """What a resume must find unchanged, beyond seed and seq_length: the weights of a blend (not its
-        paths, which may move with a copy of the data). Empty for one source, as before blending."""
-        return {"blend_weights": [s.weight for s in self.sources]} if len(self.sources) > 1 else {}
+        """What a resume must find unchanged, beyond seed and seq_length: the weights of a blend and which
+        dataset holds each (by its size, not its path, which may move with a copy of the data). Empty for
+        one source, as before blending."""
+        if len(self.sources) == 1:
+            return {}
+        return {"blend_weights": [s.weight for s in self.sources],
+                "blend_sources": [d.fingerprint for d in self.datasets]}
 
 
 def validate_sources(sources: Sequence[DataSource], model_vocab_size: int,

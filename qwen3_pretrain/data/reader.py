@@ -183,6 +183,9 @@ class PackedDataset(torch.utils.data.Dataset):
         self.seq_length, self.seed, self.split, self.shuffle = seq_length, seed, split, shuffle
         self.eod_id = int(manifest["tokenizer"]["eod_id"])
         self.corpus = open_corpus(root, manifest)
+        # Which dataset this is, wherever its folder has moved: its size in documents and tokens.
+        self.fingerprint = {"name": root.resolve().name, "num_documents": self.corpus.num_documents,
+                            "num_tokens": int(manifest["num_tokens"])}
         if self.corpus.num_documents == 0:
             raise UserError(f"{root}: the dataset holds no tokens; convert a non-empty corpus")
         self.doc_ids = split_documents(self.corpus.num_documents, valid_fraction, split)
@@ -304,15 +307,32 @@ class GlobalBatchLoader:
             if state[key] != ours:
                 raise UserError(f"cannot resume the data order: the checkpoint was trained with {key} {state[key]} "
                                 f"but this run has {key} {ours}; use the checkpoint's {key} to resume")
-        saved_weights, weights = state.get("blend_weights"), self._blend_state().get("blend_weights")
+        ours = self._blend_state()
+        saved_weights, weights = state.get("blend_weights"), ours.get("blend_weights")
         if saved_weights != weights:
             raise UserError(f"cannot resume the data order: the checkpoint drew from {_describe_blend(saved_weights)} "
                             f"but this run's data_path gives {_describe_blend(weights)}; use the checkpoint's "
                             "data_path (its datasets and weights) to resume")
+        _check_same_sources(state.get("blend_sources"), ours.get("blend_sources"))
         consumed = state["consumed_samples"]
         if not isinstance(consumed, int) or consumed < 0:
             raise UserError(f"data loader state: consumed_samples must be a non-negative integer, got {consumed!r}")
         self.consumed_samples = consumed
+
+
+def _check_same_sources(saved: list[dict] | None, ours: list[dict] | None) -> None:
+    """Each position of a blend holds the dataset it held when the checkpoint was saved (checkpoints
+    from before sources were recorded carry only the weights)."""
+    if saved is None or ours is None:
+        return
+    for i, (then, now) in enumerate(zip(saved, ours)):
+        if {k: then.get(k) for k in ("num_documents", "num_tokens")} != \
+                {k: now.get(k) for k in ("num_documents", "num_tokens")}:
+            raise UserError(f"cannot resume the data order: data_path's dataset {i + 1} ({now['name']}, "
+                            f"{now['num_documents']} documents, {now['num_tokens']} tokens) is not the one the "
+                            f"checkpoint drew from there ({then.get('name')}, {then.get('num_documents')} documents, "
+                            f"{then.get('num_tokens')} tokens); list the checkpoint's datasets in its order, "
+                            "each with its weight, to resume")
 
 
 def _describe_blend(weights: list[float] | None) -> str:

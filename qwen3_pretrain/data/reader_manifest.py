@@ -34,7 +34,10 @@ def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:
     """
     root = Path(data_path)
     if not root.is_dir():
-        raise MissingFileError(f"data_path {root}: no such directory; {_CONVERT_HINT}")
+        words = str(data_path).split()
+        blend = (" (a blend of several datasets is written weight first: \"0.7 /data/wiki 0.3 /data/books\")"
+                 if len(words) > 1 and any(_is_number(w) for w in words) else "")
+        raise MissingFileError(f"data_path {root}: no such directory{blend}; {_CONVERT_HINT}")
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise MissingFileError(f"{path}: missing, so {root} is not a converted dataset; {_CONVERT_HINT}")
@@ -155,3 +158,11 @@ def _check_token_count(manifest: dict[str, Any], root: Path, seq_length: int | N
     if seq_length is not None and num_tokens < seq_length + 1:
         raise UserError(f"{root}: {num_tokens} tokens, fewer than one sample of seq_length + 1 = "
                         f"{seq_length + 1}; lower seq_length or convert more text")
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True

@@ -7,9 +7,9 @@ normalized so the weights sum to 1):
 - a YAML list: ``data_path: [{path: /data/wiki, weight: 0.7}, {path: /data/books, weight: 0.3}]``;
 - Megatron's flat string of ``weight path`` pairs: ``data_path: "0.7 /data/wiki 0.3 /data/books"``.
 
-A string is read as the flat form when any of its whitespace-separated words is
-a number; otherwise it is one path (so a directory whose name holds a space
-still works). Only numpy-free parsing lives here: the training config checks
+A string is read as the flat form when its first word is a number; otherwise
+it is one path (so a directory whose name holds a space, or a number after one,
+``/data/wiki 2024``, still works). Only numpy-free parsing lives here: the training config checks
 ``data_path`` when it is loaded, before anything heavy is imported.
 """
 
@@ -54,7 +54,7 @@ def _flat_pairs(value: str, key: str) -> list[tuple[str, float]]:
     words = value.split()
     if not words:
         raise ConfigError(f"{key} is empty; {_FORMS}")
-    if not any(_is_number(w) for w in words):
+    if not _is_number(words[0]):
         return [(value.strip(), 1.0)]
     if len(words) % 2:
         raise ConfigError(f"{key} {value!r}: the flat form is pairs of 'weight path', but it has {len(words)} "
