@@ -35,9 +35,9 @@ def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:
     root = Path(data_path)
     if not root.is_dir():
         words = str(data_path).split()
-        blend = (" (a blend of several datasets is written weight first: \"0.7 /data/wiki 0.3 /data/books\")"
+        blend = ("; a blend of several datasets is written weight first: \"0.7 /data/wiki 0.3 /data/books\""
                  if len(words) > 1 and any(_is_number(w) for w in words) else "")
-        raise MissingFileError(f"data_path {root}: no such directory{blend}; {_CONVERT_HINT}")
+        raise MissingFileError(f"data_path {root}: no such directory; {_CONVERT_HINT}{blend}")
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise MissingFileError(f"{path}: missing, so {root} is not a converted dataset; {_CONVERT_HINT}")

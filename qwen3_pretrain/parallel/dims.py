@@ -87,11 +87,11 @@ def sequence_split_problem(seq_length: int, cp: int, tp: int) -> str | None:
     (``seq_length / cp`` tokens) evenly over the tp ranks between the layers."""
     if cp > 1 and seq_length % (2 * cp):
         return (f"seq_length {seq_length} is not a multiple of 2 x cp = {2 * cp} (each cp rank holds two equal "
-                "chunks of every sequence)")
+                "chunks of every sequence); choose a seq_length, cp or tp that fits")
     if (seq_length // cp) % tp:
         share = f"seq_length / cp = {seq_length} / {cp} = {seq_length // cp}" if cp > 1 else f"seq_length {seq_length}"
         return (f"{share} is not a multiple of tp = {tp} (sequence parallelism splits each rank's tokens evenly "
-                "over the tp ranks)")
+                "over the tp ranks); choose a seq_length, cp or tp that fits")
     return None
 
 

@@ -159,7 +159,7 @@ class TrainConfig:
                               "from eager ones (torch 2.13, measured); set compile false or tp 1")
         problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
         if problem:
-            raise ConfigError(f"{problem}; choose a seq_length, cp or tp that fits")
+            raise ConfigError(problem)
         if self.compile and self.cp > 1:
             raise ConfigError("compile with cp > 1: the context-parallel attention's collectives run inside the "
                               "layers, which are not compiled with them; set compile false or cp 1")
