@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from qwen3_pretrain.models.ops.precision import use_fp32_matmul
 from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, init_param
-from qwen3_pretrain.models.qwen3.attention import attention_kernel
 from qwen3_pretrain.parallel.dims import ParallelDims
-from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, materialize, parallelize_stage
+from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_attention, materialize, parallelize_stage
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.memtrack import MemoryTracker
@@ -47,7 +46,7 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     dims = ParallelDims(1, 1, 1, layout.distributed_optimizer)
     mesh = dims.build_mesh("cpu")
     model = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, layout.loss_chunk_tokens,
-                        attention=attention_kernel("cpu"), fp32_matmul=layout.fp32_matmul,
+                        attention=choose_attention("cpu", layout.fp32_matmul), fp32_matmul=layout.fp32_matmul,
                         ac_mode=layout.activation_checkpointing, document_mask=layout.document_mask)
     parallelize_stage(model, mesh, dims.dp_mesh(mesh), layout.mixed_precision)
     materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, cfg, 0)[slices])
@@ -82,7 +81,7 @@ def measure(cfg: Qwen3Config, layout: Layout, steps: int = 1, time_one_step: boo
     _ensure_process_group()
     gen = torch.Generator().manual_seed(0)
     # the engine's AdamW on CPU, and its way with bf16 matmuls on this CPU
-    layout = layout.replace(optimizer_impl="fused",
+    layout = layout.replace(optimizer_impl="fused", device_type="cpu",
                             fp32_matmul=use_fp32_matmul(torch.device("cpu"), layout.mixed_precision, "auto"))
     with MemoryTracker("cpu") as mem:
         model = build_model(cfg, layout)

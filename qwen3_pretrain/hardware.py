@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from qwen3_pretrain.config.loader import lookup
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall
 
 GB = 1e9
 
@@ -32,6 +33,41 @@ def optimizer_impl(device_type: str) -> str:
     loop torch otherwise picks on a CPU); other devices keep torch's default, the foreach path.
     """
     return "fused" if device_type in ("cpu", "cuda") else "foreach"
+
+
+# --- attention kernel rules -------------------------------------------------------------------------------
+#
+# Which kernel torch 2.13 runs for an attention call (models/qwen3/attention_calls.py) on each device type:
+# "flash", "efficient" or "math" (SDPA's backends), "flex" (compiled FlexAttention; uncompiled it
+# materializes the scores: "flex_unfused"), "npu_fusion" (torch_npu's fused kernel). On CUDA, SDPA tries
+# flash, then efficient, then math (cuDNN only where the environment puts it first):
+# - flash takes fp16/bf16, no mask but its own causal one (is_causal with q_len == kv_len, or the
+#   lower-right CausalBias, which hands flash its bottom-right causal mode), head_dim <= 256, and GQA;
+# - efficient takes fp16, bf16 or fp32 and any mask, but not GQA (equal head counts only), with
+#   head_dim a multiple of 8 (4 in fp32);
+# - math takes anything and keeps fp32 probabilities [batch, heads, q_len, kv_len] for backward.
+# On a CPU, SDPA's flash kernel takes masks and GQA (query heads a multiple of the KV heads); math otherwise.
+# tests/test_attention_rules.py checks these against torch's own choice on the CPU and, on a GPU, against
+# torch.backends.cuda.can_use_flash_attention / can_use_efficient_attention.
+FUSED_SDPA_DTYPES = ("bfloat16", "float16")
+
+
+def attention_backend(device_type: str, call: AttentionCall) -> str:
+    """The kernel ``device_type`` runs for ``call``."""
+    if call.api == "npu_fusion" or device_type == "npu":  # torch_npu serves SDPA with the same fused kernel
+        return "npu_fusion"
+    if call.api == "flex":
+        return "flex" if device_type == "cuda" else "flex_unfused"
+    if call.q_heads % call.kv_heads:
+        return "math"
+    if device_type != "cuda":
+        return "flash"
+    half = call.dtype in FUSED_SDPA_DTYPES
+    if half and call.mask in ("causal", "lower_right") and call.head_dim <= 256:
+        return "flash"
+    if call.q_heads == call.kv_heads and call.head_dim % (8 if half else 4) == 0:
+        return "efficient"
+    return "math"
 
 
 def default_chunk_tokens(device: str) -> int:

@@ -82,23 +82,32 @@ def test_flex_kernel_forward_matches_the_dense_reference(heads):
     """FlexAttention's block mask from the document ids (the CUDA kernel). torch runs it uncompiled on a
     CPU for forward only (no CPU backward), so its gradients are torch's to get right, on the GPU."""
     q, k, v = inputs(*heads)
-    out, _ = run(attn.FlexDocumentAttention(compile=False), q, k, v)
+    out, _ = run(attn.CudaAttention(compile=False), q, k, v)
     torch.testing.assert_close(out, reference_attention(q, k, v, reference_mask(SAMPLES)), rtol=0, atol=2e-6)
 
 
+def lower_right(q_len: int, kv_len: int) -> torch.Tensor:
+    """Bool [q_len, kv_len]: causal with the queries the last q_len of the keys."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len)
+
+
 def fake_npu_fusion_attention(query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode,
-                              actual_seq_qlen, actual_seq_kvlen):
-    """What torch_npu documents for layout TND with sparse_mode 3: causal attention within each segment
-    [end_{i-1}, end_i) of the flattened tokens (``actual_seq_*len`` are cumulative ends)."""
-    assert input_layout == "TND" and sparse_mode == 3 and actual_seq_qlen == actual_seq_kvlen
-    assert query.shape[1] == head_num and atten_mask.shape == (2048, 2048) and bool(atten_mask[0, 1])
+                              actual_seq_qlen=None, actual_seq_kvlen=None):
+    """What torch_npu documents for sparse_mode 3 (right-down causal): in layout BNSD, queries aligned to
+    the end of the keys; in layout TND, the same within each segment, segment i being the queries
+    [q_end_{i-1}, q_end_i) and the keys [kv_end_{i-1}, kv_end_i) of the flattened tokens."""
+    assert sparse_mode == 3 and atten_mask.shape == (2048, 2048) and bool(atten_mask[0, 1])
     assert scale == pytest.approx(query.shape[-1] ** -0.5)
-    out, start = torch.empty_like(query), 0
-    for end in actual_seq_qlen:
-        q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
-        mask = torch.ones(end - start, end - start, dtype=torch.bool).tril()[None, None]
-        out[start:end] = reference_attention(q, k, v, mask)[0].transpose(0, 1)
-        start = end
+    if input_layout == "BNSD":
+        assert query.shape[1] == head_num and actual_seq_qlen is None
+        return reference_attention(query, key, value, lower_right(query.shape[2], key.shape[2])), None
+    assert input_layout == "TND" and query.shape[1] == head_num and len(actual_seq_qlen) == len(actual_seq_kvlen)
+    out, q_start, kv_start = torch.empty_like(query), 0, 0
+    for q_end, kv_end in zip(actual_seq_qlen, actual_seq_kvlen):
+        q = query[q_start:q_end].transpose(0, 1)[None]
+        k, v = (t[kv_start:kv_end].transpose(0, 1)[None] for t in (key, value))
+        out[q_start:q_end] = reference_attention(q, k, v, lower_right(q_end - q_start, kv_end - kv_start))[0].transpose(0, 1)
+        q_start, kv_start = q_end, kv_end
     return out, None, None, None, 0, 0, 0
 
 
@@ -108,7 +117,7 @@ def test_npu_kernel_hands_the_fused_kernel_the_document_segments(heads, monkeypa
     semantics (no NPU here: the real kernel is checked only on Ascend hardware)."""
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=fake_npu_fusion_attention))
     q, k, v = inputs(*heads)
-    out, _ = run(attn.NpuFusedDocumentAttention(), q, k, v)
+    out, _ = run(attn.NpuAttention(), q, k, v)
     torch.testing.assert_close(out, reference_attention(q, k, v, reference_mask(SAMPLES)), rtol=0, atol=2e-6)
 
 
@@ -152,7 +161,87 @@ def test_one_dense_mask_per_forward_shared_by_every_layer(tiny_config):
 
 def test_each_device_gets_its_kernel():
     assert isinstance(attn.attention_kernel("cpu"), attn.SdpaAttention)
-    assert isinstance(attn.attention_kernel("cuda"), attn.FlexDocumentAttention)
-    assert isinstance(attn.attention_kernel("npu"), attn.NpuFusedDocumentAttention)
-    assert attn.dense_document_mask("cpu") and not attn.dense_document_mask("cuda")
-    assert not attn.dense_document_mask("npu")
+    assert isinstance(attn.attention_kernel("cuda"), attn.CudaAttention)
+    assert isinstance(attn.attention_kernel("npu"), attn.NpuAttention)
+    assert attn.attention_kernel("cpu").dense_document_mask and not attn.attention_kernel("cuda").dense_document_mask
+    assert not attn.attention_kernel("npu").dense_document_mask
+    assert isinstance(attn.attention_kernel("cuda", compute_dtype=torch.float32), attn.SdpaAttention)
+
+
+# --- a query chunk against a longer prefix of keys (context parallelism) ------------------------------------
+
+
+CHUNK = 16  # the last 16 of the 40 positions, as a cp rank's second chunk attends
+
+
+def chunk_inputs(heads: int, kv_heads: int, dtype=torch.float32, grad: bool = False):
+    q, k, v = inputs(heads, kv_heads, dtype)
+    q = q[:, :, -CHUNK:].contiguous()
+    return [t.detach().requires_grad_(grad) for t in (q, k, v)]
+
+
+def chunk_reference(q, k, v, documents: bool):
+    if documents:
+        mask = reference_mask(SAMPLES)[:, :, -CHUNK:]
+    else:
+        mask = lower_right(CHUNK, SEQ)[None, None]
+    return reference_attention(q, k, v, mask)
+
+
+def run_chunk(kernel, q, k, v, documents: bool):
+    mask = kernel.mask(attn.document_ids(batch_positions()), CHUNK, q.dtype) if documents else None
+    return kernel(q, k, v, mask)
+
+
+KERNELS = {"cpu": lambda: attn.SdpaAttention(), "cuda": lambda: attn.CudaAttention(compile=False),
+           "npu": lambda: attn.NpuAttention()}
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("device", KERNELS)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_every_kernel_attends_a_chunk_to_the_keys_before_its_end(heads, device, documents, monkeypatch):
+    """Queries that are the last positions of the keys (a cp chunk) see exactly the keys up to themselves,
+    within their documents: the CPU's masks, CUDA's lower-right bias and block mask, the NPU's right-down
+    causal modes (through the stand-in for torch_npu)."""
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=fake_npu_fusion_attention))
+    q, k, v = chunk_inputs(*heads)
+    out = run_chunk(KERNELS[device](), q, k, v, documents)
+    torch.testing.assert_close(out, chunk_reference(q, k, v, documents), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_the_lower_right_bias_is_bit_identical_to_the_cpu_mask_with_gradients(heads, dtype):
+    """CUDA's chunk call (SDPA with ``causal_lower_right``), run on a CPU, gives bit for bit the outputs
+    and gradients of the CPU kernel's additive mask: one computation, two ways to ask for it."""
+    results = []
+    for kernel in (attn.SdpaAttention(), attn.CudaAttention(compile=False)):
+        q, k, v = chunk_inputs(*heads, dtype=dtype, grad=True)
+        out = run_chunk(kernel, q, k, v, documents=False)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_cpu_chunk_masks_are_built_once_and_shared():
+    kernel = attn.SdpaAttention()
+    q, k, v = chunk_inputs(4, 2)
+    kernel(q, k, v, None)
+    kernel(q, k, v, None)
+    assert len(kernel._causal) == 1
+
+
+def test_document_segments_of_a_chunk():
+    """Sample 0 (pieces 7, 20, 1, 12; the chunk is positions 24..39): the 20-token piece's last 3 queries
+    see its 20 keys; the 1-token piece itself; the 12-token piece its own. The chunk's keys start where
+    the first piece with queries starts (position 7)."""
+    segments = attn.document_segments(attn.document_ids(batch_positions()), CHUNK)
+    # sample 0: (q 3, kv 20), (1, 1), (12, 12); sample 1: one 40-token piece, (16, 40);
+    # sample 2 (pieces 5, 35): (16, 35)
+    q_lens, kv_lens = [3, 1, 12, 16, 16], [20, 1, 12, 40, 35]
+    assert segments.q_ends == torch.tensor(q_lens).cumsum(0).tolist()
+    assert segments.kv_ends == torch.tensor(kv_lens).cumsum(0).tolist()
+    assert segments.kv_starts == [7, 0, 5]

@@ -106,3 +106,40 @@ def test_the_cpu_measurement_stops_at_its_time_limit(monkeypatch):
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     tflops = metrics.measure_cpu_tflops(n=64, reps=8, dtype=torch.float32, max_seconds=0.5)
     assert tflops == pytest.approx(2 * 64**3 / 10 / 1e12)  # one product, 10 s
+
+
+GIB = 2**30
+
+
+def _fake_cuda(monkeypatch, name: str = "NVIDIA H100 80GB HBM3"):
+    fake = types.SimpleNamespace(
+        get_device_name=lambda device=None: name,
+        get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=80 * GIB),
+        mem_get_info=lambda device=None: (10 * GIB, 80 * GIB),
+        memory_reserved=lambda device=None: 66 * GIB,
+        max_memory_reserved=lambda device=None: 68 * GIB,
+        max_memory_allocated=lambda device=None: 60 * GIB)
+    monkeypatch.setattr(torch, "cuda", fake)
+    return torch.device("cuda", 0)
+
+
+def test_the_memory_record_says_where_the_device_memory_went(monkeypatch):
+    """allocated and reserved peaks from the allocator; what the device holds outside it (runtime context,
+    communicator buffers) is total - free - reserved now: the planner's runtime reserve, measured."""
+    record = metrics.device_memory(_fake_cuda(monkeypatch))
+    assert record == {"allocated_gib": 60.0, "reserved_gib": 68.0, "outside_allocator_gib": 4.0,
+                      "free_gib": 10.0, "total_gib": 80.0}
+    assert set(metrics.device_memory(torch.device("cpu"))) == {"rss_gib"}
+
+
+def test_the_out_of_memory_warning_counts_the_runtime_reserve(monkeypatch):
+    """A prediction whose tensors fit but whose tensors plus the runtime's own memory do not is warned of:
+    the trainer predicts with the device's runtime reserve from the device table."""
+    device = _fake_cuda(monkeypatch)
+    assert metrics.runtime_reserved_gib(device) == DEVICES["h100"].runtime_reserved_gib > 0
+    assert metrics.runtime_reserved_gib(torch.device("cpu")) == 0.0
+    capacity = metrics.device_capacity(device)
+    tensors = capacity - 0.5 * GIB
+    assert metrics.memory_warning(tensors, capacity) is None
+    warning = metrics.memory_warning(tensors + metrics.runtime_reserved_gib(device) * GIB, capacity)
+    assert "exceed this device's 80.0 GiB" in warning and "runtime's reserve" in warning

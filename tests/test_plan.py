@@ -104,7 +104,7 @@ def test_recompute_drops_what_the_planner_says(dtype, fp32_matmul, recompute, ac
             return (mem.current_bytes - out.untyped_storage().nbytes()) / seq
 
     layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", fp32_matmul=fp32_matmul,
-                    activation_checkpointing=ac_mode)
+                    activation_checkpointing=ac_mode, device_type="cpu")
     want = recomputed_bytes_per_token(cfg, layout, ac_mode)
     assert kept_per_token("none") - kept_per_token(recompute) == want > 0
 
@@ -354,8 +354,8 @@ def test_document_mask_memory_follows_the_kernel_that_runs():
 
     plain = held(base)
     in_flight = 2  # 1F1B: the first of 2 stages holds 2 micro-batches
-    for dense, fp32_matmul, mask_bytes in ((False, False, 0), (True, False, 2), (True, True, 4)):
-        layout = base.replace(document_mask=True, dense_document_mask=dense, fp32_matmul=fp32_matmul)
+    for device_type, fp32_matmul, mask_bytes in (("cuda", False, 0), ("cpu", False, 2), ("cpu", True, 4)):
+        layout = base.replace(document_mask=True, device_type=device_type, fp32_matmul=fp32_matmul)
         extra = held(layout) - held(base.replace(fp32_matmul=fp32_matmul))
         assert extra == in_flight * 2 * 8192 * 8192 * mask_bytes
     assert held(base.replace(document_mask=True)) == plain
@@ -383,3 +383,26 @@ def test_the_32k_plan_splits_the_sequence_and_counts_cp_traffic(capsys):
     none, selective = (predict_step(cfg, split.replace(activation_checkpointing=ac), hw).comm_bytes_per_axis["cp"]
                        for ac in ("none", "selective"))
     assert selective == pytest.approx(none * 3 / 2)
+
+
+def test_a_math_fallback_is_counted_where_the_device_runs_one():
+    """The planner asks the device's kernel rules which kernel serves each attention call and counts what
+    SDPA's math kernel keeps where it runs: fp32 training with GQA on CUDA (flash wants half precision,
+    efficient equal head counts), measured against the kept bytes the formula names. bf16, or a CPU, keep
+    no probabilities."""
+    cfg = get_preset("qwen3-8b")
+    base = Layout(tp=2, seq_length=4096, activation_checkpointing="none")
+    assert memory.math_fallbacks(cfg, base) == []  # bf16 on CUDA: flash
+    fp32 = base.replace(mixed_precision="fp32")
+    (call,) = memory.math_fallbacks(cfg, fp32)
+    assert (call.api, call.mask, call.dtype, call.q_heads, call.kv_heads) == ("sdpa", "causal", "float32", 16, 4)
+    probabilities = 4 * 16 * 4096 * 4096  # fp32 [1, 16 heads, 4096, 4096]
+    extra = memory.attention_fallback_bytes_per_token(cfg, fp32) * 4096
+    assert probabilities < extra < 1.1 * probabilities
+    assert memory._layer_bytes_per_token(cfg, fp32, "none") - memory._layer_bytes_per_token(
+        cfg, fp32.replace(device_type="cpu"), "none") == pytest.approx(extra / 4096)
+    # selective recompute drops it with the rest of the kernel's saved tensors
+    assert memory._layer_bytes_per_token(cfg, fp32, "selective") == memory._layer_bytes_per_token(
+        cfg, fp32.replace(device_type="cpu"), "selective")
+    # the context-parallel chunk under bf16 is flash's lower-right causal mode, not a masked math call
+    assert memory.math_fallbacks(cfg, base.replace(cp=8, seq_length=32768)) == []

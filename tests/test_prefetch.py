@@ -100,3 +100,47 @@ def test_close_returns_while_the_thread_waits_for_room(dataset):
     ahead.close()
     assert time.perf_counter() - start < 2 and not thread.is_alive()
     assert ahead.consumed_samples == 8
+
+
+def test_the_thread_pins_on_this_ranks_device(dataset, monkeypatch):
+    """Pinned memory belongs to the current device of the thread that pins it; a fresh thread's is device 0,
+    so rank 1's batches would be pinned for device 0. The thread sets the rank's device before it pins
+    (no accelerator here: the two calls are recorded in order)."""
+    import queue
+    import threading
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: calls.append(("device", index)))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append(("pin", threading.get_ident())) or t)
+    prefetcher = Prefetcher(loader(dataset), torch.device("cuda", 1))
+    out: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    thread = threading.Thread(target=prefetcher._produce, args=(loader(dataset), out, stop))
+    thread.start()
+    out.get(timeout=10)
+    stop.set()
+    thread.join(timeout=10)
+    assert calls[0] == ("device", 1)
+    assert {kind for kind, _ in calls[1:]} == {"pin"} and all(ident == thread.ident for _, ident in calls[1:])
+
+
+def test_global_positions_under_cp_are_made_on_the_device():
+    """Under cp without document masks each rank's global positions are made where they are used: no copy
+    from the host every micro-batch (a device stands in as ``meta``: a host tensor would have to be copied)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.copies += func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+            return func(*args, **(kwargs or {}))
+
+    with Copies() as mode:
+        positions = sequence_positions((2, 16), 2, 1, torch.device("meta"))
+    assert positions.device.type == "meta" and positions.shape == (2, 8) and mode.copies == 0
+    assert torch.equal(sequence_positions((2, 16), 2, 1, CPU), shard_sequence(torch.arange(16).expand(2, 16), 2, 1))

@@ -133,3 +133,53 @@ def test_context_and_pipeline_parallel_together():
     assert first.comm["pp"]["send"] == micro * (message + positions)
     assert last.comm["pp"]["send"] == micro * message
     assert first.comm["cp"]["all_gather"] > 0
+
+
+def test_the_simulation_plays_the_target_devices_attention_kernels():
+    """Each attention call is put to the target's kernel rules: bf16 under cp (the chunks' lower-right
+    causal mode) runs on flash; fp32 with GQA has no fused kernel on CUDA and is reported as math."""
+    cfg = load_config(TrainConfig, None, [*OVERRIDES, "cp=2"])
+    world = make_world(cfg, TP * PP * 2)
+    ranks = simulate_ranks(world, world.ranks_of_stages(), steps=1)
+    layers_per_stage, micro = 2, world.cfg.batch_size // world.cfg.pp_microbatch_size
+    for r in ranks:  # two chunks per layer, each run in forward and again in the recompute (full)
+        assert r.attention == {"flash": layers_per_stage * 2 * 2 * micro} and not r.unfused_attention
+    fp32 = make_world(load_config(TrainConfig, None, [*OVERRIDES, "mixed_precision=fp32"]), TP * PP * DP)
+    first, _ = simulate_ranks(fp32, fp32.ranks_of_stages(), steps=1)
+    assert set(first.attention) == {"math"}
+    ((call, kernel),) = first.unfused_attention
+    assert kernel == "math" and (call.dtype, call.q_heads, call.kv_heads) == ("float32", 2, 1)
+
+
+def test_the_played_math_kernel_keeps_what_the_planner_counts():
+    """What a call played as the target's math fallback keeps for backward (beyond its inputs) is the
+    planner's count for that call; played as flash it keeps only the output and the log-sum-exp."""
+    from qwen3_pretrain.models.qwen3.attention import attention_kernel
+    from qwen3_pretrain.plan import memory
+    from qwen3_pretrain.plan.layout import Layout
+    from qwen3_pretrain.simulate.attention import KernelRecord, SimulatedAttention
+
+    model = get_preset("qwen3-8b")
+    model = type(model)(**{**model.__dict__, **TINY})
+    layout = Layout(tp=1, seq_length=64, mixed_precision="fp32", activation_checkpointing="none")
+    per_token = memory.attention_fallback_bytes_per_token(model, layout)
+    for dtype, expected in ((torch.float32, per_token * 64), (torch.bfloat16, None)):
+        record = KernelRecord()
+        kernel = SimulatedAttention(attention_kernel("cuda"), "cuda", record)
+        q = torch.randn(1, 4, 64, 32, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, 64, 32, dtype=dtype, requires_grad=True) for _ in range(2))
+        inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in inputs:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = kernel(q, k, v, None)
+        if expected is not None:
+            assert set(record.counts) == {"math"} and sum(kept.values()) == expected
+        else:  # flash: its output and fp32 log-sum-exp per query and head
+            assert set(record.counts) == {"flash"}
+            assert sum(kept.values()) == out.untyped_storage().nbytes() + 4 * 4 * 64

@@ -68,6 +68,10 @@ class Prefetcher:
         self._thread.start()
 
     def _produce(self, loader: GlobalBatchLoader, out: queue.Queue, stop: threading.Event) -> None:
+        if self._pin and self.device.index is not None:
+            # Pinned memory belongs to the thread's current device (a fresh thread's is device 0): set this
+            # rank's, as torch's DataLoader does for its pinning thread.
+            torch.accelerator.set_device_index(self.device.index)
         while not stop.is_set():
             try:
                 batches = next(loader)

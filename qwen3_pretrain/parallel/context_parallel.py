@@ -11,9 +11,10 @@ so only attention needs the other ranks: ``ContextParallelAttention`` wraps the
 device's kernel, all-gathers K and V over the cp axis (the Llama 3 paper's
 all-gather variant; the backward reduce-scatters their gradients, summing what
 every rank's queries sent back) and computes each of its two query chunks
-against the prefix of keys up to that chunk, masked from the tokens' global
-indices (and their document ids under document masking). RoPE needs nothing
-more: each token carries its own global (or per-document) position.
+against the prefix of keys up to that chunk with the device's kernel, whose
+every call is causal with the queries aligned to the end of the keys (and,
+under document masking, within the documents of the whole sequence). RoPE needs
+nothing more: each token carries its own global (or per-document) position.
 
 The trainer slices each batch with ``shard_sequence``; FSDP shards over dp x cp
 (the cp ranks hold the same weights and their gradients must be summed).
@@ -25,10 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from qwen3_pretrain.models.qwen3.attention import AttentionKernel, document_ids
+from qwen3_pretrain.models.qwen3.attention import AttentionCall, AttentionKernel, document_ids
 
 
 def local_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -43,6 +43,12 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     chunks = t.chunk(2 * cp, dim=dim)
     first, second = local_chunks(cp, rank)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def sequence_positions(shape: tuple[int, int], cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """The global positions [batch, seq / cp] of this cp rank's tokens of ``shape`` [batch, seq] samples,
+    made on ``device`` (no copy from the host every micro-batch)."""
+    return shard_sequence(torch.arange(shape[1], device=device).expand(shape), cp, rank)
 
 
 def unshard_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -79,67 +85,48 @@ def gather_sequence(t: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     return _GatherSequence.apply(t, group, dim)
 
 
-class ContextParallelAttention:
-    """Causal attention over a sequence split across the cp ranks (see the module docstring).
+class ContextParallelAttention(AttentionKernel):
+    """Causal attention over a sequence split across the cp ranks (see the module docstring), on the
+    device's kernel ``inner`` (``models/qwen3/attention.py``).
 
-    ``inner``: the device's kernel (``models/qwen3/attention.py``), whose
-    compute dtype it keeps (fp32 attention for bf16 on CPUs). Each query chunk
-    runs SDPA with a boolean mask ``[chunk, prefix]`` from the global token
-    indices: exact on every device; on CUDA a masked SDPA uses the
-    memory-efficient kernel rather than flash. The two masks are additive, in
-    the compute dtype (SDPA would convert a boolean mask in every layer, and
-    every layer would keep its copy), built once and shared by all layers: per
-    forward under document masking (``[batch, 1, chunk, prefix]``, from
-    ``prepare``), else once for good.
+    Each of the rank's two query chunks attends to the prefix of the gathered keys that ends with it: a
+    call of ``inner`` with the queries aligned to the end of the keys, which the device's kernel serves
+    with its own causal mode (the CPU's cached additive mask, CUDA's lower-right ``CausalBias`` on the
+    flash kernel, the NPU's lower-right fused mode) and, under document masking, with its own document
+    mask for that chunk (built per forward by ``prepare`` from the whole sequence's document ids). K and V
+    are gathered once, in the dtype ``inner`` computes in.
     """
 
-    dense_document_mask = False
-
     def __init__(self, inner: AttentionKernel, mesh: DeviceMesh) -> None:
+        super().__init__(inner.observe)
         self.inner = inner
+        self.name, self.dense_document_mask = inner.name, inner.dense_document_mask
         self.group = mesh.get_group()
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()
-        self._causal: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The two query chunks' masks, causal and within documents, from the whole sequence's document ids
-        (a document starts where its positions restart, on whichever rank that is)."""
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.inner.compute_dtype(dtype)
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Any]:
+        """The two query chunks' document masks, from the whole sequence's document ids (a document starts
+        where its positions restart, on whichever rank that is)."""
         parts = [torch.empty_like(positions) for _ in range(self.cp)]
         dist.all_gather(parts, positions.contiguous(), group=self.group)
-        docs = document_ids(unshard_sequence(parts, dim=1))  # [batch, seq]
-        return self._masks(positions.shape[1] // 2, positions.device, self._dtype(dtype), docs)
+        doc_ids = document_ids(unshard_sequence(parts, dim=1))  # [batch, seq]
+        chunk = positions.shape[1] // 2
+        return [self.inner.mask(doc_ids[:, :(index + 1) * chunk], chunk, dtype)
+                for index in local_chunks(self.cp, self.rank)]
 
-    def _masks(self, chunk: int, device: torch.device, dtype: torch.dtype,
-               docs: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Additive masks of the two query chunks, 0 where attention is allowed and -inf elsewhere: [chunk,
-        prefix] or, with document ids [batch, seq], [batch, 1, chunk, prefix]; ``prefix`` runs to the end of
-        the chunk."""
-        masks = []
-        for index in local_chunks(self.cp, self.rank):
-            start, end = index * chunk, (index + 1) * chunk
-            allowed = torch.arange(start, end, device=device)[:, None] >= torch.arange(end, device=device)[None, :]
-            if docs is not None:
-                allowed = (allowed & (docs[:, start:end, None] == docs[:, None, :end]))[:, None]
-            masks.append(torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")))
-        return masks
+    def describe(self, *args, **kwargs) -> AttentionCall:
+        return self.inner.describe(*args, **kwargs)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Any) -> torch.Tensor:
-        dtype = self._dtype(q.dtype)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: list[Any] | None) -> torch.Tensor:
+        dtype = self.inner.compute_dtype(q.dtype)
         k_all = gather_sequence(k, self.group, dim=2).to(dtype)  # [batch, kv_heads, seq, head_dim]
         v_all = gather_sequence(v, self.group, dim=2).to(dtype)
         chunk = q.shape[2] // 2
-        if docs is None:
-            key = (chunk, q.device, dtype)
-            if key not in self._causal:
-                self._causal[key] = self._masks(*key)
-            docs = self._causal[key]
         outs = []
-        for half, mask in zip(q.split(chunk, dim=2), docs):
-            end = mask.shape[-1]  # keys up to the end of this query chunk
-            outs.append(F.scaled_dot_product_attention(half.to(dtype), k_all[:, :, :end], v_all[:, :, :end],
-                                                       attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]))
-        return torch.cat(outs, dim=2).to(q.dtype)
-
-    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
-        compute = getattr(self.inner, "compute_dtype", None)
-        return compute if compute is not None and dtype in (torch.bfloat16, torch.float16) else dtype
+        for half, index, mask in zip(q.split(chunk, dim=2), local_chunks(self.cp, self.rank), masks or (None, None)):
+            end = (index + 1) * chunk  # keys up to the end of this query chunk
+            outs.append(self.inner(half, k_all[:, :, :end], v_all[:, :, :end], mask))
+        return torch.cat(outs, dim=2)

@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
-from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
+from qwen3_pretrain.models.ops.precision import Fp32Linear
+from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention
@@ -52,19 +52,31 @@ def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int
 RECOMPUTE = {"none": "none", "full": "layer", "selective": "attention", "mlp": "mlp"}
 
 
+# (device type, compute dtype or None) -> the device's attention kernel
+KernelFactory = Callable[[str, "torch.dtype | None"], AttentionKernel]
+
+
+def choose_attention(device_type: str, fp32_matmul: bool = False, cp_mesh: DeviceMesh | None = None,
+                     make: KernelFactory = attention_kernel) -> AttentionKernel:
+    """The one place the attention kernel is chosen: the device's kernel (``models/qwen3/attention.py``),
+    on fp32 copies where bf16 matmuls run in fp32 (a CPU without native bf16), gathering keys and values
+    over ``cp_mesh`` when the sequence is split (``context_parallel.py``). ``make`` builds the device's
+    kernel (the scale simulation plays the target device's kernels on the CPU)."""
+    kernel = make(device_type, torch.float32 if fp32_matmul else None)
+    return ContextParallelAttention(kernel, cp_mesh) if cp_mesh is not None else kernel
+
+
 def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int, *,
                 attention: AttentionKernel | None = None, fp32_matmul: bool = False, ac_mode: str = "none",
                 document_mask: bool = False, cp_mesh: DeviceMesh | None = None) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
-    ``attention``: the kernel of the device it will run on (``models/qwen3/attention.py``);
-    ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16, ``models/ops/precision.py``);
-    ``ac_mode``: what is recomputed in backward; ``document_mask``: attention within each document;
-    ``cp_mesh``: the cp axis when it has more than one rank (the kernel then gathers keys and values over it)."""
-    kernel = fp32_attention() if fp32_matmul else attention or SdpaAttention()
-    if cp_mesh is not None:
-        kernel = ContextParallelAttention(kernel, cp_mesh)
+    ``attention``: the kernel (``choose_attention``; by default the CPU's, for ``fp32_matmul`` and
+    ``cp_mesh``); ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16,
+    ``models/ops/precision.py``); ``ac_mode``: what is recomputed in backward; ``document_mask``: attention
+    within each document; ``cp_mesh``: the cp axis when it has more than one rank."""
+    kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     options = ModelOptions(attention=kernel,
                            linear=Fp32Linear if fp32_matmul else nn.Linear, recompute=RECOMPUTE[ac_mode],
                            document_mask=document_mask)

@@ -20,7 +20,6 @@ from typing import Any
 from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
-from qwen3_pretrain.models.qwen3.attention import dense_document_mask
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
 from qwen3_pretrain.parallel.dims import check_model_split
 from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
@@ -206,7 +205,7 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
         loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", None) or default_chunk_tokens(args.device),
         document_mask=conf.get("document_mask", False),
-        dense_document_mask=dense_document_mask(get_device(args.device).device_type),
+        device_type=get_device(args.device).device_type,
         reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
                                            False),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.models.qwen3.attention_calls import dense_document_mask, kernel_name
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.parallel.dims import (check_model_split, sequence_split_problem, stage_layer_ranges,
                                           valid_tp_degrees)
@@ -53,9 +54,9 @@ class Layout:
     reshard_after_forward: bool = True  # FSDP frees gathered weights after each layer's forward
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
     document_mask: bool = False  # attention kept within each packed document
-    # ... through a dense additive [seq, seq] mask per sample (the CPU's attention kernel; accelerators' kernels
-    # take the document boundaries instead: models/qwen3/attention.py)
-    dense_document_mask: bool = False
+    # The device type the engine runs on: its attention kernel (models/qwen3/attention_calls.py) and what
+    # the kernel keeps (hardware.attention_backend: a fused kernel, or the math fallback's probabilities)
+    device_type: str = "cuda"
     reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
     fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: models/ops/precision.py)
 
@@ -78,6 +79,22 @@ class Layout:
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+
+    @property
+    def attention_kernel(self) -> str:
+        """The engine's attention kernel on ``device_type`` (fp32 copies where bf16 matmuls run in fp32)."""
+        return kernel_name(self.device_type, self.fp32_matmul)
+
+    @property
+    def dense_document_mask(self) -> bool:
+        """Whether document masking materializes an additive [seq, seq] mask per sample (the CPU's kernel;
+        accelerators' kernels take the document boundaries instead)."""
+        return dense_document_mask(self.attention_kernel)
+
+    @property
+    def attention_dtype(self) -> str:
+        """What attention computes in."""
+        return "float32" if self.mixed_precision == "fp32" or self.fp32_matmul else "bfloat16"
 
     @property
     def shards(self) -> int:

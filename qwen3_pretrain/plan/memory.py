@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qwen3_pretrain.hardware import attention_backend
+from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall, describe_call
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.layout import Layout, StageShape, check_model_fits_layout, stage_shapes
@@ -110,7 +112,7 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.intermediate_size, t, d, layout.fp32_matmul)
-    saved += context_parallel_bytes_per_token(cfg, layout)
+    saved += context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
     return saved - recomputed_bytes_per_token(cfg, layout, checkpointing)
 
 
@@ -122,8 +124,36 @@ def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: 
     if checkpointing == "selective":
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         core = F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d, layout.fp32_matmul)
-        return core + context_parallel_bytes_per_token(cfg, layout)
+        return core + context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
     return 0.0
+
+
+def attention_calls(cfg: Qwen3Config, layout: Layout) -> list[AttentionCall]:
+    """The attention calls one layer makes per micro-batch on one rank: the whole sequence, or under cp the
+    rank's two query chunks against the keys up to each (rank 0's: chunk 0 is plain causal, chunk
+    ``2 cp - 1`` sees all keys; every rank's two chunks see ``2 cp + 1`` chunks of keys in all)."""
+    heads, kv_heads = cfg.num_attention_heads // layout.tp, cfg.num_key_value_heads // layout.tp
+    shape = dict(kernel=layout.attention_kernel, dtype=layout.attention_dtype, batch=layout.samples_per_microbatch,
+                 q_heads=heads, kv_heads=kv_heads, head_dim=cfg.head_dim, documents=layout.document_mask)
+    if layout.cp == 1:
+        return [describe_call(q_len=layout.seq_length, kv_len=layout.seq_length, **shape)]
+    chunk = layout.seq_length // (2 * layout.cp)
+    return [describe_call(q_len=chunk, kv_len=chunk, **shape),
+            describe_call(q_len=chunk, kv_len=layout.seq_length, **shape)]
+
+
+def math_fallbacks(cfg: Qwen3Config, layout: Layout) -> list[AttentionCall]:
+    """The layout's attention calls that its device serves with SDPA's math kernel."""
+    return [c for c in attention_calls(cfg, layout) if attention_backend(layout.device_type, c) == "math"]
+
+
+def attention_fallback_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What SDPA's math kernel keeps beyond a fused kernel, per local token of a layer, where the device
+    falls back to it (inside the kernel call: selective recompute drops it): fp32 probabilities
+    [batch, heads, q_len, kv_len], an fp32 copy of q and fp32 copies of k and v expanded to the query heads."""
+    kept = sum(4 * c.batch * c.q_heads * (c.q_len * c.kv_len + c.q_len * c.head_dim + 2 * c.kv_len * c.head_dim)
+               for c in math_fallbacks(cfg, layout))
+    return kept / layout.microbatch_tokens
 
 
 def context_parallel_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:

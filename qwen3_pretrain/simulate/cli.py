@@ -8,6 +8,7 @@ planner's prediction.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -77,7 +78,10 @@ def to_json(results: list[RankResult], seconds: float) -> dict:
               "categories": {k: round(v / GiB, 3) for k, v in r.peak.items() if k != "total"},
               "predicted_categories": {k: v for k, v in r.predicted.gib().items()
                                        if k not in ("total", "overhead")},
-              "comm_bytes_per_step": r.comm, "seconds": round(r.seconds, 1),
+              "comm_bytes_per_step": r.comm, "attention_kernels_per_step": r.attention,
+              "unfused_attention": [dict(dataclasses.asdict(call), kernel=kernel)
+                                    for call, kernel in r.unfused_attention],
+              "seconds": round(r.seconds, 1),
               **({"simulated_as": r.simulated_as} if r.simulated_as is not None else {})} for r in results]
     # The rank of each stage that sends most stands for the axis (ranks of a stage send alike).
     comm: dict[str, dict[str, float]] = {}
@@ -108,10 +112,34 @@ def format_table(world: World, results: list[RankResult], seconds: float) -> str
     for axis, kinds in to_json(results, seconds)["comm_bytes_per_step"].items():
         text = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(kinds.items())) or "none"
         lines.append(f"  {axis}: {text}")
+    lines += attention_lines(world, results)
     simulated = sum(r.simulated_as is None for r in results)
     lines.append(f"{len(results)} rank(s), {simulated} simulated (one per stage stands for its stage unless "
                  f"--each), in {seconds:.1f} s")
     return "\n".join(lines)
+
+
+def attention_lines(world: World, results: list[RankResult]) -> list[str]:
+    """Which of the target's kernels serve attention, and a warning for every call that falls to an unfused
+    one (the math kernel keeps fp32 probabilities, q_len x kv_len per head; the planner counts them)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.simulated_as is None:
+            for kernel, n in r.attention.items():
+                counts[kernel] = counts.get(kernel, 0) + n
+    lines = [f"attention kernels on {world.target} (calls per step, simulated ranks): "
+             + ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))]
+    seen = set()
+    for r in results:
+        for call, kernel in r.unfused_attention:
+            if call in seen:
+                continue
+            seen.add(call)
+            probs = 4 * call.batch * call.q_heads * call.q_len * call.kv_len / GiB
+            lines.append(f"warning: {world.target} serves {call.api} attention ({call.mask} mask, {call.dtype}, "
+                         f"{call.q_heads}/{call.kv_heads} heads, {call.q_len} x {call.kv_len}) with the {kernel} "
+                         f"kernel, which keeps {probs:.2f} GiB of fp32 probabilities per layer call (counted above)")
+    return lines
 
 
 def main(argv: list[str]) -> int:

@@ -31,10 +31,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import default_chunk_tokens
+from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
+from qwen3_pretrain.simulate.attention import KernelRecord, simulated_kernels
 from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout
@@ -78,6 +80,9 @@ class RankResult:
     predicted: MemoryBreakdown
     comm: dict[str, dict[str, float]]  # axis -> kind -> bytes per step
     seconds: float
+    attention: dict[str, int] = dataclasses.field(default_factory=dict)  # the target's kernel -> calls per step
+    # the calls the target serves with an unfused kernel (SDPA's math: fp32 probabilities kept), and which
+    unfused_attention: list[tuple[AttentionCall, str]] = dataclasses.field(default_factory=list)
     simulated_as: int | None = None  # the rank whose simulation stands for this one (same stage)
 
 
@@ -124,9 +129,11 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
             with fake:
                 part.to_empty(device=device)
 
+        kernels = KernelRecord()
         engine = Engine(cfg, world.source, dims, mesh, device, world.stages_per_rank, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
-                        stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target)
+                        stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target,
+                        make_attention=simulated_kernels(kernels))
         for group in engine.dp_mesh.get_all_groups():  # under cp, FSDP's flattened dp_shard x cp group
             groups.setdefault(group.group_name, "dp")
         if engine.tied is not None and engine.tied.group is not None:
@@ -141,13 +148,15 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
             for step in range(steps):
                 if step == steps - 1:  # the figures are the last step's
                     comm.reset()
+                    kernels.reset()
                     tracker.reset_peak()
                 _train_step(engine, batches, step)
         coords = world.coords(rank)
         predicted = predict_memory(world.source.config, world.layout, stage=coords["pp"])
         per_step = {axis: dict(kinds) for axis, kinds in comm.bytes.items()}
         return RankResult(rank, coords, tracker.peak_by_category(), predicted, per_step,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, attention=dict(kernels.counts),
+                          unfused_attention=[(call, backend) for call, backend in kernels.unfused.items()])
     finally:
         dist.destroy_process_group()
 

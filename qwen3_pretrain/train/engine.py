@@ -17,14 +17,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_pretrain.hardware import optimizer_impl
-from qwen3_pretrain.models.qwen3.attention import attention_kernel, dense_document_mask
+from qwen3_pretrain.models.qwen3.attention import attention_kernel
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
-from qwen3_pretrain.parallel.context_parallel import shard_sequence
+from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size, stage_layer_ranges
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
+    KernelFactory,
     PartSpec,
     build_stage,
+    choose_attention,
     local_stage_indices,
     materialize,
     parallelize_stage,
@@ -52,9 +54,11 @@ class Engine:
     def __init__(self, cfg: TrainConfig, source: ModelSource, dims: ParallelDims, mesh: DeviceMesh,
                  device: torch.device, stages_per_rank: int, fp32_matmul: bool, loss_chunk_tokens: int,
                  allocate: Callable[[nn.Module], None] | None = None, stage_io: StageIO | None = None,
-                 target_device_type: str | None = None) -> None:
-        # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors.
+                 target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel) -> None:
+        # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors
+        # (and plays that device's attention kernels there: ``make_attention``).
         self.target_device_type = target_device_type or device.type
+        self.make_attention = make_attention
         self.cfg, self.source, self.dims, self.mesh, self.device = cfg, source, dims, mesh, device
         self.stages_per_rank, self.fp32_matmul, self.loss_chunk_tokens = stages_per_rank, fp32_matmul, loss_chunk_tokens
         self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
@@ -79,10 +83,11 @@ class Engine:
         cfg, model_cfg = self.cfg, self.source.config
         stage_cfg = type(model_cfg)(**{**model_cfg.__dict__, "vocab_size": self.padded_vocab})
         ranges = stage_layer_ranges(model_cfg.num_hidden_layers, self.num_stages)
+        cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
+        attention = choose_attention(self.target_device_type, self.fp32_matmul, cp_mesh, self.make_attention)
         part = build_stage(stage_cfg, PartSpec(idx, self.num_stages, ranges[idx]), model_cfg.vocab_size,
-                           self.loss_chunk_tokens, attention=attention_kernel(self.target_device_type),
-                           fp32_matmul=self.fp32_matmul, ac_mode=cfg.ac_mode, document_mask=cfg.document_mask,
-                           cp_mesh=self.mesh["cp"] if self.dims.cp > 1 else None)
+                           self.loss_chunk_tokens, attention=attention, fp32_matmul=self.fp32_matmul,
+                           ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type)
         if allocate is None:
@@ -137,8 +142,7 @@ class Engine:
             return None
         if self.cfg.reset_position_ids or self.cfg.document_mask:
             return self.tokens(mb, "positions")
-        positions = torch.arange(self.cfg.seq_length).expand_as(mb["input_ids"])
-        return shard_sequence(positions, self.dims.cp, self.cp_rank).to(self.device)
+        return sequence_positions(mb["input_ids"].shape, self.dims.cp, self.cp_rank, self.device)
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Sum over this rank's micro-batches of the scaled loss (zero where the rank holds no head)."""
@@ -215,6 +219,6 @@ def engine_layout(cfg: TrainConfig, dims: ParallelDims, stages_per_rank: int, lo
                   mixed_precision=cfg.mixed_precision, pp_schedule=cfg.pp_schedule,
                   virtual_stages=stages_per_rank, loss_chunk_tokens=loss_chunk_tokens,
                   pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
-                  dense_document_mask=dense_document_mask(device_type),
+                  device_type=device_type,
                   reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
                   optimizer_impl=optimizer_impl(device_type), fp32_matmul=fp32_matmul)

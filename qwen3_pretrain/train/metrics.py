@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qwen3_pretrain.hardware import device_by_reported_name
+from qwen3_pretrain.hardware import Hardware, device_by_reported_name
 
 log = logging.getLogger("qwen3_pretrain.train")
 _warned_unknown: set[str] = set()
@@ -77,6 +77,47 @@ def memory_gib(device: torch.device) -> float:
         return getattr(torch, device.type).max_memory_allocated(device) / 2**30
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
+
+
+def device_capacity(device: torch.device) -> float | None:
+    """The device's memory in bytes (None on a CPU)."""
+    if device.type not in ("cuda", "npu"):
+        return None
+    return float(getattr(torch, device.type).get_device_properties(device).total_memory)
+
+
+def runtime_reserved_gib(device: torch.device) -> float:
+    """The device runtime's own memory (context, communicator buffers) as the planner counts it: the
+    device table's figure for this device, else the table's default; nothing on a CPU."""
+    if device.type not in ("cuda", "npu"):
+        return 0.0
+    hw = device_by_reported_name(getattr(torch, device.type).get_device_name(device))
+    return hw.runtime_reserved_gib if hw is not None else Hardware.runtime_reserved_gib
+
+
+def memory_warning(predicted_total: float, capacity: float | None) -> str | None:
+    """The start-up warning when the predicted peak (tensors, fragmentation and the runtime's own memory)
+    exceeds the device's memory."""
+    if capacity is None or predicted_total <= capacity:
+        return None
+    return (f"the predicted {predicted_total / 2**30:.1f} GiB (tensors, allocator overhead and the device "
+            f"runtime's reserve) exceed this device's {capacity / 2**30:.1f} GiB: expect out-of-memory; see "
+            "'qwen3-pretrain plan' for layouts that fit")
+
+
+def device_memory(device: torch.device) -> dict[str, float]:
+    """Where the device's memory went, in GiB, for calibrating the planner's overhead terms (docs/planner.md):
+    the allocator's peak allocated and reserved bytes, what the device holds outside the allocator (runtime
+    context, communicator buffers: total - free - reserved now) and what is free; a CPU's peak RSS."""
+    if device.type not in ("cuda", "npu"):
+        return {"rss_gib": memory_gib(device)}
+    module = getattr(torch, device.type)
+    free, total = module.mem_get_info(device)
+    reserved_now = module.memory_reserved(device)
+    return {"allocated_gib": module.max_memory_allocated(device) / 2**30,
+            "reserved_gib": module.max_memory_reserved(device) / 2**30,
+            "outside_allocator_gib": (total - free - reserved_now) / 2**30,
+            "free_gib": free / 2**30, "total_gib": total / 2**30}
 
 
 def format_eta(seconds: float) -> str:

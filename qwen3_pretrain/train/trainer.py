@@ -31,9 +31,10 @@ from qwen3_pretrain.parallel import env
 from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
-from qwen3_pretrain.plan.memory import predict_memory
+from qwen3_pretrain.plan.memory import math_fallbacks, predict_memory
 from qwen3_pretrain.train.config import TrainConfig
-from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, format_line, memory_gib, synchronize
+from qwen3_pretrain.train.metrics import (MetricsWriter, device_capacity, device_memory, device_peak_tflops,
+                                          format_line, memory_gib, memory_warning, runtime_reserved_gib, synchronize)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.engine import Engine, engine_layout
 from qwen3_pretrain.train.optim import lr_at
@@ -311,25 +312,38 @@ class Trainer:
                              self.fp32_matmul)
 
     def _log_predicted_memory(self) -> None:
-        """The planner's prediction for this very layout, and a warning when it exceeds the device."""
-        self.predicted_memory = mem = predict_memory(self.source.config, self._layout())
+        """The planner's prediction for this very layout (with the device runtime's own memory), a warning
+        when it exceeds the device, and one for attention the device serves with its math kernel."""
+        layout, model = self._layout(), self.source.config
+        reserve = runtime_reserved_gib(self.device) * 2**30
+        self.predicted_memory = mem = predict_memory(model, layout, runtime_reserved_bytes=reserve)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.gib().items() if k != "total")
         log.info("predicted peak memory per device: %.2f GiB (%s GiB; worst pipeline stage %d)",
                  mem.total / 2**30, parts, mem.stage)
-        if self.device.type in ("cuda", "npu"):
-            capacity = getattr(torch, self.device.type).get_device_properties(self.device).total_memory
-            if mem.total > capacity:
-                log.warning("the predicted %.1f GiB exceed this device's %.1f GiB: expect out-of-memory; "
-                            "see 'qwen3-pretrain plan' for layouts that fit", mem.total / 2**30, capacity / 2**30)
+        warning = memory_warning(mem.total, device_capacity(self.device))
+        if warning:
+            log.warning(warning)
+        for call in math_fallbacks(model, layout):
+            log.warning("attention (%s mask, %s, %d/%d heads, %d x %d) has no fused kernel on %s and runs on SDPA's "
+                        "math kernel, which keeps %.2f GiB of fp32 probabilities per layer call (counted in the "
+                        "prediction); train in bf16 for the flash kernel", call.mask, call.dtype, call.q_heads,
+                        call.kv_heads, call.q_len, call.kv_len, self.device.type,
+                        4 * call.batch * call.q_heads * call.q_len * call.kv_len / 2**30)
 
     def _log_measured_memory(self) -> None:
-        if self.device.type in ("cuda", "npu"):
-            measured = getattr(torch, self.device.type).max_memory_allocated(self.device) / 2**30
-            log.info("peak memory after %d steps: measured %.2f GiB allocated vs predicted %.2f GiB (this stage's "
-                     "rank; prediction is the worst stage)", self.step, measured, self.predicted_memory.allocated / 2**30)
+        record = device_memory(self.device)
+        if "reserved_gib" in record:
+            log.info("peak memory after %d steps: measured %.2f GiB allocated (%.2f GiB reserved by the allocator, "
+                     "%.2f GiB held outside it, %.2f GiB free) vs predicted %.2f GiB allocated, %.2f GiB in all "
+                     "(this stage's rank; prediction is the worst stage)", self.step, record["allocated_gib"],
+                     record["reserved_gib"], record["outside_allocator_gib"], record["free_gib"],
+                     self.predicted_memory.allocated / 2**30, self.predicted_memory.total / 2**30)
         else:
             log.info("peak memory after %d steps: %.2f GiB RSS (the whole process) vs predicted %.2f GiB of tensors",
-                     self.step, memory_gib(self.device), self.predicted_memory.allocated / 2**30)
+                     self.step, record["rss_gib"], self.predicted_memory.allocated / 2**30)
+        self.metrics.write({"event": "memory", "step": self.step, **record,
+                            "predicted_allocated_gib": self.predicted_memory.allocated / 2**30,
+                            "predicted_total_gib": self.predicted_memory.total / 2**30})
 
     def close(self) -> None:
         self.loader.close()
