@@ -265,7 +265,7 @@ def train_config(ctx: Context, name: str) -> Path:
            "output_path": str(cli / name), "seq_length": s.seq_length,
            "batch_size": s.batch_size, "total_steps": s.total_steps, "save_steps": s.save_steps, "keep_last_n": 2,
            "learning_rate": 3e-3, "warmup_steps": 2, "mixed_precision": "bf16", "log_steps": 1, "seed": 1234,
-           "device": "cpu" if ctx.mode == "cpu" else "auto"}
+           "deterministic": True, "device": "cpu" if ctx.mode == "cpu" else "auto"}
     path = ctx.out / "cli" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -376,16 +376,37 @@ def compare_runs(ref: Path, run: Path, total: int) -> dict:
     before = losses(first_run(records))
     # Equal before any resume means the kernels are deterministic, so a difference after one is the resume's.
     figures["first_run_equal"] = all(before[k] == want.get(k) for k in before)
+    figures["first_run_max_rel_diff"] = max_rel_diff(before, want, before.keys())
+    figures["max_rel_diff"] = max_rel_diff(got, want, range(1, total + 1))
     diffs = [k for k in range(1, total + 1) if got.get(k) != want.get(k)]
     figures["exact"] = not diffs and len(figures["resumed_at"]) == 2
-    if diffs:
-        k = diffs[0]
-        figures["first_mismatch"] = {"step": k, "uninterrupted": want.get(k), "resumed": got.get(k)}
-        raise StageFailed(f"losses differ from the uninterrupted run's at {len(diffs)} of {total} steps, first at "
-                          f"step {k}: {want.get(k)!r} vs {got.get(k)!r}", "", figures)
     if len(figures["resumed_at"]) != 2:
         raise StageFailed(f"expected two resumes, metrics.jsonl records {figures['resumed_at']}", "", figures)
+    if not diffs:
+        return figures
+    k = diffs[0]
+    figures["first_mismatch"] = {"step": k, "uninterrupted": want.get(k), "resumed": got.get(k)}
+    if figures["first_run_equal"] or figures["max_rel_diff"] > NONDETERMINISTIC_REL_TOL:
+        # Deterministic kernels (equal before any resume) leave no excuse; nondeterministic ones, a tolerance.
+        raise StageFailed(f"losses differ from the uninterrupted run's at {len(diffs)} of {total} steps, first at "
+                          f"step {k}: {want.get(k)!r} vs {got.get(k)!r} (max relative difference "
+                          f"{figures['max_rel_diff']:.2e}; before any resume {figures['first_run_max_rel_diff']:.2e})",
+                          "", figures)
+    figures["within_tolerance"] = NONDETERMINISTIC_REL_TOL
     return figures
+
+
+# Where the kernels are not deterministic (the runs differ before any resume), a resume passes when every
+# loss is within this relative difference of the uninterrupted run's: bf16 runs of the same data and
+# weights drift apart by ~1e-3 over tens of steps; a resume that lost state (an optimizer moment, the
+# data position) is off by far more.
+NONDETERMINISTIC_REL_TOL = 1e-2
+
+
+def max_rel_diff(got: dict[int, float], want: dict[int, float], steps) -> float:
+    diffs = [abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in steps
+             if got.get(k) is not None and want.get(k) is not None]
+    return max(diffs, default=0.0)
 
 
 def median(values: list[float]) -> float | None:

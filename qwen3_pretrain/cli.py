@@ -8,8 +8,11 @@ training engine. A subcommand is a function ``main(argv: list[str]) -> int``.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import signal
 import sys
+import time
 
 from qwen3_pretrain.errors import UserError
 
@@ -65,11 +68,45 @@ def run_command(target: str, argv: list[str]) -> int:
     except UserError as exc:
         if os.environ.get("QWEN3_PRETRAIN_DEBUG"):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(f"error: {exc}")
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+# A rank other than 0 prints its error this many seconds late. When every rank fails alike (a config error),
+# rank 0 has printed it and exited by then, and the launcher (torchrun, mpirun) has stopped the others: the
+# user reads the message once. A rank that fails alone still prints it, late.
+ECHO_DELAY_S = 3.0
+_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")  # torchrun, mpirun, srun
+
+
+def _launch_rank() -> int:
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def report_error(message: str) -> None:
+    """Show a user error once per launch: in torchrun's failure summary (its error file, read by the agent:
+    the summary's root cause names the message instead of "<N/A>"), and on stderr, at once on rank 0 and
+    ``ECHO_DELAY_S`` late on the others."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": message,
+                              "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(record, f)
+        except OSError:
+            pass  # the summary then says <N/A>; stderr still has the message
+    if _launch_rank() != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a launcher stopping this rank stops it now
+        time.sleep(ECHO_DELAY_S)
+    print(message, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

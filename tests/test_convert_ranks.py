@@ -203,8 +203,8 @@ def test_a_waiting_rank_names_a_rank_gone_silent_within_the_timeout() -> None:
             ranks[0].wait_for_all("tokenize", poll_s=0.05)
         assert 1.0 <= time.monotonic() - start < 5.0
     finally:
-        for live in ranks:
-            live.close()
+        for live in reversed(ranks):
+            live.close(linger_s=0.1)
 
 
 def test_a_slow_rank_that_keeps_making_progress_is_waited_for() -> None:
@@ -231,5 +231,55 @@ def test_a_slow_rank_that_keeps_making_progress_is_waited_for() -> None:
         assert ranks[0].wait_for_all("tokenize", poll_s=0.05) == [None, "rank 1's problem"]
     finally:
         worker.join()
-        for live in ranks:
+        for live in reversed(ranks):  # rank 0 last: it waits for the others to be done with the store
             live.close()
+
+
+def test_rank_0_keeps_the_store_until_every_rank_is_done_with_it() -> None:
+    """Under mpirun rank 0's process holds the store: it leaves only once every rank has closed, so a rank
+    still reading the last agreement does not lose the store under it."""
+    import threading
+    import time
+
+    from qwen3_pretrain.data.convert_ranks import Liveness
+
+    stores = _stores(2)
+    ranks = [Liveness(store, LaunchInfo(r, 2, 0, "mpirun"), timeout_s=5.0, beat_s=0.05)
+             for r, store in enumerate(stores)]
+    closed_at: dict[int, float] = {}
+
+    def close(r: int, delay: float) -> None:
+        time.sleep(delay)
+        ranks[r].close(linger_s=10)
+        closed_at[r] = time.monotonic()
+
+    threads = [threading.Thread(target=close, args=(0, 0.0)), threading.Thread(target=close, args=(1, 0.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert closed_at[0] >= closed_at[1] - 0.05
+
+
+def test_a_failure_upstream_in_the_load_chain_stops_the_next_rank_instead_of_leaving_it_waiting(tmp_path) -> None:
+    """The shard loads pass from rank to rank: a rank that fails before passing them on (here rank 0, whose
+    staged dataset is missing) passes None, and the next rank stops at once; both then reach the step's
+    agreement. Before, the next rank waited in a receive until the collective timeout."""
+    import numpy as np
+
+    from qwen3_pretrain.data import convert_ranks
+    from qwen3_pretrain.data.convert import _Shards
+
+    stores = _stores(2)
+    lives = [convert_ranks.Liveness(store, LaunchInfo(r, 2, 0, "torchrun"), timeout_s=5.0, beat_s=0.05)
+             for r, store in enumerate(stores)]
+    ranks = [_rank(tmp_path, r) for r in range(2)]
+    _Shards([ranks[1].staging_prefix()], np.int32, 100, True).finalize(drop_empty=False)  # rank 1: empty, staged
+    try:
+        with pytest.raises(Exception):  # rank 0: no staged dataset
+            convert_ranks._assign(ranks[0], lives[0])
+        with pytest.raises(convert_ranks._Stop):
+            convert_ranks._assign(ranks[1], lives[1])
+    finally:
+        for live in reversed(lives):
+            live.close(linger_s=1)

@@ -181,9 +181,15 @@ def test_bad_input_under_torchrun_stops_every_rank(corpus, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
     proc = run_train(cfg, 2, "rank_size=4", timeout=120)
     text = proc.stderr + proc.stdout
-    assert proc.returncode != 0
-    # Each rank prints its one "error:" line; the only traceback is torchrun's own report.
-    assert text.count("error: rank_size is 4 but 2 processes were launched") == 2, text
+    assert proc.returncode == 1  # torchrun's own status when a worker fails (the worker's is 2)
+    # Printed once (rank 0; rank 1 would print later but the launcher stops it first), and named as the root
+    # cause in torchrun's failure summary (the error file), not "<N/A>"; the only traceback is torchrun's.
+    message = "error: rank_size is 4 but 2 processes were launched"
+    assert [line for line in text.splitlines() if line.startswith("error: ")] == [
+        line for line in text.splitlines() if line.startswith(message)], text
+    assert len([line for line in text.splitlines() if line.startswith(message)]) == 1, text
+    root_cause = text[text.index("Root Cause"):]
+    assert f"traceback : {message}" in root_cause and "error_file: <N/A>" not in root_cause, root_cause
     assert text.count("Traceback") == text.count("elastic.multiprocessing.errors.ChildFailedError: "), text
 
 

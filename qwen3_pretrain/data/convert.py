@@ -177,13 +177,13 @@ class _Shards:
         heapq.heapreplace(self._load, (tokens + len(doc), index))
         return True
 
-    def finalize(self) -> list[int]:
-        """Rename every shard that holds documents into place (all complete by now) and drop the others
-        (fewer documents than shards: an empty shard is a file Megatron's reader cannot open); the indices
-        of the shards kept."""
+    def finalize(self, drop_empty: bool = True) -> list[int]:
+        """Rename the shards into place (all complete by now); the indices of the shards kept. With
+        ``drop_empty`` a shard without documents is dropped instead (fewer documents than shards: an empty
+        shard is a file Megatron's reader cannot open)."""
         kept = []
         for index, (writer, counts) in enumerate(zip(self.writers, self.counts)):
-            if counts.num_documents:
+            if counts.num_documents or not drop_empty:
                 writer.finalize()
                 kept.append(index)
             else:

@@ -108,22 +108,41 @@ class Liveness:
                 except Exception:  # the store is gone (rank 0 ended): the main thread finds out itself
                     return
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 60.0) -> None:
+        """Stop publishing; then rank 0, whose process holds the store under mpirun, waits (at most
+        ``linger_s``) until every rank is done reading from it before it may exit."""
         self._stop.set()
         self._thread.join(timeout=2 * self.beat_s)
+        try:
+            self.store.add("closed", 1)
+            deadline = time.monotonic() + linger_s
+            while self.info.rank == 0 and self.store.add("closed", 0) < self.info.world_size \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # the store is gone: nobody is left to read from it
+            pass
 
-    def post(self, step: str, answer: str | None) -> None:
+    def post(self, step: str, answer: Any) -> None:
+        """This rank's answer to ``step`` (any JSON value), for the others to read."""
         self.tick()
         self.store.set(f"{step}/{self.info.rank}", json.dumps(answer))
 
-    def wait_for_all(self, step: str, poll_s: float = 0.5) -> list[str | None]:
+    def wait_for_all(self, step: str, poll_s: float = 0.5) -> list[Any]:
+        """Every rank's answer to ``step``, in rank order."""
+        return self._wait(step, list(range(self.info.world_size)), poll_s)
+
+    def wait_for(self, rank: int, step: str, poll_s: float = 0.5) -> Any:
+        """Rank ``rank``'s answer to ``step``."""
+        return self._wait(step, [rank], poll_s)[0]
+
+    def _wait(self, step: str, ranks: list[int], poll_s: float) -> list[Any]:
         world = self.info.world_size
         last_seen: dict[int, tuple[str, float]] = {}
-        waiting = set(range(world))
+        waiting = set(ranks)
         while True:
             waiting = {r for r in waiting if not self._has(f"{step}/{r}")}
             if not waiting:
-                return [json.loads(self.store.get(f"{step}/{r}")) for r in range(world)]
+                return [json.loads(self.store.get(f"{step}/{r}")) for r in ranks]
             now = time.monotonic()
             silent = []
             for r in sorted(waiting):
@@ -153,6 +172,8 @@ def _agree(step: Callable[[], T], info: LaunchInfo, live: Liveness, name: str) -
     result, problem = None, None
     try:
         result = step()
+    except _Stop:  # stopped by another rank's failure within the step: that rank names it
+        problem = ""
     except UserError as exc:
         problem = str(exc)
     except Exception as exc:  # a bug: its traceback stays on the rank that hit it
@@ -160,12 +181,11 @@ def _agree(step: Callable[[], T], info: LaunchInfo, live: Liveness, name: str) -
         problem = f"{type(exc).__name__}: {exc}"
     live.post(name, problem)
     problems = live.wait_for_all(name)
-    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
-    if not failed:
+    if all(p is None for p in problems):
         return result  # type: ignore[return-value]
     if info.rank == 0:
         raise UserError("; ".join(f"rank {rank} of {info.world_size} stopped the conversion: {p}"
-                                  for rank, p in failed))
+                                  for rank, p in enumerate(problems) if p))
     raise _Stop
 
 
@@ -234,27 +254,37 @@ def _tokenize(rank: _Rank) -> _Progress:
     desc = f"convert (rank 0's share of {rank.info.world_size})"
     progress = _tokenize_into(rank.staging, rank.cfg, rank.files, rank.tokenizer, workers, rank.total_docs, desc,
                               show=rank.info.rank == 0, tick=rank.tick)
-    rank.staging.finalize()
+    rank.staging.finalize(drop_empty=False)  # a rank without documents stages an empty dataset
     return progress
 
 
-def _assign(rank: _Rank, doc_tokens: np.ndarray) -> np.ndarray:
+def _assign(rank: _Rank, live: Liveness) -> np.ndarray:
     """Each staged document's shard under the one-process rule, continuing from the loads the ranks
-    before this one left; the loads after this rank's documents go on to the next rank."""
-    loads = torch.zeros(rank.cfg.shards, dtype=torch.int64)
-    if rank.info.rank > 0:
-        dist.recv(loads, src=rank.info.rank - 1)
-    heap = [(int(tokens), index) for index, tokens in enumerate(loads.tolist())]
-    heapq.heapify(heap)  # the minimum of distinct (tokens, index) pairs is the same however they are held
-    shards = np.empty(len(doc_tokens), dtype=np.int64)
-    for doc, tokens in _numbered(doc_tokens, tick=rank.tick):
-        load, index = heap[0]
-        shards[doc] = index
-        heapq.heapreplace(heap, (load + tokens, index))
-    if rank.info.rank + 1 < rank.info.world_size:
-        for load, index in heap:
-            loads[index] = load
-        dist.send(loads, dst=rank.info.rank + 1)
+    before this one left (through the store, waited for like a step); the loads after this rank's
+    documents go on to the next rank. A rank that fails here, or gets no loads because one before it
+    failed, passes None on, so that every rank reaches the step's agreement."""
+    loads: list[int] | None = [0] * rank.cfg.shards
+    try:
+        staged = IndexedDataset(rank.staging_prefix())
+        doc_tokens = _staged_documents(staged)[1]
+        if rank.info.rank > 0:
+            loads = live.wait_for(rank.info.rank - 1, "loads")
+            if loads is None:
+                raise _Stop
+        heap = [(int(tokens), index) for index, tokens in enumerate(loads)]
+        heapq.heapify(heap)  # the minimum of distinct (tokens, index) pairs is the same however they are held
+        shards = np.empty(len(doc_tokens), dtype=np.int64)
+        for doc, tokens in _numbered(doc_tokens, tick=rank.tick):
+            load, index = heap[0]
+            shards[doc] = index
+            heapq.heapreplace(heap, (load + tokens, index))
+        loads = [load for load, _ in sorted(heap, key=lambda pair: pair[1])]
+    except BaseException:
+        loads = None
+        raise
+    finally:
+        if rank.info.rank + 1 < rank.info.world_size:
+            live.post("loads", loads)
     return shards
 
 
@@ -300,9 +330,9 @@ def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> li
     return named
 
 
-def _place(rank: _Rank) -> list[tuple[str, _ShardCounts]]:
+def _place(rank: _Rank, live: Liveness) -> list[tuple[str, _ShardCounts]]:
+    shards = _assign(rank, live)
     staged = IndexedDataset(rank.staging_prefix())
-    shards = _assign(rank, _staged_documents(staged)[1])
     named = _write_pieces(rank, staged, shards)
     del staged  # its memory maps, before the files go
     for suffix in (".bin", ".idx"):
@@ -353,7 +383,7 @@ def convert_on_ranks(cfg: DataConvertConfig, files: list[Path], info: LaunchInfo
         dist.all_gather_object(views, view)
         _agree(lambda: _check_shared(rank, nonce[0], views), info, live, "check")
         progress = _agree(lambda: _tokenize(rank), info, live, "tokenize")
-        named = _agree(lambda: _place(rank), info, live, "place")
+        named = _agree(lambda: _place(rank, live), info, live, "place")
         gathered: list[Any] = [None] * info.world_size
         dist.all_gather_object(gathered, (named, progress))
         manifest = _agree(lambda: _finish(rank, gathered, start), info, live, "finish")

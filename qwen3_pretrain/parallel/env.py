@@ -174,6 +174,19 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels for this process (the config's ``deterministic``), before the first kernel runs:
+    cuBLAS reads its workspace setting when its first handle is made, HCCL its setting at communicator
+    creation. Off leaves everything as torch sets it."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("HCCL_DETERMINISTIC", "true")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 # The collective library for device tensors. Host-side collectives (checkpoint agreement, DCP's
 # metadata exchange, its asynchronous save) run on CPU tensors, which NCCL and HCCL do not take:
 # on a device the process group has gloo beside the device library.

@@ -172,8 +172,9 @@ def context_parallel_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
 def cp_mask_bytes(layout: Layout) -> float:
     """The additive masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
     ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` values in attention's dtype, per sample
-    under document masking (built per micro-batch), once otherwise (the causal ones are kept for good)."""
-    if layout.cp == 1:
+    under document masking (built per micro-batch), once otherwise (the causal ones are kept for good). Only
+    the CPU's kernel builds them (an accelerator's takes its own causal mode and document boundaries)."""
+    if layout.cp == 1 or not layout.dense_document_mask:
         return 0.0
     chunk = layout.seq_length // (2 * layout.cp)
     samples = layout.samples_per_microbatch if layout.document_mask else 1

@@ -118,6 +118,12 @@ class TrainConfig:
     collective_timeout_s: int = field_help(600, "Timeout of collectives: a dead rank stops the others after this.")
     init_timeout_s: int = field_help(300, "Timeout for reaching master_addr:master_port at start-up.")
     tensorboard: bool = field_help(False, "Also write TensorBoard events to output_path/tensorboard.")
+    deterministic: bool = field_help(
+        False, "Deterministic kernels: torch.use_deterministic_algorithms (flash attention's deterministic "
+               "backward; no atomic adds in index and scatter kernels), cuBLAS with a fixed workspace "
+               "(CUBLAS_WORKSPACE_CONFIG), cuDNN deterministic, HCCL deterministic reductions on NPUs. Two runs "
+               "of one layout then give bit-equal losses on a GPU (a resume checked against an uninterrupted "
+               "run); a few percent slower. CPU steps are deterministic either way.")
     compile: bool = field_help(False, "torch.compile each decoder layer (after activation checkpointing, before "
                                       "FSDP): faster on GPUs once compiled; the first step pays the compilation "
                                       "(tens of seconds). Not with tp > 1 (its gradients differed from eager).")

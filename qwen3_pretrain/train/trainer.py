@@ -52,6 +52,7 @@ class Trainer:
         self.launch = env.detect_launch(cfg.master_addr, cfg.master_port)
         _setup_logging(self.launch.rank)
         self._validate_before_launch()
+        env.set_deterministic(cfg.deterministic)
         self.device = env.pick_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
