@@ -115,3 +115,39 @@ def test_cuda_rules_are_torchs_checks(test_device, heads, dtype, mask):
         flash, efficient = can_use_flash_attention(params), can_use_efficient_attention(params)
     torch_choice = "flash" if flash else "efficient" if efficient else "math"
     assert attention_backend("cuda", call) == torch_choice
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_context_parallel_chunks_run_on_fused_kernels(test_device, documents):
+    """A cp chunk of Qwen3-8B's attention (32 query / 8 KV heads of 128, the queries the last 256 of 1,024
+    keys) in bf16, forward and backward: plain causal on flash alone (SDPA may use no other kernel here, so
+    a fallback to math or efficient raises), documents on compiled FlexAttention; both equal a float64
+    reference."""
+    if test_device.type != "cuda":
+        pytest.skip("CUDA's kernels")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 32, 256, 128, generator=gen)
+    k, v = (torch.randn(2, 8, 1024, 128, generator=gen) for _ in range(2))
+    positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)
+    doc_ids = attn.document_ids(positions)
+    allowed = attn.allowed(doc_ids if documents else None, 256, 1024, torch.device("cpu"))
+    allowed = allowed if documents else allowed[None, None]
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    groups = 32 // 8
+    rk, rv = (t.repeat_interleave(groups, dim=1) for t in ref_leaves[1:])
+    scores = (ref_leaves[0] @ rk.transpose(-1, -2) / 128 ** 0.5).masked_fill(~allowed, float("-inf"))
+    ref = scores.softmax(-1) @ rv
+    ref.sum().backward()
+
+    kernel = attn.CudaAttention()
+    leaves = [t.to(test_device, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        mask = kernel.mask(doc_ids.to(test_device), 256, torch.bfloat16) if documents else None
+        out = kernel(*leaves, mask)
+        out.float().sum().backward()
+    for got, want in [(out, ref), *((leaf.grad, r.grad) for leaf, r in zip(leaves, ref_leaves))]:
+        rel = ((got.double().cpu() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, rel
