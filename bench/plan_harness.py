@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from qwen3_pretrain.models.ops.precision import use_fp32_matmul
-from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, init_param
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model, init_param
 from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_attention, materialize, parallelize_stage
 from qwen3_pretrain.plan.layout import Layout
@@ -43,7 +44,7 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     """The engine's one-stage model for ``layout`` on one process (the process group must exist)."""
     if layout.world_size != 1:
         raise ValueError(f"validation runs one process; got tp={layout.tp}, pp={layout.pp}, dp={layout.dp}")
-    dims = ParallelDims(1, 1, 1, layout.distributed_optimizer)
+    dims = ParallelDims.resolve(world_size=1, distributed_optimizer=layout.distributed_optimizer)
     mesh = dims.build_mesh("cpu")
     model = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, layout.loss_chunk_tokens,
                         attention=choose_attention("cpu", layout.fp32_matmul), fp32_matmul=layout.fp32_matmul,

@@ -20,7 +20,7 @@ import sys
 import time
 
 from qwen3_pretrain.hardware import get_device
-from qwen3_pretrain.models.qwen3 import Qwen3Config
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.step import predict_step
 

@@ -31,7 +31,7 @@ def run(name: str, jobs: int) -> None:
     cfg = load_config(TrainConfig, BASE, ["model_path=", f"rank_size={world_size}", *overrides])
     world = make_world(cfg, world_size)
     start = time.perf_counter()
-    results = simulate_ranks(world, world.ranks_of_stages(), jobs=jobs)
+    results = simulate_ranks(world, world.dims.first_rank_of_stages(), jobs=jobs)
     seconds = time.perf_counter() - start
     step = predict_step(world.source.config, world.layout, get_device("h100"))
     for r in results:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from qwen3_pretrain.errors import ConfigError, UserError
-from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.models.qwen3.attention import SdpaAttention
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, shard_sequence, unshard_sequence

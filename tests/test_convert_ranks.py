@@ -21,7 +21,7 @@ from qwen3_pretrain.data.indexed_dataset import IndexedDataset
 from qwen3_pretrain.data.reader import PackedDataset, open_corpus
 from qwen3_pretrain.data.reader_manifest import validate_manifest
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.parallel.env import LaunchInfo
+from qwen3_pretrain.parallel.launch import LaunchInfo
 from tests._train_helpers import check_ok, child_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qwen3_pretrain.parallel import env
+from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.parallel.dims import ParallelDims
 from tests._train_helpers import free_port
 
@@ -38,14 +38,14 @@ def _rank(rank: int, world: int, port: int) -> None:
 
     _stand_in_npu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    info = env.LaunchInfo(rank, world, rank, "torchrun")
+    info = launch.LaunchInfo(rank, world, rank, "torchrun")
     env.init_process_group(info, torch.device("npu", 0), timeout_s=60, init_timeout_s=60)
     try:
         backend = dist.group.WORLD._get_backend(torch.device("npu"))
         assert not backend.supports_splitting  # the stand-in is the case under test
         # tp 1 x dp 2 (an axis narrower than the world: DeviceMesh makes a group for it), and the
         # flattened axis FSDP shards over under cp
-        dims = ParallelDims(world, tp=1, pp=1, cp=2)
+        dims = ParallelDims.resolve(world_size=world, cp=2)
         mesh = dims.build_mesh("npu")
         dims.dp_mesh(mesh)
         Checkpointer("unused", [], [], async_save=True)  # the asynchronous save's group of its own

@@ -14,7 +14,8 @@ from qwen3_pretrain.cli import run_command
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.hardware import get_device
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
-from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model, get_preset
+from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan import memory

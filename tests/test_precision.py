@@ -11,7 +11,8 @@ from torch import nn
 from qwen3_pretrain.models.ops import precision
 from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear, use_fp32_matmul
-from qwen3_pretrain.models.qwen3 import ModelOptions, Qwen3Config, Qwen3Model
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import ModelOptions, Qwen3Model
 from tests._train_helpers import TINY_MODEL, check_ok, losses, make_corpus, run_train, write_config
 
 

@@ -32,7 +32,7 @@ TP, PP, DP = 2, 2, 2
 def results():
     cfg = load_config(TrainConfig, None, OVERRIDES)
     world = make_world(cfg, TP * PP * DP)
-    return world, simulate_ranks(world, world.ranks_of_stages(), steps=2)
+    return world, simulate_ranks(world, world.dims.first_rank_of_stages(), steps=2)
 
 
 def _local_shapes(stage: int) -> tuple[int, int]:
@@ -114,7 +114,7 @@ def test_one_step_is_the_steady_state(results):
     # The optimizer state exists before the first tracked step and DTensor's one-time shape propagation
     # is not device memory, so one step reports what the second of two does.
     world, two = results
-    one = simulate_ranks(world, world.ranks_of_stages(), steps=1)
+    one = simulate_ranks(world, world.dims.first_rank_of_stages(), steps=1)
     assert [r.peak for r in one] == [r.peak for r in two]
     for a, b in zip(one, two):
         assert a.comm["tp"] == b.comm["tp"] and a.comm.get("dp") == b.comm.get("dp")
@@ -125,7 +125,7 @@ def test_context_and_pipeline_parallel_together():
     split again by tp between the layers), with that share's positions."""
     cfg = load_config(TrainConfig, None, [*OVERRIDES, "cp=2"])
     world = make_world(cfg, TP * PP * 2)
-    first, last = simulate_ranks(world, world.ranks_of_stages(), steps=2)
+    first, last = simulate_ranks(world, world.dims.first_rank_of_stages(), steps=2)
     local = 64 // 2
     message = 1 * local // TP * TINY["hidden_size"] * torch.bfloat16.itemsize
     positions = 1 * local * torch.int64.itemsize
@@ -140,12 +140,12 @@ def test_the_simulation_plays_the_target_devices_attention_kernels():
     causal mode) runs on flash; fp32 with GQA has no fused kernel on CUDA and is reported as math."""
     cfg = load_config(TrainConfig, None, [*OVERRIDES, "cp=2"])
     world = make_world(cfg, TP * PP * 2)
-    ranks = simulate_ranks(world, world.ranks_of_stages(), steps=1)
+    ranks = simulate_ranks(world, world.dims.first_rank_of_stages(), steps=1)
     layers_per_stage, micro = 2, world.cfg.batch_size // world.cfg.pp_microbatch_size
     for r in ranks:  # two chunks per layer, each run in forward and again in the recompute (full)
         assert r.attention == {"flash": layers_per_stage * 2 * 2 * micro} and not r.unfused_attention
     fp32 = make_world(load_config(TrainConfig, None, [*OVERRIDES, "mixed_precision=fp32"]), TP * PP * DP)
-    first, _ = simulate_ranks(fp32, fp32.ranks_of_stages(), steps=1)
+    first, _ = simulate_ranks(fp32, fp32.dims.first_rank_of_stages(), steps=1)
     assert set(first.attention) == {"math"}
     ((call, kernel),) = first.unfused_attention
     assert kernel == "math" and (call.dtype, call.q_heads, call.kv_heads) == ("float32", 2, 1)

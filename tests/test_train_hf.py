@@ -12,7 +12,8 @@ import transformers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from qwen3_pretrain import save_hf_model
-from qwen3_pretrain.models.qwen3 import Qwen3Config, Qwen3Model
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from tests._train_helpers import (TINY_MODEL, assert_same_training, check_ok, child_env, make_corpus, run_train,
                                   step_records, write_config)
 

@@ -128,7 +128,7 @@ def test_a_reserved_port_is_held_until_the_rendezvous_listens_on_it():
 
 
 def test_first_host_of_a_slurm_node_list():
-    from qwen3_pretrain.parallel.env import first_host
+    from qwen3_pretrain.parallel.launch import first_host
 
     assert first_host("node[03-05,9],gpu1") == "node03"
     assert first_host("gnode[10,20,25,37]") == "gnode10"
@@ -243,7 +243,7 @@ def launch_env(monkeypatch):
 
 def detect(launch_env, master_addr: str):
     """``detect_launch`` as a fresh process sees it (the variables an earlier call exported are gone)."""
-    from qwen3_pretrain.parallel.env import detect_launch
+    from qwen3_pretrain.parallel.launch import detect_launch
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         launch_env.delenv(name, raising=False)
@@ -300,7 +300,7 @@ def test_srun_across_nodes_resolves_a_loopback_master_addr_or_refuses(launch_env
 
 
 def test_slurm_tasks_on_this_node():
-    from qwen3_pretrain.parallel.env import slurm_local_tasks
+    from qwen3_pretrain.parallel.launch import slurm_local_tasks
 
     assert [slurm_local_tasks({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": str(n)})
             for n in range(3)] == [4, 4, 3]

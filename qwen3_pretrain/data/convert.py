@@ -40,14 +40,14 @@ from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter, dtype_for_
 from qwen3_pretrain.data.pool import available_cores, ordered_map
 from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import ConfigError, UserError
-from qwen3_pretrain.parallel.env import LaunchInfo, detect_launch
+from qwen3_pretrain.parallel.launch import LaunchInfo, detect_launch
 from qwen3_pretrain.fsutil import make_dirs, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
 FORMAT_VERSION = 1
 # shard_NNNNN (one process), shard_NNNNN-RRRRR and staging-RRRRR (several ranks, see convert_ranks).
-# What torchrun, mpirun and srun export as the number of processes (see parallel.env.detect_launch).
+# What torchrun, mpirun and srun export as the number of processes (see parallel.launch.detect_launch).
 _WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 _SHARD_FILE = re.compile(r"^(?:shard_\d{5}(?:-\d{5})?|staging-\d{5})\.(?:bin|idx)(?:\.tmp)?$")
 

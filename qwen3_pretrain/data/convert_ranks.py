@@ -53,7 +53,8 @@ from qwen3_pretrain.data.pool import available_cores
 from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic
-from qwen3_pretrain.parallel.env import LaunchInfo, destroy, init_process_group
+from qwen3_pretrain.parallel.env import destroy, init_process_group
+from qwen3_pretrain.parallel.launch import LaunchInfo
 
 T = TypeVar("T")
 _INIT_TIMEOUT_S = 300

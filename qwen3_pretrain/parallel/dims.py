@@ -23,39 +23,92 @@ and sends only one all-reduce of the gradient shards across nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
+if TYPE_CHECKING:  # torch only where a mesh is built: the planner uses the degrees without it
+    from torch.distributed.device_mesh import DeviceMesh
 
-@dataclass(frozen=True)
+# The mesh's axes, outermost first (the module docstring says why in this order).
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
+    """The degrees of every mesh axis, resolved for a world (``resolve`` checks them and fills in the
+    data-parallel ones), and the mesh's vocabulary: its shape, a rank's coordinates, its dp rank, its
+    pipeline stage."""
+
     world_size: int
-    tp: int
-    pp: int
-    distributed_optimizer: bool = True
-    shard_degree: int | None = None  # the config's dp_shard; None: dp with the distributed optimizer, 1 without
+    tp: int = 1
+    pp: int = 1
     cp: int = 1
+    dp_shard: int = 1  # data-parallel ranks that shard together (FSDP's group, with the cp ranks)
+    distributed_optimizer: bool = True
+
+    @classmethod
+    def resolve(cls, *, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, distributed_optimizer: bool = True,
+                dp_shard: int | None = None) -> ParallelDims:
+        """The degrees of a ``world_size``-rank launch: dp is what tp x pp x cp leave; ``dp_shard`` (the
+        config's; None: every dp rank with the distributed optimizer, 1 without) must divide it."""
+        if world_size % (tp * pp * cp):
+            raise UserError(f"tp x pp x cp = {tp} x {pp} x {cp} = {tp * pp * cp} does not divide the {world_size} "
+                            "launched processes; choose tp, pp and cp whose product divides it")
+        dp = world_size // (tp * pp * cp)
+        if dp_shard is not None and dp % dp_shard:
+            raise UserError(f"dp_shard = {dp_shard} does not divide the data-parallel degree dp = {dp} "
+                            f"({world_size} processes / (tp {tp} x pp {pp} x cp {cp})); choose a dp_shard that "
+                            f"divides {dp}, e.g. the dp ranks of one node")
+        if dp_shard is None:
+            dp_shard = dp if distributed_optimizer else 1
+        return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard,
+                   distributed_optimizer=distributed_optimizer)
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
-    def dp_shard(self) -> int:
-        if self.shard_degree is not None:
-            return self.shard_degree
-        return self.dp if self.distributed_optimizer else 1
-
-    @property
     def dp_replicate(self) -> int:
         return self.dp // self.dp_shard
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Each axis's size, outermost first."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The mesh coordinates of ``rank`` (the mesh is row-major over ``AXES``)."""
+        out, rest = {}, rank
+        for axis in reversed(AXES):
+            out[axis] = rest % self.shape[axis]
+            rest //= self.shape[axis]
+        return {axis: out[axis] for axis in AXES}
+
+    def dp_rank(self, rank: int) -> int:
+        """Which of the dp data shards ``rank`` reads (its replica's shard groups in order)."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def is_last_stage_lead(self, rank: int) -> bool:
+        """The rank that speaks for the run (logs, metrics): the first rank of the last pipeline stage,
+        which holds the loss."""
+        c = self.coords(rank)
+        return c["pp"] == self.pp - 1 and not any(c[a] for a in AXES if a != "pp")
+
+    def first_rank_of_stages(self) -> list[int]:
+        """One rank per pipeline stage: the first of each."""
+        per_stage = self.world_size // self.pp
+        return [s * per_stage for s in range(self.pp)]
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (shard) when every dp rank shards, else 2-D (replicate, shard); the
         shard axis takes in the cp ranks (without the distributed optimizer, the cp ranks alone shard)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
         replicate = not (self.dp_replicate == 1 and self.distributed_optimizer)
         if self.cp == 1:
             return mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
@@ -65,20 +118,13 @@ class ParallelDims:
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicate else shard
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
-        """Every check that can fail before any heavy work, with the numbers in the message."""
-        if self.world_size % (self.tp * self.pp * self.cp):
-            raise UserError(f"tp x pp x cp = {self.tp} x {self.pp} x {self.cp} = {self.tp * self.pp * self.cp} does "
-                            f"not divide the {self.world_size} launched processes; choose tp, pp and cp whose "
-                            "product divides it")
-        if self.shard_degree is not None and self.dp % self.shard_degree:
-            raise UserError(f"dp_shard = {self.shard_degree} does not divide the data-parallel degree dp = "
-                            f"{self.dp} ({self.world_size} processes / (tp {self.tp} x pp {self.pp} x cp {self.cp})); choose a "
-                            f"dp_shard that divides {self.dp}, e.g. the dp ranks of one node")
+        """The checks against the model: tp splits its heads, the stages its layers."""
         check_model_split(cfg, self.tp, num_stages)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(self.shape.values()), mesh_dim_names=AXES)
 
 
 def sequence_split_problem(seq_length: int, cp: int, tp: int) -> str | None:

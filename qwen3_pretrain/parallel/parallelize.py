@@ -135,6 +135,12 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Gradients summed over the dp and cp ranks, not averaged: the loss carries the one scale,
+            # 1 / the global batch's tokens (train/engine.py). Plain sums, which every library has.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     # Whose reduce-scatter the gradients take: the mesh's device by default; the scale simulation builds
     # on a CPU mesh what an accelerator would run, so it names the accelerator.
     if (reduce_scatter_device or dp_mesh.device_type) == "cpu":

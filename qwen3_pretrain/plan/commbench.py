@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic
-from qwen3_pretrain.parallel import env
+from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -204,7 +204,7 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> None:
+def _worker(args: argparse.Namespace, ops: list[str], info: launch.LaunchInfo) -> None:
     device = env.pick_device(args.device, info.local_rank, info.local_world_size)
     env.init_process_group(info, device, timeout_s=300, init_timeout_s=60)
     try:
@@ -220,7 +220,7 @@ def _worker(args: argparse.Namespace, ops: list[str], info: env.LaunchInfo) -> N
 
 def _spawned(rank: int, args: argparse.Namespace, ops: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc))
-    _worker(args, ops, env.LaunchInfo(rank, args.nproc, rank, "spawn", args.nproc))
+    _worker(args, ops, launch.LaunchInfo(rank, args.nproc, rank, "spawn", args.nproc))
 
 
 def main(argv: list[str]) -> int:
@@ -230,8 +230,8 @@ def main(argv: list[str]) -> int:
     if args.nproc:
         if args.nproc % (args.tp * args.pp):
             raise UserError(f"tp x pp = {args.tp} x {args.pp} does not divide --nproc {args.nproc}")
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(env.free_port())
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(launch.free_port())
         torch.multiprocessing.spawn(_spawned, args=(args, ops), nprocs=args.nproc, join=True)
         return 0
-    _worker(args, ops, env.detect_launch(args.master_addr, args.master_port))
+    _worker(args, ops, launch.detect_launch(args.master_addr, args.master_port))
     return 0

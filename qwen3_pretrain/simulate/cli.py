@@ -60,7 +60,7 @@ def select_ranks(spec: str, world: World) -> list[int]:
     if spec == "all":
         return list(range(size))
     if spec == "stages":
-        return world.ranks_of_stages()
+        return world.dims.first_rank_of_stages()
     ranks = []
     for item in spec.split(","):
         if not item.strip().isdigit() or not 0 <= int(item) < size:

@@ -29,47 +29,32 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import default_chunk_tokens
 from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.parallel.dims import ParallelDims
-from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
+from qwen3_pretrain.parallel.dims import AXES, ParallelDims
+from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.simulate.attention import KernelRecord, simulated_kernels
 from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
 from qwen3_pretrain.train.config import TrainConfig
-from qwen3_pretrain.train.engine import Engine, engine_layout
+from qwen3_pretrain.train.engine import Engine, Parallelism, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.model_source import ModelSource, resolve_model
 from qwen3_pretrain.train.optim import lr_at
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
 @dataclass
 class World:
-    """What every simulated rank shares: the model, the degrees and the planner's layout."""
+    """What every simulated rank shares: the model, the parallelism and the planner's layout."""
 
     cfg: TrainConfig
     source: ModelSource
-    dims: ParallelDims
-    stages_per_rank: int
+    parallelism: Parallelism
     layout: Layout
     target: str
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank`` (the mesh is row-major over pp, dp_replicate, dp_shard, cp, tp)."""
-        d = self.dims
-        out, rest = {}, rank
-        for axis, size in reversed(list(zip(AXES, (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)))):
-            out[axis] = rest % size
-            rest //= size
-        return dict(reversed(list(out.items())))
-
-    def ranks_of_stages(self) -> list[int]:
-        """One rank per pipeline rank: the first of each."""
-        per_stage = self.dims.world_size // self.dims.pp
-        return [s * per_stage for s in range(self.dims.pp)]
+    @property
+    def dims(self) -> ParallelDims:
+        return self.parallelism.dims
 
 
 @dataclass
@@ -99,17 +84,10 @@ def model_source(cfg: TrainConfig) -> ModelSource:
 def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda") -> World:
     """Check the layout against the world and the model, as the trainer does before it starts."""
     source = model_source(cfg)
-    if cfg.seq_length > source.config.max_position_embeddings:
-        raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
-                          f"{source.config.max_position_embeddings}")
-    dims = ParallelDims(world_size, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard, cfg.cp)
-    stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
-    dims.validate(source.config, cfg.pp * stages_per_rank)
-    check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
-                        cfg.pp_microbatch_size, batch_key="batch_size")
+    parallelism = resolve_parallelism(cfg, world_size, source.config)
     chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target)
-    layout = engine_layout(cfg, dims, stages_per_rank, chunk, target, fp32_matmul=False)
-    return World(cfg, source, dims, stages_per_rank, layout, target)
+    layout = engine_layout(cfg, parallelism, chunk, target, fp32_matmul=False)
+    return World(cfg, source, parallelism, layout, target)
 
 
 def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
@@ -130,7 +108,7 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
                 part.to_empty(device=device)
 
         kernels = KernelRecord()
-        engine = Engine(cfg, world.source, dims, mesh, device, world.stages_per_rank, False,
+        engine = Engine(cfg, world.source, world.parallelism, mesh, device, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
                         stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target,
                         make_attention=simulated_kernels(kernels))
@@ -151,7 +129,7 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
                     kernels.reset()
                     tracker.reset_peak()
                 _train_step(engine, batches, step)
-        coords = world.coords(rank)
+        coords = dims.coords(rank)
         predicted = predict_memory(world.source.config, world.layout, stage=coords["pp"])
         per_step = {axis: dict(kinds) for axis, kinds in comm.bytes.items()}
         return RankResult(rank, coords, tracker.peak_by_category(), predicted, per_step,
@@ -171,12 +149,7 @@ def _create_optimizer_state(engine: Engine, fake: FakeTensorMode) -> None:
 
 
 def _train_step(engine: Engine, batches: list[dict[str, torch.Tensor]], step: int) -> None:
-    """The engine's part of ``Trainer.train_step``: forward/backward, the norm, the loss's reduction, the update."""
-    local_loss = engine.forward_backward(batches)
-    grad_norm = engine.grad_norm().item()
-    reduced = torch.stack([local_loss.float(), torch.zeros((), device=engine.device)])
-    dist.all_reduce(reduced)
-    engine.optimizer_step(lr_at(step, engine.cfg), grad_norm)
+    engine.step(batches, lr_at(step, engine.cfg))
 
 
 def _synthetic_batches(cfg: TrainConfig, positions: bool) -> list[dict[str, torch.Tensor]]:
@@ -222,16 +195,16 @@ def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1
     """
     chosen: dict[int, int] = {}
     for rank in ranks:
-        chosen.setdefault(rank if each else world.coords(rank)["pp"], rank)
+        chosen.setdefault(rank if each else world.dims.coords(rank)["pp"], rank)
     context = multiprocessing.get_context("fork")
     with context.Pool(processes=max(1, min(jobs, len(chosen))), maxtasksperchild=1) as pool:
         done = pool.starmap(simulate_rank, [(world, rank, steps) for rank in chosen.values()], chunksize=1)
     by_rank = {r.rank: r for r in done}
     out = []
     for rank in ranks:
-        rep = by_rank[chosen[rank if each else world.coords(rank)["pp"]]]
+        rep = by_rank[chosen[rank if each else world.dims.coords(rank)["pp"]]]
         out.append(rep if rep.rank == rank else
-                   dataclasses.replace(rep, rank=rank, coords=world.coords(rank), simulated_as=rep.rank))
+                   dataclasses.replace(rep, rank=rank, coords=world.dims.coords(rank), simulated_as=rep.rank))
     return out
 
 

@@ -8,16 +8,21 @@ memory and communication at a scale no machine here has.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
 from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size, stage_layer_ranges
@@ -32,7 +37,7 @@ from qwen3_pretrain.parallel.parallelize import (
     parallelize_stage,
 )
 from qwen3_pretrain.parallel.pipeline import build_schedule
-from qwen3_pretrain.plan.layout import Layout
+from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.model_source import ModelSource
 from qwen3_pretrain.train.optim import build_optimizer, set_lr
@@ -40,6 +45,43 @@ from qwen3_pretrain.train.optim import build_optimizer, set_lr
 Batch = dict[str, torch.Tensor]
 # engine -> per local stage (example inputs, example outputs) of the pipeline messages
 StageIO = Callable[["Engine"], list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What a run's config makes of its world: the mesh's degrees, and the pipeline stages each rank runs."""
+
+    dims: ParallelDims
+    stages_per_rank: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.dims.pp * self.stages_per_rank
+
+
+def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -> Parallelism:
+    """Every check of the layout against the world and the model that needs no process group, so a bad
+    config stops before any heavy work: the trainer's and the scale simulation's one set-up."""
+    if cfg.seq_length > model.max_position_embeddings:
+        raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
+                          f"{model.max_position_embeddings}")
+    dims = ParallelDims.resolve(world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
+                                distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard)
+    stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
+    dims.validate(model, cfg.pp * stages_per_rank)
+    check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
+                        cfg.pp_microbatch_size, batch_key="batch_size")
+    return Parallelism(dims, stages_per_rank)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, as every rank sees it."""
+
+    loss: float  # the global batch's mean token loss
+    grad_norm: float
+    skipped: bool  # a non-finite loss or gradient norm: the weights were not updated
+    flagged: bool  # some rank raised the step's flag (a stop request)
 
 
 class Engine:
@@ -51,32 +93,30 @@ class Engine:
     first step.
     """
 
-    def __init__(self, cfg: TrainConfig, source: ModelSource, dims: ParallelDims, mesh: DeviceMesh,
-                 device: torch.device, stages_per_rank: int, fp32_matmul: bool, loss_chunk_tokens: int,
+    def __init__(self, cfg: TrainConfig, source: ModelSource, parallelism: Parallelism, mesh: DeviceMesh,
+                 device: torch.device, fp32_matmul: bool, loss_chunk_tokens: int,
                  allocate: Callable[[nn.Module], None] | None = None, stage_io: StageIO | None = None,
                  target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel) -> None:
         # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors
         # (and plays that device's attention kernels there: ``make_attention``).
         self.target_device_type = target_device_type or device.type
         self.make_attention = make_attention
-        self.cfg, self.source, self.dims, self.mesh, self.device = cfg, source, dims, mesh, device
-        self.stages_per_rank, self.fp32_matmul, self.loss_chunk_tokens = stages_per_rank, fp32_matmul, loss_chunk_tokens
+        self.cfg, self.source, self.mesh, self.device = cfg, source, mesh, device
+        self.dims, self.stages_per_rank = parallelism.dims, parallelism.stages_per_rank
+        self.num_stages = parallelism.num_stages
+        self.fp32_matmul, self.loss_chunk_tokens = fp32_matmul, loss_chunk_tokens
         self.local_samples = cfg.batch_size * cfg.gradient_accumulation_steps
         self.num_microbatches = self.local_samples // cfg.pp_microbatch_size
-        self.global_batch = cfg.batch_size * dims.dp * cfg.gradient_accumulation_steps
+        self.global_batch = cfg.batch_size * self.dims.dp * cfg.gradient_accumulation_steps
         self.global_tokens = self.global_batch * cfg.seq_length
-        # Each rank's loss is its token sum over the global batch's token count, times dp x cp because
-        # FSDP averages gradients over the dp and cp ranks: together they give the global token mean.
-        self.loss_scale = dims.dp * dims.cp / self.global_tokens
+        # The loss's one scale: each rank's token sum over the global batch's token count. FSDP sums the
+        # gradients over the dp and cp ranks (no average: apply_fsdp), so they are the global mean's.
+        self.loss_scale = 1.0 / self.global_tokens
         self.tp_mesh = mesh["tp"]
         self.cp_rank = mesh.get_local_rank("cp")
-        self._build_model(allocate, stage_io)
+        self._create_model(allocate, stage_io)
 
     # --- set-up ------------------------------------------------------------------
-
-    @property
-    def num_stages(self) -> int:
-        return self.dims.pp * self.stages_per_rank
 
     def build_part(self, idx: int, allocate: Callable[[nn.Module], None] | None = None) -> Qwen3Model:
         """Pipeline stage ``idx`` of the model, parallelized and allocated on this rank's device."""
@@ -96,7 +136,7 @@ class Engine:
             allocate(part)
         return part
 
-    def _build_model(self, allocate: Callable[[nn.Module], None] | None, stage_io: StageIO | None) -> None:
+    def _create_model(self, allocate: Callable[[nn.Module], None] | None, stage_io: StageIO | None) -> None:
         cfg, model_cfg, dims = self.cfg, self.source.config, self.dims
         self.padded_vocab = padded_vocab_size(model_cfg.vocab_size, dims.tp)
         num_stages = self.num_stages
@@ -120,6 +160,28 @@ class Engine:
                                            cfg.pp_schedule, self.num_microbatches, self.loss_fn, io)
 
     # --- one step -------------------------------------------------------------------
+
+    def step(self, batches: list[Batch], lr: float, flag: bool = False) -> StepResult:
+        """One optimizer step over this rank's micro-batches: forward and backward, the global gradient norm,
+        the loss's reduction (which also tells every rank whether any raised ``flag``), and the update at
+        ``lr``, skipped where the loss or the norm is not finite."""
+        local = self.forward_backward(batches)
+        grad_norm = self.grad_norm().item()
+        loss, flagged = self.reduce_loss(local, flag)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        self.optimizer_step(lr, None if skipped else grad_norm)
+        return StepResult(loss, grad_norm, skipped, flagged)
+
+    def reduce_loss(self, local: torch.Tensor, flag: bool = False) -> tuple[float, bool]:
+        """The global mean token loss from each rank's scaled token sum (nonzero on the last stage only,
+        replicated over tp), and whether any rank raised ``flag``, in one all-reduce."""
+        reduced = torch.stack([local.detach().float(), torch.tensor(float(flag), device=self.device)])
+        dist.all_reduce(reduced)
+        return reduced[0].item() / self.dims.tp, reduced[1].item() > 0
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The global mean token loss over ``batches`` (one global batch), without backward."""
+        return self.reduce_loss(self.eval_loss(batches))[0]
 
     def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head = self.parts[-1].lm_head
@@ -209,9 +271,10 @@ class Engine:
             opt.zero_grad(set_to_none=True)
 
 
-def engine_layout(cfg: TrainConfig, dims: ParallelDims, stages_per_rank: int, loss_chunk_tokens: int,
-                  device_type: str, fp32_matmul: bool) -> Layout:
+def engine_layout(cfg: TrainConfig, parallelism: Parallelism, loss_chunk_tokens: int, device_type: str,
+                  fp32_matmul: bool) -> Layout:
     """The planner's description of the engine that ``cfg`` builds on ``device_type``."""
+    dims, stages_per_rank = parallelism.dims, parallelism.stages_per_rank
     return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, micro_batch_size=cfg.batch_size,
                   gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
                   activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,

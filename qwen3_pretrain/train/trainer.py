@@ -27,16 +27,15 @@ from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens
-from qwen3_pretrain.parallel import env
-from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
-from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
+from qwen3_pretrain.parallel import env, launch
+from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import math_fallbacks, predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.metrics import (MetricsWriter, device_capacity, device_memory, device_peak_tflops,
                                           format_line, memory_gib, memory_warning, runtime_reserved_gib, synchronize)
+from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
-from qwen3_pretrain.train.engine import Engine, engine_layout
 from qwen3_pretrain.train.optim import lr_at
 
 log = logging.getLogger("qwen3_pretrain.train")
@@ -49,23 +48,22 @@ class TrainingHalted(UserError):
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.launch = env.detect_launch(cfg.master_addr, cfg.master_port)
+        self.launch = launch.detect_launch(cfg.master_addr, cfg.master_port)
         _setup_logging(self.launch.rank)
-        self._validate_before_launch()
+        self._resolve_run()
         env.set_deterministic(cfg.deterministic)
         self.device = env.pick_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self._build_model()
-        self._build_data()
+        self._create_engine()
+        self._create_data()
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_in_a_row = 0
         self.stop_requested = self.stop_agreed = False
-        coord = self.mesh.get_coordinate()
-        self.is_log_rank = coord[0] == self.dims.pp - 1 and not any(coord[1:])
+        self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
         make_dirs(cfg.output_path, "output_path")
         self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
         # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
@@ -77,38 +75,33 @@ class Trainer:
 
     # --- set-up ------------------------------------------------------------------
 
-    def _validate_before_launch(self) -> None:
-        """Every check that needs no process group, so bad input stops each rank before heavy work."""
+    def _resolve_run(self) -> None:
+        """The model and the parallelism of this run (``source``, ``parallelism``, ``dims``), with every
+        check that needs no process group, so bad input stops each rank before heavy work."""
         cfg, world = self.cfg, self.launch.world_size
         if cfg.rank_size is not None and cfg.rank_size != world:
             raise ConfigError(f"rank_size is {cfg.rank_size} but {world} processes were launched; make them "
                               "equal (mpirun -np / torchrun --nproc_per_node x --nnodes)")
         self.source = resolve_model(cfg)
         model_cfg = self.source.config
-        if cfg.seq_length > model_cfg.max_position_embeddings:
-            raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
-                              f"{model_cfg.max_position_embeddings}")
-        self.dims = ParallelDims(world, cfg.tp, cfg.pp, cfg.distributed_optimizer, cfg.dp_shard, cfg.cp)
-        self.stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
-        self.dims.validate(model_cfg, cfg.pp * self.stages_per_rank)
+        self.parallelism = resolve_parallelism(cfg, world, model_cfg)
+        self.dims = self.parallelism.dims
         if cfg.eval_steps and not cfg.valid_fraction:
             raise ConfigError("eval_steps needs a held-out split: set valid_fraction (e.g. 0.01)")
-        check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
-                            cfg.pp_microbatch_size, batch_key="batch_size")
         validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
 
-    def _build_model(self) -> None:
-        self.engine = Engine(self.cfg, self.source, self.dims, self.mesh, self.device, self.stages_per_rank,
-                             self.fp32_matmul, self.loss_chunk_tokens)
+    def _create_engine(self) -> None:
+        self.engine = Engine(self.cfg, self.source, self.parallelism, self.mesh, self.device, self.fp32_matmul,
+                             self.loss_chunk_tokens)
         e = self.engine
         self.parts, self.optimizers, self.padded_vocab = e.parts, e.optimizers, e.padded_vocab
 
-    def _build_data(self) -> None:
+    def _create_data(self) -> None:
         cfg, dims = self.cfg, self.dims
         dataset = self.train_data = BlendedDataset.open(cfg.data_sources, cfg.seq_length, cfg.seed,
                                                         valid_fraction=cfg.valid_fraction)
         self.global_batch = self.engine.global_batch
-        dp_rank = self.mesh.get_local_rank("dp_replicate") * dims.dp_shard + self.mesh.get_local_rank("dp_shard")
+        dp_rank = dims.dp_rank(self.launch.rank)
         micro = cfg.batch_size
         # The next steps' batches are read in a thread while this one runs (data/prefetch.py).
         self.loader = Prefetcher(GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro), self.device)
@@ -169,40 +162,25 @@ class Trainer:
 
     # --- one step -------------------------------------------------------------------
 
-    def _global_mean_loss(self, local: torch.Tensor) -> float:
-        reduced = local.detach().float().clone()
-        dist.all_reduce(reduced)
-        return reduced.item() / (self.dims.tp * self.dims.dp * self.dims.cp)
-
     def evaluate(self) -> float:
         """Mean token loss over ``eval_iters`` global batches of the held-out split (the same ones each time)."""
         loader = GlobalBatchLoader(*self.eval_loader_args)
-        total = 0.0
-        for _ in range(self.cfg.eval_iters):
-            total += self._global_mean_loss(self.engine.eval_loss(next(loader)))
+        total = sum(self.engine.evaluate(next(loader)) for _ in range(self.cfg.eval_iters))
         self.engine.reshard()
         return total / self.cfg.eval_iters
 
     def train_step(self) -> dict:
-        cfg = self.cfg
         start = time.perf_counter()
-        batches = next(self.loader)
-        local_loss = self.engine.forward_backward(batches)
-        grad_norm = self.engine.grad_norm().item()
-        # Every last-stage rank holds its dp x cp share of the loss, replicated over tp. The same reduction
-        # tells every rank whether any of them was asked to stop (SIGTERM/SIGINT).
-        reduced = torch.stack([local_loss.float(), torch.tensor(float(self.stop_requested), device=self.device)])
-        dist.all_reduce(reduced)
-        loss = reduced[0].item() / (self.dims.tp * self.dims.dp * self.dims.cp)
-        self.stop_agreed = reduced[1].item() > 0
-        lr = lr_at(self.step, cfg)
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        self.engine.optimizer_step(lr, None if skipped else grad_norm)
+        lr = lr_at(self.step, self.cfg)
+        # The step's loss reduction also tells every rank whether any was asked to stop (SIGTERM/SIGINT).
+        result = self.engine.step(next(self.loader), lr, flag=self.stop_requested)
+        self.stop_agreed = result.flagged
         synchronize(self.device)  # the step's time is the device's, not the time to queue its work
         self.step += 1
         self.tokens_seen += self.global_tokens
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
-                "step_time_s": time.perf_counter() - start, "consumed_samples": self.loader.consumed_samples}
+        return {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                "skipped": result.skipped, "step_time_s": time.perf_counter() - start,
+                "consumed_samples": self.loader.consumed_samples}
 
     # --- the loop -------------------------------------------------------------------
 
@@ -309,7 +287,7 @@ class Trainer:
                                 "global_batch": self.global_batch})
 
     def _layout(self) -> Layout:
-        return engine_layout(self.cfg, self.dims, self.stages_per_rank, self.loss_chunk_tokens, self.device.type,
+        return engine_layout(self.cfg, self.parallelism, self.loss_chunk_tokens, self.device.type,
                              self.fp32_matmul)
 
     def _log_predicted_memory(self) -> None:

@@ -1,4 +1,4 @@
-from qwen3_pretrain.models.qwen3.config import PRESETS, Qwen3Config, get_preset
-from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model, init_param
-
-__all__ = ["PRESETS", "ModelOptions", "ModelPart", "Qwen3Config", "Qwen3Model", "get_preset", "init_param"]
+"""The Qwen3 dense family: ``config`` (HF key names, presets; no torch), ``model`` (plain torch), attention
+kernels (``attention``) and the calls they make (``attention_calls``; no torch), HF I/O, generation.
+Import from the module that defines a name: this package imports nothing, so reading a config or a
+preset does not import torch."""
