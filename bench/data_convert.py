@@ -36,10 +36,11 @@ import pyarrow.parquet as pq
 import tiktoken
 from tokenizers import Tokenizer
 
-from qwen3_pretrain.data import bpe
-from qwen3_pretrain.data.convert import DataConvertConfig, convert
+from qwen3_pretrain.convert import bpe
+from qwen3_pretrain.convert.config import DataConvertConfig
+from qwen3_pretrain.convert.run import convert
 from qwen3_pretrain.data.pool import available_cores
-from qwen3_pretrain.data.wiki_dump import iter_dump_articles
+from qwen3_pretrain.convert.wiki_dump import iter_dump_articles
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "qwen3-tokenizer"

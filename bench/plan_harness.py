@@ -25,7 +25,7 @@ from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_attention, materialize, parallelize_stage
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
-from qwen3_pretrain.plan.memtrack import MemoryTracker
+from qwen3_pretrain.simulate.memtrack import MemoryTracker
 
 
 @dataclass(frozen=True)

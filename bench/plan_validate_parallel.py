@@ -16,6 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
+
 MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True}
 LAYOUTS = {  # name: (processes, overrides)
@@ -36,7 +40,7 @@ def worker(data: str, overrides: list[str]) -> None:
 
     from qwen3_pretrain.config.loader import load_config
     from qwen3_pretrain.plan.memory import predict_memory
-    from qwen3_pretrain.plan.memtrack import MemoryTracker
+    from qwen3_pretrain.simulate.memtrack import MemoryTracker
     from qwen3_pretrain.train.config import TrainConfig
     from qwen3_pretrain.train.trainer import Trainer
 
@@ -60,10 +64,10 @@ def worker(data: str, overrides: list[str]) -> None:
 
 def main() -> None:
     repo = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(repo))
-    from tests._train_helpers import make_corpus
-
-    data = make_corpus(Path(tempfile.mkdtemp()) / "data", vocab=151_000, eod=151_643)
+    data = Path(tempfile.mkdtemp()) / "data"
+    rng = np.random.default_rng(0)
+    write_synthetic_dataset(data, [rng.integers(0, 151_000, rng.integers(20, 300)) for _ in range(300)],
+                            eod_id=151_643, docs_per_shard=100)
     print(f"{'layout':10} {'rank':>4} {'stage':>5} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7}")
     only = [a for a in sys.argv[1:] if not a.startswith("-")]
     for name, (nproc, overrides) in LAYOUTS.items():

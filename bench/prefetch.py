@@ -11,7 +11,6 @@ took in the training thread.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +20,7 @@ import torch
 
 from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the test fixtures' synthetic data
-from tests._synthetic_data import write_synthetic_dataset  # noqa: E402
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 
 
 def median_wait_ms(loader, steps: int, step_s: float) -> float:

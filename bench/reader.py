@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from qwen3_pretrain.data.reader import Corpus, GlobalBatchLoader, PackedDataset, build_epoch_index
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the test fixtures' synthetic data
-from tests._synthetic_data import write_synthetic_dataset  # noqa: E402
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 
 EOD = 151643
 

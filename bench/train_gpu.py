@@ -24,8 +24,7 @@ import numpy as np
 
 def write_data(out: Path, num_tokens: int = 4_000_000, vocab: int = 151_643, eod: int = 151_643) -> None:
     """Random documents of 1k-16k tokens over the full vocabulary: the speed does not depend on the text."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the test fixtures' synthetic data
-    from tests._synthetic_data import write_synthetic_dataset
+    from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 
     rng = np.random.default_rng(0)
     docs, total = [], 0

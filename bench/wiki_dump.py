@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_convert import DUMP, TreeMemory  # noqa: E402
 
 from qwen3_pretrain.data.pool import available_cores  # noqa: E402
-from qwen3_pretrain.data.wiki import wiki_to_parquet  # noqa: E402
+from qwen3_pretrain.convert.wiki import wiki_to_parquet  # noqa: E402
 
 
 def build_dump(path: Path, megabytes: float) -> int:

@@ -2,7 +2,8 @@
 
 The model API is importable from the top level (``from qwen3_pretrain import
 load_hf_model``) but is imported on first use only, so commands that do not
-need torch (data conversion, log parsing) start without loading it.
+need torch (data conversion, planning, log parsing) start without loading it
+(``tests/test_torch_free.py``).
 """
 
 from __future__ import annotations

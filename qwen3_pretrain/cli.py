@@ -18,8 +18,8 @@ from qwen3_pretrain.errors import UserError
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "wiki2parquet": ("qwen3_pretrain.data.wiki:main", "Wikipedia dump or wikiextractor output -> parquet"),
-    "convert": ("qwen3_pretrain.data.convert:main", "parquet -> tokenized, sharded Megatron indexed dataset"),
+    "wiki2parquet": ("qwen3_pretrain.convert.wiki:main", "Wikipedia dump or wikiextractor output -> parquet"),
+    "convert": ("qwen3_pretrain.convert.run:main", "parquet -> tokenized, sharded Megatron indexed dataset"),
     "train": ("qwen3_pretrain.train.trainer:main", "pre-train with TP x PP x DP (torchrun, mpirun or one process)"),
     "merge": ("qwen3_pretrain.checkpoint.merge:main", "merge a sharded checkpoint into one HuggingFace model"),
     "parse-log": ("qwen3_pretrain.analysis.parse_log:main", "training log or metrics.jsonl -> CSV (+ PNG plot)"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tests._synthetic_data import write_synthetic_dataset
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 
 TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True}

@@ -17,7 +17,7 @@ from qwen3_pretrain.analysis.parse_log import parse_metrics
 from qwen3_pretrain.config.loader import load_config
 from qwen3_pretrain.data.blend import BlendedDataset, validate_sources
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
-from tests._synthetic_data import write_synthetic_dataset
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 from qwen3_pretrain.data.sources import DataSource, parse_data_path
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.train.config import TrainConfig

@@ -18,11 +18,12 @@ import yaml
 from tokenizers import Tokenizer
 
 from qwen3_pretrain.config.loader import load_config
-from qwen3_pretrain.data import convert as convert_module
-from qwen3_pretrain.data import wiki
-from qwen3_pretrain.data.convert import DataConvertConfig, convert
+from qwen3_pretrain.convert import shards as convert_module
+from qwen3_pretrain.convert import wiki
+from qwen3_pretrain.convert.config import DataConvertConfig
+from qwen3_pretrain.convert.run import convert
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
-from qwen3_pretrain.data.reader_manifest import validate_manifest
+from qwen3_pretrain.data.manifest import validate_manifest
 from qwen3_pretrain.errors import ConfigError, UserError
 from test_wiki import write_extracted
 
@@ -226,7 +227,7 @@ def test_output_from_another_tokenizer_is_refused(corpus: Path, tmp_path: Path) 
 def test_interrupted_run_leaves_no_manifest_and_no_shards(corpus: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     run(corpus, tmp_path / "out", shards=2, workers=1)
-    add, calls = convert_module._Shards.add, []
+    add, calls = convert_module.ShardWriter.add, []
 
     def add_then_die(self, doc) -> None:
         calls.append(1)
@@ -234,7 +235,7 @@ def test_interrupted_run_leaves_no_manifest_and_no_shards(corpus: Path, tmp_path
             raise KeyboardInterrupt
         add(self, doc)
 
-    monkeypatch.setattr(convert_module._Shards, "add", add_then_die)
+    monkeypatch.setattr(convert_module.ShardWriter, "add", add_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(corpus, tmp_path / "out", shards=2, workers=2, chunk_size=10)
     assert list((tmp_path / "out").iterdir()) == []
@@ -309,7 +310,7 @@ def test_cli_success_and_errors_without_traceback(tmp_path: Path) -> None:
 def test_documents_without_tokens_keep_the_counts_true(tmp_path: Path) -> None:
     """A document whose text tokenizes to nothing is its EOD alone (a sequence of one token), or, without
     EOD, not written at all; the manifest's counts always match what the shard holds."""
-    shards = convert_module._Shards([tmp_path / "shard_00000"], np.int32, 4, eod=True)
+    shards = convert_module.ShardWriter([tmp_path / "shard_00000"], np.int32, 4, eod=True)
     assert shards.add(np.array([7, 8, EOD], dtype=np.int32)) and shards.add(np.array([EOD], dtype=np.int32))
     assert not shards.add(np.array([], dtype=np.int32))
     shards.finalize()

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from qwen3_pretrain.data import convert_input
-from qwen3_pretrain.data.convert_input import input_files, units
+from qwen3_pretrain.convert import inputs as convert_input
+from qwen3_pretrain.convert.inputs import input_files, units
 from qwen3_pretrain.errors import MissingFileError, UserError
 from test_convert import corpus, files_of, run  # noqa: F401  (corpus is a fixture)
 

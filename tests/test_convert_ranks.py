@@ -13,13 +13,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from qwen3_pretrain.data import wiki
-from qwen3_pretrain.data.convert import DataConvertConfig, convert
-from qwen3_pretrain.data.convert import _Progress, _ShardCounts
-from qwen3_pretrain.data.convert_ranks import _check_shared, _finish, _Rank, split_files
+from qwen3_pretrain.convert import wiki
+from qwen3_pretrain.convert.config import DataConvertConfig
+from qwen3_pretrain.convert.run import convert
+from qwen3_pretrain.convert.shards import Progress
+from qwen3_pretrain.data.manifest import ShardCounts
+from qwen3_pretrain.convert.ranks import _check_shared, _finish, _Rank, split_files
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
 from qwen3_pretrain.data.reader import PackedDataset, open_corpus
-from qwen3_pretrain.data.reader_manifest import validate_manifest
+from qwen3_pretrain.data.manifest import validate_manifest
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.parallel.launch import LaunchInfo
 from tests._train_helpers import check_ok, child_env, free_port
@@ -167,7 +169,7 @@ def test_a_rank_that_does_not_share_the_output_folder_says_so(tmp_path: Path) ->
 
 
 def test_rank_0_refuses_a_manifest_over_pieces_it_cannot_see(tmp_path: Path) -> None:
-    gathered = [([("shard_00000-00001", _ShardCounts(1, 1, 5))], _Progress())]
+    gathered = [([("shard_00000-00001", ShardCounts(1, 1, 5))], Progress())]
     with pytest.raises(UserError, match="shard_00000-00001.bin: written by another rank but not visible from rank 0"):
         _finish(_rank(tmp_path, 0), gathered, 0.0)
     assert not (tmp_path / "manifest.json").exists()
@@ -190,7 +192,7 @@ def test_a_waiting_rank_names_a_rank_gone_silent_within_the_timeout() -> None:
     rank_timeout_s of silence, naming it, rather than waiting out a collective's timeout."""
     import time
 
-    from qwen3_pretrain.data.convert_ranks import Liveness
+    from qwen3_pretrain.convert.ranks import Liveness
 
     stores = _stores(2)
     ranks = [Liveness(store, LaunchInfo(r, 2, 0, "torchrun"), timeout_s=1.0, beat_s=0.1)
@@ -212,7 +214,7 @@ def test_a_slow_rank_that_keeps_making_progress_is_waited_for() -> None:
     import threading
     import time
 
-    from qwen3_pretrain.data.convert_ranks import Liveness
+    from qwen3_pretrain.convert.ranks import Liveness
 
     stores = _stores(2)
     ranks = [Liveness(store, LaunchInfo(r, 2, 0, "torchrun"), timeout_s=0.6, beat_s=0.05)
@@ -241,7 +243,7 @@ def test_rank_0_keeps_the_store_until_every_rank_is_done_with_it() -> None:
     import threading
     import time
 
-    from qwen3_pretrain.data.convert_ranks import Liveness
+    from qwen3_pretrain.convert.ranks import Liveness
 
     stores = _stores(2)
     ranks = [Liveness(store, LaunchInfo(r, 2, 0, "mpirun"), timeout_s=5.0, beat_s=0.05)
@@ -267,14 +269,14 @@ def test_a_failure_upstream_in_the_load_chain_stops_the_next_rank_instead_of_lea
     agreement. Before, the next rank waited in a receive until the collective timeout."""
     import numpy as np
 
-    from qwen3_pretrain.data import convert_ranks
-    from qwen3_pretrain.data.convert import _Shards
+    from qwen3_pretrain.convert import ranks as convert_ranks
+    from qwen3_pretrain.convert.shards import ShardWriter
 
     stores = _stores(2)
     lives = [convert_ranks.Liveness(store, LaunchInfo(r, 2, 0, "torchrun"), timeout_s=5.0, beat_s=0.05)
              for r, store in enumerate(stores)]
     ranks = [_rank(tmp_path, r) for r in range(2)]
-    _Shards([ranks[1].staging_prefix()], np.int32, 100, True).finalize(drop_empty=False)  # rank 1: empty, staged
+    ShardWriter([ranks[1].staging_prefix()], np.int32, 100, True).finalize(drop_empty=False)  # rank 1: empty, staged
     try:
         with pytest.raises(Exception):  # rank 0: no staged dataset
             convert_ranks._assign(ranks[0], lives[0])

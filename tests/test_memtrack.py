@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen3_pretrain.plan.memtrack import MemoryTracker
+from qwen3_pretrain.simulate.memtrack import MemoryTracker
 
 MB = 1_000_000
 

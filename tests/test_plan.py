@@ -23,7 +23,7 @@ from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
 from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
 from qwen3_pretrain.plan.memory import GiB, recomputed_bytes_per_token, predict_memory, stage_params
-from qwen3_pretrain.plan.memtrack import MemoryTracker
+from qwen3_pretrain.simulate.memtrack import MemoryTracker
 from qwen3_pretrain.plan.step import predict_step
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import torch
 
 from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
-from tests._synthetic_data import write_synthetic_dataset
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 from qwen3_pretrain.errors import UserError
 
 CPU = torch.device("cpu")

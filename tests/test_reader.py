@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter
 from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset, open_corpus
-from qwen3_pretrain.data.reader_manifest import validate_manifest
-from tests._synthetic_data import write_synthetic_dataset
+from qwen3_pretrain.data.manifest import validate_manifest
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 from qwen3_pretrain.errors import UserError
 
 EOD = 0

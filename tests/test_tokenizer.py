@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from qwen3_pretrain.data import bpe
-from qwen3_pretrain.data.tokenizer import PROVEN_TOKENIZERS, load_tokenizer
-from qwen3_pretrain.data.wiki_dump import iter_dump_articles
+from qwen3_pretrain.convert import bpe
+from qwen3_pretrain.convert.tokenizer import PROVEN_TOKENIZERS, load_tokenizer
+from qwen3_pretrain.convert.wiki_dump import iter_dump_articles
 from qwen3_pretrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ SAMPLES = ["Hello world", "naïve café\u0301 <|im_end|> 東京", "x = [1, 2]\n\
 
 
 def test_fast_tables_are_cached_and_give_the_same_tokenizer(tmp_path: Path, monkeypatch) -> None:
-    from qwen3_pretrain.data import tokenizer as T
+    from qwen3_pretrain.convert import tokenizer as T
 
     monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
     T._load.cache_clear()
@@ -205,7 +205,7 @@ def test_fast_tables_are_cached_and_give_the_same_tokenizer(tmp_path: Path, monk
 
 
 def test_cached_results_are_keyed_by_the_code_that_derived_them(tmp_path: Path, monkeypatch) -> None:
-    from qwen3_pretrain.data import tokenizer as T
+    from qwen3_pretrain.convert import tokenizer as T
 
     monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
     T._load.cache_clear(), T._nfc_disagreements.cache_clear()
@@ -222,7 +222,7 @@ def test_cached_results_are_keyed_by_the_code_that_derived_them(tmp_path: Path, 
 
 
 def test_no_home_directory_means_no_cache_not_an_error(monkeypatch) -> None:
-    from qwen3_pretrain.data import tokenizer as T
+    from qwen3_pretrain.convert import tokenizer as T
 
     monkeypatch.delenv("QWEN3_PRETRAIN_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -241,7 +241,7 @@ def test_no_home_directory_means_no_cache_not_an_error(monkeypatch) -> None:
 
 
 def test_fast_tables_cache_key_covers_the_end_of_document_config(tmp_path: Path) -> None:
-    from qwen3_pretrain.data.tokenizer import _tables_cache_file
+    from qwen3_pretrain.convert.tokenizer import _tables_cache_file
 
     (tmp_path / "tokenizer.json").write_bytes(b"{}")
     alone = _tables_cache_file("ab" * 32, tmp_path / "tokenizer.json")
@@ -252,7 +252,7 @@ def test_fast_tables_cache_key_covers_the_end_of_document_config(tmp_path: Path)
 
 
 def test_normalization_differences_are_cached_per_library_versions(tmp_path: Path, monkeypatch) -> None:
-    from qwen3_pretrain.data import tokenizer as T
+    from qwen3_pretrain.convert import tokenizer as T
 
     monkeypatch.setenv("QWEN3_PRETRAIN_CACHE", str(tmp_path))
     probed = T._probe_nfc_disagreements()

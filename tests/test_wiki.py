@@ -16,8 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from qwen3_pretrain.data import pool, wiki, wiki_dump, wikitext
-from qwen3_pretrain.data.wikitext import is_redirect_text, remove_nested, wikitext_to_text
+from qwen3_pretrain.convert import wiki, wiki_dump, wikitext
+from qwen3_pretrain.data import pool
+from qwen3_pretrain.convert.wikitext import is_redirect_text, remove_nested, wikitext_to_text
 from qwen3_pretrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]

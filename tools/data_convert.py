@@ -13,4 +13,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from qwen3_pretrain.cli import run_command  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_command("qwen3_pretrain.data.convert:main", sys.argv[1:]))
+    sys.exit(run_command("qwen3_pretrain.convert.run:main", sys.argv[1:]))

@@ -42,7 +42,7 @@ class ConfigDoc:
 
 CONFIG_DOCS: tuple[ConfigDoc, ...] = (
     ConfigDoc(
-        "qwen3_pretrain.data.convert:DataConvertConfig", "pretain_data_config.yaml", "Data conversion",
+        "qwen3_pretrain.convert.config:DataConvertConfig", "pretain_data_config.yaml", "Data conversion",
         "Read by `qwen3-pretrain convert --config FILE` (same as `python tools/data_convert.py --config FILE`). "
         "Example: [examples/pretain_data_config.yaml](../examples/pretain_data_config.yaml). "
         "Guide: [data.md](data.md)."),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from qwen3_pretrain.data.reader import PackedDataset
-from qwen3_pretrain.data.reader_manifest import MANIFEST_NAME, validate_manifest
+from qwen3_pretrain.data.manifest import MANIFEST_NAME, validate_manifest
 from qwen3_pretrain.data.sources import PERIOD, DataSource
 from qwen3_pretrain.errors import UserError
 

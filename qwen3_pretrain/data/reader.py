@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
-from qwen3_pretrain.data.reader_manifest import read_manifest
+from qwen3_pretrain.data.manifest import read_manifest
 from qwen3_pretrain.errors import UserError
 
 SPLITS = ("train", "valid")

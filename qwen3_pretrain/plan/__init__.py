@@ -4,8 +4,8 @@
     mem = predict_memory(model_cfg, Layout(tp=4, pp=2, micro_batch_size=4, seq_length=8192))
     print(mem.gib())  # parameters, gradients, optimizer, activations, logits, overhead, total
 
-Nothing here imports torch except ``memtrack`` (allocator-level measurement),
-``validate`` and ``commbench``, which are imported on their own.
+Nothing here imports torch but ``commbench`` (it measures real collectives), which
+is imported on its own: ``plan`` starts without torch (``tests/test_torch_free.py``).
 """
 
 from qwen3_pretrain.hardware import DEVICES, Hardware, get_device

@@ -44,15 +44,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from qwen3_pretrain.data.convert import (MANIFEST, DataConvertConfig, _backend_line, _manifest, _prepare_output,
-                                         _Progress, _ShardCounts, _Shards, _summary, _tokenize_into,
-                                         warn_fewer_shards)
-from qwen3_pretrain.data.convert_input import check_inputs
+from qwen3_pretrain.convert.config import DataConvertConfig
+from qwen3_pretrain.convert.inputs import check_inputs
+from qwen3_pretrain.convert.shards import (Progress, ShardWriter, backend_line, conversion_manifest, prepare_output,
+                                           summary, tokenize_into, warn_fewer_shards)
+from qwen3_pretrain.convert.tokenizer import load_tokenizer
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
+from qwen3_pretrain.data.manifest import ShardCounts, write_manifest
 from qwen3_pretrain.data.pool import available_cores
-from qwen3_pretrain.data.tokenizer import load_tokenizer
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.parallel.env import destroy, init_process_group
 from qwen3_pretrain.parallel.launch import LaunchInfo
 
@@ -200,7 +200,7 @@ class _Rank:
     all_files: list[Path]
     tokenizer: Any = None
     total_docs: int | None = None
-    staging: _Shards | None = None
+    staging: ShardWriter | None = None
     pieces: list[IndexedDatasetWriter] = dataclasses.field(default_factory=list)
     written: list[Path] = dataclasses.field(default_factory=list)
     tick: Callable[[], None] = lambda: None  # marks progress (``Liveness.tick``)
@@ -226,8 +226,8 @@ def _start(rank: _Rank, nonce: str) -> tuple[str, list[tuple[str, int]]]:
     rank.total_docs = check_inputs(rank.files, rank.cfg.text_column)
     rank.tokenizer = load_tokenizer(rank.cfg.tokenizer_path, rank.cfg.tokenizer_backend)
     if rank.info.rank == 0:
-        print(_backend_line(rank.tokenizer), file=sys.stderr)
-        _prepare_output(rank.output, rank.tokenizer.sha256)
+        print(backend_line(rank.tokenizer), file=sys.stderr)
+        prepare_output(rank.output, rank.tokenizer.sha256)
         (rank.output / _MARKER).write_text(nonce)
     return rank.tokenizer.sha256, [(str(f), f.stat().st_size) for f in rank.all_files]
 
@@ -247,13 +247,13 @@ def _check_shared(rank: _Rank, nonce: str, views: list[tuple[str, list[tuple[str
                         "from rank 0 there): every node must see output_path on a shared filesystem")
 
 
-def _tokenize(rank: _Rank) -> _Progress:
+def _tokenize(rank: _Rank) -> Progress:
     """This rank's files, tokenized into its staging dataset in input order."""
     dtype = dtype_for_vocab(rank.tokenizer.vocab_size)
-    rank.staging = _Shards([rank.staging_prefix()], dtype, rank.cfg.max_doc_length, rank.cfg.append_eod)
+    rank.staging = ShardWriter([rank.staging_prefix()], dtype, rank.cfg.max_doc_length, rank.cfg.append_eod)
     workers = rank.cfg.workers or available_cores()
     desc = f"convert (rank 0's share of {rank.info.world_size})"
-    progress = _tokenize_into(rank.staging, rank.cfg, rank.files, rank.tokenizer, workers, rank.total_docs, desc,
+    progress = tokenize_into(rank.staging, rank.cfg, rank.files, rank.tokenizer, workers, rank.total_docs, desc,
                               show=rank.info.rank == 0, tick=rank.tick)
     rank.staging.finalize(drop_empty=False)  # a rank without documents stages an empty dataset
     return progress
@@ -306,11 +306,11 @@ def _staged_documents(staged: IndexedDataset) -> tuple[np.ndarray, np.ndarray]:
     return first, tokens
 
 
-def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> list[tuple[str, _ShardCounts]]:
+def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> list[tuple[str, ShardCounts]]:
     """Copy the staged documents into this rank's pieces; the pieces that got documents, by shard."""
     prefixes = [rank.output / f"shard_{s:05d}-{rank.info.rank:05d}" for s in range(rank.cfg.shards)]
     rank.pieces = [IndexedDatasetWriter(p, staged.dtype) for p in prefixes]
-    counts = [_ShardCounts() for _ in prefixes]
+    counts = [ShardCounts() for _ in prefixes]
     bounds = np.asarray(staged.document_indices, dtype=np.int64)
     for doc, shard in _numbered(shards, block=1 << 12, tick=rank.tick):
         for seq in range(int(bounds[doc]), int(bounds[doc + 1])):
@@ -331,7 +331,7 @@ def _write_pieces(rank: _Rank, staged: IndexedDataset, shards: np.ndarray) -> li
     return named
 
 
-def _place(rank: _Rank, live: Liveness) -> list[tuple[str, _ShardCounts]]:
+def _place(rank: _Rank, live: Liveness) -> list[tuple[str, ShardCounts]]:
     shards = _assign(rank, live)
     staged = IndexedDataset(rank.staging_prefix())
     named = _write_pieces(rank, staged, shards)
@@ -341,7 +341,7 @@ def _place(rank: _Rank, live: Liveness) -> list[tuple[str, _ShardCounts]]:
     return named
 
 
-def _finish(rank: _Rank, gathered: list[tuple[list[tuple[str, _ShardCounts]], _Progress]],
+def _finish(rank: _Rank, gathered: list[tuple[list[tuple[str, ShardCounts]], Progress]],
             start: float) -> dict[str, Any] | None:
     """Rank 0: check it sees every piece, then write the one manifest over all of them."""
     if rank.info.rank != 0:
@@ -355,14 +355,14 @@ def _finish(rank: _Rank, gathered: list[tuple[list[tuple[str, _ShardCounts]], _P
     if not pieces:
         raise UserError(f"input_path {rank.cfg.input_path!r}: no document has any text; nothing to write")
     cfg, workers = rank.cfg, rank.cfg.workers or available_cores()
-    manifest = _manifest(cfg, rank.tokenizer, dtype_for_vocab(rank.tokenizer.vocab_size), pieces, rank.all_files,
-                         workers, time.perf_counter() - start)
+    manifest = conversion_manifest(cfg, rank.tokenizer, dtype_for_vocab(rank.tokenizer.vocab_size), pieces,
+                                   rank.all_files, workers, time.perf_counter() - start)
     manifest["ranks"] = rank.info.world_size
     (rank.output / _MARKER).unlink(missing_ok=True)
-    write_json_atomic(rank.output / MANIFEST, manifest)
+    write_manifest(rank.output, manifest)
     warn_fewer_shards(manifest)
-    progress = _Progress(sum(p.empty for _, p in gathered), sum(p.text_bytes for _, p in gathered))
-    print(_summary(manifest, progress, rank.output, f" from {rank.info.world_size} ranks"))
+    progress = Progress(sum(p.empty for _, p in gathered), sum(p.text_bytes for _, p in gathered))
+    print(summary(manifest, progress, rank.output, f" from {rank.info.world_size} ranks"))
     return manifest
 
 

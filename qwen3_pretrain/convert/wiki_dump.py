@@ -33,7 +33,7 @@ import indexed_bzip2
 from tqdm import tqdm
 
 from qwen3_pretrain.data.pool import ordered_map, put_unless_stopped
-from qwen3_pretrain.data.wikitext import is_redirect_text, wikitext_to_text
+from qwen3_pretrain.convert.wikitext import is_redirect_text, wikitext_to_text
 from qwen3_pretrain.errors import UserError
 
 # (id, title, url, text)

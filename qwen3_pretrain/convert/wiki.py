@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from qwen3_pretrain.data.pool import available_cores
-from qwen3_pretrain.data.wiki_dump import Article, DumpProgress, compression, iter_dump_articles, open_binary
+from qwen3_pretrain.convert.wiki_dump import Article, DumpProgress, compression, iter_dump_articles, open_binary
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 

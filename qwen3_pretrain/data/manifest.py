@@ -1,21 +1,27 @@
-"""Reading and checking a converted data directory's ``manifest.json`` before training.
+"""A converted data directory's ``manifest.json``: the one module that writes it and reads it.
 
-The converter writes ``shard_NNNNN.bin/.idx`` plus ``manifest.json``; training
-trusts nothing it has not checked here, because a wrong tokenizer or a shard
-cut short by a failed copy otherwise shows up hours later as a bad loss curve
-or an index error deep inside a training step.
+The converter writes ``shard_NNNNN.bin/.idx`` plus ``manifest.json`` (last: it
+is the commit marker); training trusts nothing it has not checked here,
+because a wrong tokenizer or a shard cut short by a failed copy otherwise shows
+up hours later as a bad loss curve or an index error deep inside a training
+step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from qwen3_pretrain.data.indexed_dataset import IndexedDataset
 from qwen3_pretrain.errors import MissingFileError, UserError
+from qwen3_pretrain.fsutil import write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "megatron-indexed-dataset"
@@ -25,6 +31,34 @@ _REQUIRED_KEYS = ("format", "format_version", "dtype", "tokenizer", "num_documen
 _REQUIRED_TOKENIZER_KEYS = ("vocab_size", "eod_id", "sha256")
 _REQUIRED_SHARD_KEYS = ("prefix", "num_documents", "num_sequences", "num_tokens")
 _CONVERT_HINT = "run 'qwen3-pretrain convert' to produce shards and manifest.json"
+
+
+@dataclasses.dataclass
+class ShardCounts:
+    """What one shard (or one rank's piece of it) holds."""
+
+    num_documents: int = 0
+    num_sequences: int = 0
+    num_tokens: int = 0
+
+
+def build_manifest(*, dtype: type, tokenizer: dict[str, Any], seq_length: int, shards: list[tuple[str, ShardCounts]],
+                   source: dict[str, Any], config: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
+    """The manifest of ``shards`` (prefix, counts) in reading order; ``tokenizer`` holds path, sha256,
+    vocab_size, eod_id and backend, ``source`` the input's path and size."""
+    totals = {key: sum(getattr(c, key) for _, c in shards) for key in ("num_documents", "num_sequences", "num_tokens")}
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name, "tokenizer": tokenizer,
+        "seq_length": seq_length, **totals,
+        "shards": [{"prefix": prefix, **dataclasses.asdict(c)} for prefix, c in shards],
+        "source": source, "config": config,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "elapsed_s": round(elapsed_s, 3),
+    }
+
+
+def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Write ``manifest`` into ``root`` atomically (a reader sees the whole file or none)."""
+    write_json_atomic(Path(root) / MANIFEST_NAME, manifest)
 
 
 def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import numpy as np
 import tiktoken
 import tokenizers
 
-from qwen3_pretrain.data import bpe
+from qwen3_pretrain.convert import bpe
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import atomic_path
 

@@ -1,14 +1,13 @@
-"""Small synthetic data directories in the converter's output layout, for tests and benchmarks (test code, so
-it lives beside the tests, outside the package).
+"""A converted data directory written from token arrays: for tests, benchmarks and experiments that need
+the reader without a tokenizer or a corpus.
 
 Real data comes from ``qwen3-pretrain convert``; this writes the same layout
-(``shard_NNNNN.bin/.idx`` + ``manifest.json``) from token arrays given
-directly, so the reader can be exercised without a tokenizer or a corpus.
+(``shard_NNNNN.bin/.idx`` + ``manifest.json``, through the manifest's one
+writer) from token arrays given directly.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter
-from qwen3_pretrain.data.reader_manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from qwen3_pretrain.data.manifest import ShardCounts, build_manifest, write_manifest
 
 
 def write_synthetic_dataset(path: str | os.PathLike, docs: Sequence[np.ndarray], eod_id: int, *,
@@ -36,34 +35,24 @@ def write_synthetic_dataset(path: str | os.PathLike, docs: Sequence[np.ndarray],
     shards = [_write_shard(root / f"shard_{i:05d}", docs[start:start + per_shard], eod_id, max_piece_length)
               for i, start in enumerate(range(0, max(1, len(docs)), per_shard))]
     max_id = max([eod_id] + [int(np.max(d)) for d in docs if len(d)])
-    manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": "int32",
-        "tokenizer": {"path": "synthetic", "sha256": tokenizer_sha256,
-                      "vocab_size": vocab_size or max_id + 1, "eod_id": eod_id, "backend": "synthetic"},
-        "seq_length": seq_length,
-        "num_documents": sum(s["num_documents"] for s in shards),
-        "num_sequences": sum(s["num_sequences"] for s in shards),
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "shards": shards,
-        "source": {"path": "synthetic", "size_bytes": 0}, "config": {}, "created": "", "elapsed_s": 0.0,
-    }
-    tmp = root / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    os.replace(tmp, root / MANIFEST_NAME)
+    tokenizer = {"path": "synthetic", "sha256": tokenizer_sha256, "vocab_size": vocab_size or max_id + 1,
+                 "eod_id": eod_id, "backend": "synthetic"}
+    manifest = build_manifest(dtype=np.int32, tokenizer=tokenizer, seq_length=seq_length, shards=shards,
+                              source={"path": "synthetic", "size_bytes": 0}, config={}, elapsed_s=0.0)
+    write_manifest(root, manifest)
     return manifest
 
 
 def _write_shard(prefix: Path, docs: Sequence[np.ndarray], eod_id: int,
-                 max_piece_length: int | None) -> dict[str, Any]:
+                 max_piece_length: int | None) -> tuple[str, ShardCounts]:
     writer = IndexedDatasetWriter(prefix, dtype=np.int32)
-    num_sequences = num_tokens = 0
+    counts = ShardCounts(num_documents=len(docs))
     for doc in docs:
         tokens = np.append(np.asarray(doc, dtype=np.int32), np.int32(eod_id))
         step = max_piece_length or len(tokens)
         for start in range(0, len(tokens), step):
             writer.add_document(tokens[start:start + step])
-            num_sequences += 1
-        num_tokens += len(tokens)
+            counts.num_sequences += 1
+        counts.num_tokens += len(tokens)
     writer.finalize()
-    return {"prefix": prefix.name, "num_documents": len(docs), "num_sequences": num_sequences,
-            "num_tokens": num_tokens}
+    return prefix.name, counts
