@@ -107,7 +107,7 @@ def test_sharding_the_sequence_and_putting_it_back():
 
 def _check_all(rank: int, world_size: int) -> None:
     _check(rank, world_size, documents=False, recompute="none")
-    _check(rank, world_size, documents=True, recompute="attention")  # the gather rerun in backward
+    _check(rank, world_size, documents=True, recompute="selective")  # the gather rerun in backward
     _check_memory(rank, world_size)
 
 

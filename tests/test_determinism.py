@@ -13,8 +13,7 @@ import textwrap
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwen3_pretrain.models.ops.loss import ChunkedLMHead
-from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model
+from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, Qwen3Model
 
 
 def test_the_switch_sets_deterministic_kernels_before_any_runs():
@@ -54,8 +53,7 @@ REFUSED_ON_CUDA = {"scatter_add": 2, "scatter_add_": 2, "scatter_reduce": 1, "sc
 
 def test_a_training_step_uses_no_operator_deterministic_mode_refuses_on_cuda(tiny_config):
     cfg = tiny_config()
-    model = Qwen3Model(cfg, ModelOptions(document_mask=True), ModelPart(output="hidden"))
-    model.lm_head = ChunkedLMHead.from_linear(model.lm_head, chunk_tokens=16)
+    model = Qwen3Model(cfg, ModelOptions(document_mask=True, loss_head=LossHead(chunk_tokens=16)))
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)
     with _Ops() as ops:

@@ -1,11 +1,5 @@
-"""Sharded training checkpoints: the one module that writes and reads ``output_path/step_<N>/``.
-
-Layout of ``output_path``::
-
-    latest                 name of the newest complete checkpoint ("step_0000100")
-    step_0000100/          .metadata + __<rank>_<n>.distcp (torch.distributed.checkpoint),
-                           meta.json (step, model, layout, data position, config), rng/rank_<r>.pt
-    .tmp-step_0000200-save a checkpoint being written (ignored; removed by the next save)
+"""Sharded training checkpoints: saving, publishing and loading ``output_path/step_<N>/`` (``layout.py`` says
+what is on disk; ``reshard.py`` reads a checkpoint of another layout).
 
 A checkpoint is written under its temporary name by every rank, then rank 0
 adds ``meta.json`` and publishes it with one atomic rename, and only then
@@ -17,11 +11,8 @@ the vocabulary rows, padded to a multiple of tp, are re-padded or trimmed.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
-import re
 import shutil
 import time
 import traceback
@@ -31,11 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,141 +32,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from qwen3_pretrain.errors import MissingFileError, UserError
+from qwen3_pretrain.checkpoint.layout import (FORMAT, LATEST, META_FILE, list_checkpoints, problem,
+                                              read_dcp_metadata, read_meta, step_dir_name)
+from qwen3_pretrain.checkpoint.reshard import VocabRowsPlanner, aliased_keys, rename, repadded_vocab_rows
+from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")
 
-FORMAT = "qwen3-pretrain-checkpoint"
-LATEST = "latest"
-DCP_METADATA = ".metadata"
-META_FILE = "meta.json"
-_STEP_DIR = re.compile(r"step_(\d+)")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# Parameters whose dim 0 is the vocabulary padded to a multiple of tp; rows past vocab_size are zero.
-VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path / 'meta.json'}: unreadable checkpoint metadata ({exc})") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{path / 'meta.json'}: not a {FORMAT} checkpoint")
-    return meta
-
-
-def list_checkpoints(root: Path) -> dict[int, Path]:
-    """Step -> directory of each ``step_<N>`` directory, complete or not; unfinished saves' temp dirs are skipped."""
-    found = {}
-    for path in root.iterdir():
-        match = _STEP_DIR.fullmatch(path.name)
-        if match and path.is_dir():
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
-
-
-def find_checkpoint(input_path: str | os.PathLike, step: int | None = None) -> Path:
-    """The checkpoint to merge: ``step_<step>``, else the one ``latest`` names, else the newest complete one."""
-    root = Path(input_path)
-    if not root.is_dir():
-        raise MissingFileError(f"input_path {root}: no such directory; pass the training run's output_path "
-                               f"(the directory holding {LATEST} and step_*/)")
-    steps = list_checkpoints(root)
-    if step is not None:
-        if step not in steps:
-            available = ", ".join(map(str, steps)) or "none"
-            raise UserError(f"{root}: no checkpoint {step_dir_name(step)} for --step {step}; "
-                            f"available steps: {available}")
-        return steps[step]
-    if not steps:
-        raise UserError(f"{root}: no checkpoint in this directory (no step_* directory); is it the training "
-                        "run's output_path, and did the run save (save_steps)?")
-    named = _named_by_latest(root)
-    if named is not None:
-        return named
-    for path in reversed(steps.values()):
-        if _problem(path) is None:
-            return path
-    newest = list(steps.values())[-1]
-    raise UserError(f"{root}: no complete checkpoint; the newest, {newest.name}, is incomplete: {_problem(newest)}")
-
-
-def _named_by_latest(root: Path) -> Path | None:
-    """The checkpoint ``latest`` names when it is complete; otherwise warn and return None."""
-    latest = root / LATEST
-    if not latest.is_file():
-        log.warning("%s is missing; using the newest complete checkpoint", latest)
-        return None
-    named = root / latest.read_text(encoding="utf-8").strip()
-    problem = _problem(named) if named.is_dir() else "no such directory"
-    if problem is None:
-        return named
-    log.warning("%s names %s, which is unusable (%s); using the newest complete checkpoint",
-                latest, named.name, problem)
-    return None
-
-
-def _problem(path: Path) -> str | None:
-    """Why checkpoint ``path`` cannot be merged, or None when it is complete."""
-    try:
-        check_complete(path)
-    except (UserError, FileNotFoundError) as exc:
-        return str(exc)
-    return None
-
-
-def check_complete(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint ``path`` after checking every file it needs is there in full."""
-    for name in (DCP_METADATA, META_FILE):
-        if not (path / name).is_file():
-            raise MissingFileError(f"{path / name} is missing: checkpoint {path} is incomplete "
-                                   "(interrupted save or copy); copy it again or choose another --step")
-    metadata = read_dcp_metadata(path)
-    for relative_path, needed in _bytes_needed(metadata).items():
-        data_file = path / relative_path
-        if not data_file.is_file():
-            raise MissingFileError(f"{data_file} is missing: {path / DCP_METADATA} lists it; checkpoint {path} "
-                                   "is incomplete; copy it again or choose another --step")
-        size = data_file.stat().st_size
-        if size < needed:
-            raise UserError(f"{data_file} is truncated ({size} bytes, {path / DCP_METADATA} needs {needed}); "
-                            f"checkpoint {path} is incomplete; copy it again or choose another --step")
-    return metadata
-
-
-def read_dcp_metadata(path: Path) -> Metadata:
-    """The ``.metadata`` of a DCP checkpoint directory (tensor shapes, chunks and where their bytes are)."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # unpickling a damaged file can raise almost any exception type
-        raise UserError(f"{path / DCP_METADATA}: not a readable checkpoint metadata file ({exc!r})") from None
-    if not isinstance(metadata, Metadata) or metadata.storage_data is None:
-        raise UserError(f"{path / DCP_METADATA}: not a torch.distributed.checkpoint metadata file")
-    return metadata
-
-
-def _bytes_needed(metadata: Metadata) -> dict[str, int]:
-    """Data file -> the size it must have at least: the end of the last item stored in it."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    return needed
-
-
-def find_latest(output_path: str | os.PathLike) -> Path | None:
-    """The checkpoint a run in ``output_path`` resumes from, or None when it has none yet."""
-    root = Path(output_path)
-    if not root.is_dir():
-        return None
-    for tmp in root.glob(".tmp-step_*"):
-        log.warning("ignoring %s: a checkpoint that was being written when a run stopped", tmp)
-    return find_checkpoint(root) if list_checkpoints(root) else None
 
 
 class Checkpointer:
@@ -294,44 +156,11 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.keep_last_n <= 0:
             return
-        done = [p for p in list_checkpoints(self.root).values() if _problem(p) is None]
+        done = [p for p in list_checkpoints(self.root).values() if problem(p) is None]
         for old in done[: -self.keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
 
     # --- load -----------------------------------------------------------------------
-
-    def _aliased_keys(self, part: str, ours: dict[str, Any], saved: set[str]) -> dict[str, str]:
-        """{our key: the checkpoint's key to read it from} for keys of ``part`` ("model" or "optim") that
-        the checkpoint lacks and an alias provides. Model keys are parameter names; flattened optimizer
-        keys are ``state.<param>.<name>`` and ``param_groups.<param>.<name>``."""
-        renamed = {}
-        for key in ours:
-            if f"{part}.{key}" in saved:
-                continue
-            for name, alias in self.aliases.items():
-                if part == "model":
-                    other = alias if key == name else None
-                else:
-                    kind, _, rest = key.partition(".")
-                    other = f"{kind}.{alias}{rest[len(name):]}" if rest.startswith(name + ".") else None
-                if other is not None and f"{part}.{other}" in saved and other not in ours:
-                    renamed[key] = other
-        return renamed
-
-    def _repadded_vocab_rows(self, state: dict[str, dict[str, Any]], saved: dict[str, Any]) -> dict[str, torch.Size]:
-        """{flattened DCP key: our shape} of the vocabulary tensors (weights and their optimizer states)
-        that the checkpoint holds with another number of padding rows, i.e. saved under another tp."""
-        if self.vocab_size is None:
-            return {}
-        found = {}
-        for part, entries in state.items():
-            for key, value in entries.items():
-                md = saved.get(f"{part}.{key}")
-                if (isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata)
-                        and md.size != value.shape and _is_vocab_tensor(part, key)
-                        and md.size[1:] == value.shape[1:] and min(md.size[0], value.shape[0]) >= self.vocab_size):
-                    found[f"{part}.{key}"] = value.shape
-        return found
 
     def load(self, path: Path) -> dict[str, Any]:
         """Restore model and optimizer from ``path`` (any layout); return its meta.json."""
@@ -339,19 +168,19 @@ class Checkpointer:
         per_part = self._part_state_dicts()
         state = self._merge(per_part)
         saved = read_dcp_metadata(path).state_dict_metadata
-        renamed = {part: self._aliased_keys(part, state[part], set(saved)) for part in ("model", "optim")}
-        _rename(state, renamed)  # read those entries under the checkpoint's names ...
-        repadded = self._repadded_vocab_rows(state, saved)
+        renamed = {part: aliased_keys(self.aliases, part, state[part], set(saved)) for part in ("model", "optim")}
+        rename(state, renamed)  # read those entries under the checkpoint's names ...
+        repadded = repadded_vocab_rows(self.vocab_size, state, saved)
         for key in repadded:  # the planner writes the real rows only: padding rows stay zero, as in a fresh run
             part, _, name = key.partition(".")
             with torch.no_grad():
                 state[part][name].zero_()
-        planner = _VocabRowsPlanner(repadded, self.vocab_size) if repadded else None
+        planner = VocabRowsPlanner(repadded, self.vocab_size) if repadded else None
         try:
             dcp.load(state, checkpoint_id=str(path), planner=planner)
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
-        _rename(state, renamed, back=True)  # ... and give them ours again
+        rename(state, renamed, back=True)  # ... and give them ours again
         # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
         # merged dict: give each part its own keys back from there.
         for part, opt, (m, o) in zip(self.parts, self.optimizers, per_part):
@@ -364,44 +193,6 @@ class Checkpointer:
             if saved.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
         return meta
-
-
-class _VocabRowsPlanner(DefaultLoadPlanner):
-    """DCP's load planner for a checkpoint whose vocabulary tensors have another number of padding
-    rows: of each such tensor it reads the first ``rows`` rows into ours, whatever our size and
-    sharding, and nothing else. DCP reads the overlap of every saved chunk with every local one, so
-    the saved entry is described to it as having our shape and chunks that end at ``rows``."""
-
-    def __init__(self, shapes: dict[str, torch.Size], rows: int) -> None:
-        super().__init__()
-        self.shapes, self.rows = shapes, rows
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        entries = dict(metadata.state_dict_metadata)
-        for key, shape in self.shapes.items():
-            md = entries[key]
-            chunks = [ChunkStorageMetadata(c.offsets, torch.Size((min(c.sizes[0], self.rows - c.offsets[0]),
-                                                                   *c.sizes[1:])))
-                      for c in md.chunks if c.offsets[0] < self.rows]
-            entries[key] = TensorStorageMetadata(md.properties, shape, chunks)
-        super().set_up_planner(state_dict, dataclasses.replace(metadata, state_dict_metadata=entries), is_coordinator)
-
-
-def _is_vocab_tensor(part: str, key: str) -> bool:
-    """Whether ``key`` of ``part`` is a VOCAB_TENSORS weight or (flattened ``state.<param>.<name>``)
-    one of its optimizer states."""
-    if part == "model":
-        return key in VOCAB_TENSORS
-    kind, _, rest = key.partition(".")
-    return kind == "state" and any(rest.startswith(name + ".") for name in VOCAB_TENSORS)
-
-
-def _rename(state: dict[str, dict[str, Any]], renamed: dict[str, dict[str, str]], back: bool = False) -> None:
-    """Move ``state[part][ours]`` to ``state[part][saved]`` for each ``renamed[part]`` entry (or back)."""
-    for part, keys in renamed.items():
-        for ours, saved in keys.items():
-            src, dst = (saved, ours) if back else (ours, saved)
-            state[part][dst] = state[part].pop(src)
 
 
 def _fresh_dir(tmp: Path) -> None:

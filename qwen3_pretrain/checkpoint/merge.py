@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from tqdm import tqdm
 
-from qwen3_pretrain.checkpoint.manager import DCP_METADATA, META_FILE, check_complete, find_checkpoint, read_meta
+from qwen3_pretrain.checkpoint.layout import DCP_METADATA, META_FILE, check_complete, find_checkpoint, read_meta
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shapes, parse_size
+from qwen3_pretrain.models.qwen3.model import HEAD, VOCAB_TENSORS
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")
 
@@ -47,7 +48,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # What a HF tokenizer directory may hold; tokenizer.json alone is enough for transformers' fast tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json", "tokenizer.model")
-_VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # [padded_vocab_size, hidden] in the checkpoint
 _MODEL_PREFIX = "model."  # training saves {"model": ..., "optim": ...}; DCP flattens the keys with a dot
 
 
@@ -111,7 +111,7 @@ def tensors_to_merge(metadata: Metadata, config: Qwen3Config, checkpoint: Path) 
             raise UserError(f"{where} has no tensor {_MODEL_PREFIX + name!r}, which its model_config "
                             f"({config.num_hidden_layers} layers, tied={config.tie_word_embeddings}) needs")
         _check_shape(name, tuple(md.size), shape, where)
-    extra = [name for name in saved if name not in expected and name != "lm_head.weight"]
+    extra = [name for name in saved if name not in expected and name != HEAD]
     if extra:
         raise UserError(f"{where} holds {_MODEL_PREFIX + extra[0]!r}, which its model_config "
                         f"({config.num_hidden_layers} layers) does not describe")
@@ -120,7 +120,7 @@ def tensors_to_merge(metadata: Metadata, config: Qwen3Config, checkpoint: Path) 
 
 def _check_shape(name: str, found: tuple[int, ...], want: tuple[int, ...], where: str) -> None:
     # The vocabulary tensors may hold padding rows beyond the real vocab_size.
-    padded_ok = name in _VOCAB_TENSORS and found[1:] == want[1:] and found[0] >= want[0]
+    padded_ok = name in VOCAB_TENSORS and found[1:] == want[1:] and found[0] >= want[0]
     if found != want and not padded_ok:
         raise UserError(f"{where}: tensor {_MODEL_PREFIX + name!r} has shape {list(found)}, but its model_config "
                         f"gives {list(want)}")

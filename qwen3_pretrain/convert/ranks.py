@@ -28,10 +28,8 @@ its node gone).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import heapq
 import json
-import os
 import sys
 import threading
 import time

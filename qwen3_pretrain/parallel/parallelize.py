@@ -23,11 +23,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
+from qwen3_pretrain.models.ops.loss import TiedLMHead
 from qwen3_pretrain.models.ops.precision import Fp32Linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model
+from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -45,11 +45,6 @@ class PartSpec:
 def local_stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """Stages of this pipeline rank: ``pp_rank + k * pp`` (the looped assignment interleaved schedules use)."""
     return [pp_rank + k * pp for k in range(stages_per_rank)]
-
-
-# ac_mode (the config's activation_checkpointing) -> what the model recomputes in backward
-# (selective: the attention core, as Megatron's and MindSpeed's selective recompute mean it)
-RECOMPUTE = {"none": "none", "full": "layer", "selective": "attention", "mlp": "mlp"}
 
 
 # (device type, compute dtype or None) -> the device's attention kernel
@@ -77,24 +72,16 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     ``models/ops/precision.py``); ``ac_mode``: what is recomputed in backward; ``document_mask``: attention
     within each document; ``cp_mesh``: the cp axis when it has more than one rank."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
-    options = ModelOptions(attention=kernel,
-                           linear=Fp32Linear if fp32_matmul else nn.Linear, recompute=RECOMPUTE[ac_mode],
-                           document_mask=document_mask)
     last = spec.stage_index == spec.num_stages - 1
-    part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last, output="hidden")
+    # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
+    # by summing the two gradients (parallel/grads.py: TiedWeights).
+    loss_head = LossHead(chunk_tokens=loss_chunk_tokens, valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size
+                         else None, fp32_matmul=fp32_matmul)
+    options = ModelOptions(attention=kernel, linear=Fp32Linear if fp32_matmul else nn.Linear,
+                           recompute=ac_mode, document_mask=document_mask, loss_head=loss_head)
+    part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last)
     with torch.device("meta"):
-        model = Qwen3Model(cfg, options, part)
-    if last:
-        head = dict(chunk_tokens=loss_chunk_tokens, valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size else None,
-                    fp32_matmul=fp32_matmul)
-        if cfg.tie_word_embeddings and model.embed_tokens is not None:
-            # One stage: the head applies the embedding's weight itself, one parameter as in HF.
-            model.lm_head = TiedLMHead(model.embed_tokens, **head)
-        else:
-            # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the
-            # embedding by summing the two gradients (see TiedWeights).
-            model.lm_head = ChunkedLMHead.from_linear(model.lm_head, **head)
-    return model
+        return Qwen3Model(cfg, options, part)
 
 
 class AllReduceScatter:

@@ -20,13 +20,12 @@ from typing import Iterator, Literal
 
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.attention_calls import dense_document_mask, kernel_name
-from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 from qwen3_pretrain.parallel.dims import (check_model_split, sequence_split_problem, stage_layer_ranges,
                                           valid_tp_degrees)
 
-Checkpointing = Literal["none", "selective", "mlp", "full"]
-# selective: the attention core (as Megatron); mlp: each MLP block; full: every layer
-CHECKPOINTING: tuple[str, ...] = ("none", "selective", "mlp", "full")
+Checkpointing = Literal[RECOMPUTE]  # models/qwen3/config.py says what each recomputes
+CHECKPOINTING: tuple[str, ...] = RECOMPUTE
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step

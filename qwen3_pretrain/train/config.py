@@ -12,6 +12,7 @@ from typing import Any, Literal
 from qwen3_pretrain.config.loader import field_help
 from qwen3_pretrain.data.sources import DataSource, parse_data_path
 from qwen3_pretrain.errors import ConfigError
+from qwen3_pretrain.models.qwen3.config import RECOMPUTE
 from qwen3_pretrain.parallel.dims import sequence_split_problem
 
 
@@ -87,7 +88,7 @@ class TrainConfig:
                "once per step (the pipeline schedule always does).")
     pp_microbatch_size: int = field_help(1, "Samples per pipeline micro-batch; each rank's batch of batch_size x "
                                          "gradient_accumulation_steps samples is split into micro-batches of this.")
-    activation_checkpointing: Literal["full", "selective", "mlp", "none"] | None = field_help(
+    activation_checkpointing: Literal[RECOMPUTE] | None = field_help(
         None, "What backward recomputes instead of keeping. full: every layer (keeps only each layer's input); "
               "selective: the attention core (the kernel's scores/softmax statistics and, with fp32 attention "
               "on a CPU, its fp32 copies), as Megatron's and MindSpeed's selective recompute; mlp: each MLP's "
@@ -135,6 +136,11 @@ class TrainConfig:
     def data_sources(self) -> tuple[DataSource, ...]:
         """The datasets data_path names, with weights summing to 1."""
         return parse_data_path(self.data_path)
+
+    @property
+    def per_document_positions(self) -> bool:
+        """RoPE positions restart at each packed document: asked for, or implied by the document mask."""
+        return self.reset_position_ids or self.document_mask
 
     @property
     def ac_mode(self) -> str:

@@ -192,7 +192,7 @@ class Engine:
     @property
     def uses_positions(self) -> bool:
         # Under cp a rank's tokens are not 0..n-1: each carries its own position.
-        return self.cfg.reset_position_ids or self.cfg.document_mask or self.dims.cp > 1
+        return self.cfg.per_document_positions or self.dims.cp > 1
 
     def tokens(self, mb: Batch, key: str) -> torch.Tensor:
         """``mb[key]`` [batch, seq] on the device, this cp rank's part of each sequence."""
@@ -202,7 +202,7 @@ class Engine:
         """Per-document (or, under cp, global) RoPE positions; None means 0..seq-1 in every sample."""
         if not self.uses_positions:
             return None
-        if self.cfg.reset_position_ids or self.cfg.document_mask:
+        if self.cfg.per_document_positions:
             return self.tokens(mb, "positions")
         return sequence_positions(mb["input_ids"].shape, self.dims.cp, self.cp_rank, self.device)
 

@@ -10,6 +10,7 @@ import torch
 from qwen3_pretrain.config.loader import nearest
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
+from qwen3_pretrain.models.qwen3.model import TIED_ALIASES
 from qwen3_pretrain.models.qwen3.model import init_param
 from qwen3_pretrain.train.config import TrainConfig
 
@@ -33,8 +34,8 @@ class ModelSource:
         cfg = self.config
 
         def source(name: str, shape: tuple[int, ...], slices: tuple[slice, ...]) -> torch.Tensor:
-            if cfg.tie_word_embeddings and name == "lm_head.weight":
-                name = "embed_tokens.weight"
+            if cfg.tie_word_embeddings:
+                name = TIED_ALIASES.get(name, name)
             real = (cfg.vocab_size,) + tuple(shape[1:]) if shape[0] == padded_vocab else tuple(shape)
             out = torch.zeros(tuple(s.stop - s.start for s in slices))
             rows = slice(slices[0].start, min(slices[0].stop, real[0]))

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from qwen3_pretrain.hardware import optimizer_impl
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD
 from qwen3_pretrain.train.config import TrainConfig
 
 
 def _no_decay(name: str, tied: bool) -> bool:
-    return name.endswith("norm.weight") or "embed_tokens" in name or (tied and name.startswith("lm_head"))
+    return name.endswith("norm.weight") or name == EMBEDDING or (tied and name == HEAD)
 
 
 def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) -> torch.optim.AdamW:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwen3_pretrain.checkpoint.manager import Checkpointer, find_latest, read_meta
+from qwen3_pretrain.checkpoint.layout import find_latest, read_meta
+from qwen3_pretrain.checkpoint.manager import Checkpointer
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
 from qwen3_pretrain.data.blend import BlendedDataset, validate_sources
 from qwen3_pretrain.data.prefetch import Prefetcher
@@ -28,6 +29,7 @@ from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
+from qwen3_pretrain.models.qwen3.model import TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import math_fallbacks, predict_memory
@@ -68,7 +70,7 @@ class Trainer:
         self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
         # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
         # the last stage's head (weight and optimizer state) reads the embedding's.
-        aliases = {"lm_head.weight": "embed_tokens.weight"} if self.source.config.tie_word_embeddings else None
+        aliases = TIED_ALIASES if self.source.config.tie_word_embeddings else None
         self.checkpointer = Checkpointer(cfg.output_path, self.parts, self.optimizers, cfg.keep_last_n,
                                          cfg.async_save, aliases=aliases, vocab_size=self.source.config.vocab_size)
         self.resumed_from = self._maybe_resume()

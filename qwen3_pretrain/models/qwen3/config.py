@@ -20,6 +20,12 @@ QWEN3_VOCAB_SIZE = 151936
 ENDOFTEXT_ID = 151643
 
 
+# What backward recomputes instead of keeping, as the training config names it and the model reads it:
+# nothing, the attention core ("selective", as Megatron's and MindSpeed's selective recompute), each MLP's
+# intermediate activations, or every decoder layer ("full", keeping only each layer's input).
+RECOMPUTE = ("none", "selective", "mlp", "full")
+
+
 @dataclass
 class Qwen3Config:
     hidden_size: int = 1024

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
@@ -245,7 +246,7 @@ class HFCheckpointReader:
             listed = INDEX_FILE if (self.path / INDEX_FILE).is_file() else SINGLE_FILE
             raise UserError(f"{self.path / listed}: tensor {self.hf_name(missing[0])!r} is missing "
                             f"({len(missing)} missing in all); the checkpoint does not match its {CONFIG_FILE}")
-        tied_head = "lm_head.weight" if self.config.tie_word_embeddings else None
+        tied_head = HEAD if self.config.tie_word_embeddings else None
         extra = [n for n in self._file if n not in expected and n != tied_head]
         if extra:
             raise UserError(f"{self.file_of(extra[0])}: unexpected tensor {self.hf_name(extra[0])!r} for the model "
@@ -256,7 +257,7 @@ class HFCheckpointReader:
             if found != shape:
                 raise UserError(f"{self.file_of(name)}: tensor {self.hf_name(name)!r} has shape {list(found)}, "
                                 f"expected {list(shape)} from {CONFIG_FILE}")
-        if tied_head in self._file and not torch.equal(self.read(tied_head), self.read("embed_tokens.weight")):
+        if tied_head in self._file and not torch.equal(self.read(tied_head), self.read(EMBEDDING)):
             raise UserError(f"{self.file_of(tied_head)}: 'lm_head.weight' differs from the embedding but "
                             f"{CONFIG_FILE} says tie_word_embeddings=true; set it to false to keep a separate head")
 
@@ -323,7 +324,7 @@ class HFCheckpointWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue tensor ``name`` (internal name) for writing; a full shard goes to disk first."""
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        if name == HEAD and self.config.tie_word_embeddings:
             return  # a tied head is the embedding; HF stores it once
         if name not in self._expected:
             raise UserError(f"{name!r} ({internal_to_hf(name)}) is not a tensor of this model "

@@ -31,10 +31,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
-from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 
-RECOMPUTE = ("none", "layer", "attention", "mlp")
+
+# The parameters the vocabulary indexes (training pads them to a multiple of tp rows), and the tied head's
+# alias: a model that ties them holds the weight once, as the embedding (checkpoints and HF files too).
+EMBEDDING = "embed_tokens.weight"
+HEAD = "lm_head.weight"
+VOCAB_TENSORS = (EMBEDDING, HEAD)
+TIED_ALIASES = {HEAD: EMBEDDING}
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """The LM head as the fused head + cross-entropy (models/ops/loss.py): a model built with it returns its
+    final hidden states, and the loss applies the head to them in chunks, never holding the full logits."""
+
+    chunk_tokens: int = 4096  # tokens per chunk of the head's matmul and the loss
+    valid_vocab: int | None = None  # the real vocabulary when the head is padded to a multiple of tp
+    fp32_matmul: bool = False  # bf16 operands multiplied in fp32 (models/ops/precision.py)
 
 
 @dataclass(frozen=True)
@@ -45,13 +62,15 @@ class ModelOptions:
     attention: AttentionKernel | None = None
     # The class of every projection: ``nn.Linear``, or one with other numerics (models/ops/precision.py).
     linear: type[nn.Linear] = nn.Linear
-    # Recomputed in backward instead of kept: "layer" (each decoder layer keeps only its input), "attention"
-    # (the attention core, the kernel call: what the kernel saves beyond its inputs, e.g. scores or softmax
-    # statistics, as Megatron's selective recompute), "mlp" (each MLP's intermediate activations,
-    # 3 x intermediate_size per token), or "none".
+    # Recomputed in backward instead of kept (config.RECOMPUTE): "full" (each decoder layer keeps only its
+    # input), "selective" (the attention core, the kernel call: what the kernel saves beyond its inputs, e.g.
+    # scores or softmax statistics, as Megatron's selective recompute), "mlp" (each MLP's intermediate
+    # activations, 3 x intermediate_size per token), or "none".
     recompute: str = "none"
     # Attention stays within each packed document (the positions restart at 0 where one starts).
     document_mask: bool = False
+    # The LM head a loss applies (returning hidden states), or None: a plain head returning logits.
+    loss_head: LossHead | None = None
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -65,13 +84,6 @@ class ModelPart:
     layers: range | None = None  # the decoder layers it holds; None: all
     embedding: bool = True  # holds the embedding and takes token ids (else the previous part's output)
     head: bool = True  # holds the final norm and the LM head (else hands on hidden states and positions)
-    # What the part with the head returns: "logits", or "hidden" (the final norm's output) when a loss
-    # applies the head itself, in chunks (models/ops/loss.py).
-    output: str = "logits"
-
-    def __post_init__(self) -> None:
-        if self.output not in ("logits", "hidden"):
-            raise ValueError(f"output must be 'logits' or 'hidden', not {self.output!r}")
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +130,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.kernel = kernel  # attention.py, chosen for the device the model runs on
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Head counts come from the shapes, so a tensor-parallel shard runs unchanged.
         q = self.q_norm(self.q_proj(x).view(bsz, seq, -1, self.head_dim)).transpose(1, 2)
@@ -127,9 +139,9 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if self.recompute:
-            out = checkpoint(self.kernel, q, k, v, docs, use_reentrant=False)
+            out = checkpoint(self.kernel, q, k, v, mask, use_reentrant=False)
         else:
-            out = self.kernel(q, k, v, docs)  # [batch, heads, seq, head_dim]
+            out = self.kernel(q, k, v, mask)  # [batch, heads, seq, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -154,18 +166,18 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "attention")
+        self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, options.linear, recompute=options.recompute == "mlp")
-        self.recompute = options.recompute == "layer"
+        self.recompute = options.recompute == "full"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         if self.recompute:  # only the input is kept for backward; the layer runs again there
-            return checkpoint(self._forward, x, cos, sin, docs, use_reentrant=False)
-        return self._forward(x, cos, sin, docs)
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -176,16 +188,16 @@ class Qwen3Model(nn.Module):
     with the embedding, else the previous part's hidden states, and
     ``positions`` [batch, seq] the RoPE positions (0..seq-1 in every sample
     when not given; they restart at 0 per packed document when the data says
-    so). A part with the head returns logits [batch, seq, vocab] (or the final
-    hidden states, ``part.output = "hidden"``); a part without it returns the
-    pair (hidden states, positions) for the next part.
+    so). A part with the head returns logits [batch, seq, vocab] (or, built with
+    a ``LossHead``, the final hidden states, to which the loss applies the
+    head); a part without it returns the pair (hidden states, positions) for
+    the next part.
     """
 
     def __init__(self, cfg: Qwen3Config, options: ModelOptions | None = None, part: ModelPart | None = None) -> None:
         super().__init__()
         options, part = options or ModelOptions(), part or ModelPart()
         self.config = cfg
-        self.output = part.output
         self.document_mask = options.document_mask
         # One kernel object for all layers: the model prepares the document mask once with it.
         self.attention = options.attention if options.attention is not None else SdpaAttention()
@@ -197,19 +209,35 @@ class Qwen3Model(nn.Module):
         layers = part.layers if part.layers is not None else range(cfg.num_hidden_layers)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention) for i in layers})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if part.head else None
-        self.lm_head: nn.Module | None = options.linear(cfg.hidden_size, cfg.vocab_size, bias=False) \
-            if part.head else None
-        if cfg.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head: nn.Module | None = self._head(cfg, options) if part.head else None
+        # A loss head is applied by the loss (to the final hidden states, which the model returns).
+        self.returns_hidden = options.loss_head is not None
         if next(self.parameters()).device.type != "meta":
             self.init_weights()
+
+    def _head(self, cfg: Qwen3Config, options: ModelOptions) -> nn.Module:
+        """The LM head: a plain projection to logits, or the fused-loss head; tied to the embedding's weight
+        (``TIED_HEAD``) where the config ties them and this part holds the embedding. A tied head on a
+        pipeline stage without the embedding has a weight of its own, kept equal to it from outside."""
+        tied = cfg.tie_word_embeddings and self.embed_tokens is not None
+        loss = options.loss_head
+        if loss is None:
+            head = options.linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if tied:
+                head.weight = self.embed_tokens.weight
+            return head
+        if tied:  # one parameter, as in HF: the head applies the embedding's weight itself
+            return TiedLMHead(self.embed_tokens, chunk_tokens=loss.chunk_tokens, valid_vocab=loss.valid_vocab,
+                              fp32_matmul=loss.fp32_matmul)
+        return ChunkedLMHead(cfg.hidden_size, cfg.vocab_size, chunk_tokens=loss.chunk_tokens,
+                             valid_vocab=loss.valid_vocab, fp32_matmul=loss.fp32_matmul)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h, positions = self.hidden_states(x, positions)
         if self.lm_head is None:  # a pipeline stage before the last
             return h, positions
-        return h if self.output == "hidden" else self.lm_head(h)
+        return h if self.returns_hidden else self.lm_head(h)
 
     def hidden_states(self, x: torch.Tensor, positions: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,9 +253,9 @@ class Qwen3Model(nn.Module):
             if positions is None:  # the hidden states may hold a shard of the sequence: its length is unknown
                 raise ValueError("a model part without the embedding needs the positions the part before returned")
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
-        docs = self.attention.prepare(positions, h.dtype) if self.document_mask else None  # shared by all layers
+        mask = self.attention.prepare(positions, h.dtype) if self.document_mask else None  # shared by all layers
         for layer in self.layers.values():
-            h = layer(h, cos, sin, docs)
+            h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return h, positions
