@@ -399,8 +399,8 @@ def compare_runs(ref: Path, run: Path, total: int) -> dict:
 # Where the kernels are not deterministic (the runs differ before any resume), a resume passes when every
 # loss is within this relative difference of the uninterrupted run's: bf16 runs of the same data and
 # weights drift apart by ~1e-3 over tens of steps; a resume that lost state (an optimizer moment, the
-# data position) is off by far more.
-NONDETERMINISTIC_REL_TOL = 1e-2
+# data position) is off by more.
+NONDETERMINISTIC_REL_TOL = 3e-3
 
 
 def max_rel_diff(got: dict[int, float], want: dict[int, float], steps) -> float:

@@ -106,9 +106,9 @@ def test_cuda_rules_are_torchs_checks(test_device, heads, dtype, mask):
     call = _call(mask, dtype, heads, head_dim=128)
     q, k, v = _tensors(call, "cuda")
     gqa = heads[0] != heads[1]
-    if mask == "lower_right":  # CausalBias: flash with its own (bottom-right) causal mode, else efficient
-        flash = can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, gqa))
-        efficient = can_use_efficient_attention(SDPAParams(q, k, v, None, 0.0, False, False)) and not gqa
+    if mask == "lower_right":  # CausalBias asks these two, with these parameters, in this order
+        params = SDPAParams(q, k, v, None, 0.0, False, gqa)
+        flash, efficient = can_use_flash_attention(params), can_use_efficient_attention(params)
     else:
         attn_mask = None if mask == "causal" else _mask(call, "cuda")
         params = SDPAParams(q, k, v, attn_mask, 0.0, mask == "causal", gqa)
@@ -131,7 +131,8 @@ def test_context_parallel_chunks_run_on_fused_kernels(test_device, documents):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 32, 256, 128, generator=gen)
     k, v = (torch.randn(2, 8, 1024, 128, generator=gen) for _ in range(2))
-    positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)
+    # documents that end before the chunk (at 300) and inside it (at 900): the block mask's offset is seen
+    positions = torch.cat([torch.arange(300), torch.arange(600), torch.arange(124)]).expand(2, 1024)
     doc_ids = attn.document_ids(positions)
     allowed = attn.allowed(doc_ids if documents else None, 256, 1024, torch.device("cpu"))
     allowed = allowed if documents else allowed[None, None]

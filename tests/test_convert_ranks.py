@@ -285,3 +285,40 @@ def test_a_failure_upstream_in_the_load_chain_stops_the_next_rank_instead_of_lea
     finally:
         for live in reversed(lives):
             live.close(linger_s=1)
+
+
+def test_a_rank_waiting_on_the_load_chain_is_not_taken_for_a_silent_one() -> None:
+    """Ranks pass the shard loads down a chain: rank 2 waits for rank 1, which waits for rank 0's slow
+    assignment. Rank 1 is alive and waiting, so rank 2 must keep waiting (before, rank 1's still count
+    read as silence after rank_timeout_s, and rank 2 stopped the run naming it)."""
+    import threading
+    import time
+
+    from qwen3_pretrain.convert.ranks import Liveness
+
+    stores = _stores(3)
+    lives = [Liveness(store, LaunchInfo(r, 3, 0, "torchrun"), timeout_s=0.6, beat_s=0.05)
+             for r, store in enumerate(stores)]
+    got: dict[int, object] = {}
+
+    def head() -> None:  # rank 0: 1.5 s of work, ticking, then its loads
+        for _ in range(30):
+            time.sleep(0.05)
+            lives[0].tick()
+        lives[0].post("loads", [1, 2])
+
+    def middle() -> None:  # rank 1: waits for rank 0, then passes on
+        got[1] = lives[1].wait_for(0, "loads", poll_s=0.05)
+        lives[1].post("loads", [3, 4])
+
+    threads = [threading.Thread(target=head), threading.Thread(target=middle)]
+    try:
+        for t in threads:
+            t.start()
+        got[2] = lives[2].wait_for(1, "loads", poll_s=0.05)
+        for t in threads:
+            t.join()
+        assert got == {1: [1, 2], 2: [3, 4]}
+    finally:
+        for live in reversed(lives):
+            live.close(linger_s=1)

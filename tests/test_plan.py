@@ -407,3 +407,18 @@ def test_a_math_fallback_is_counted_where_the_device_runs_one():
         cfg, fp32.replace(device_type="cpu"), "selective")
     # the context-parallel chunk under bf16 is flash's lower-right causal mode, not a masked math call
     assert memory.math_fallbacks(cfg, base.replace(cp=8, seq_length=32768)) == []
+
+
+def test_the_search_skips_layouts_the_sequence_does_not_split_over(capsys):
+    """seq 6000 on 32 devices: layouts whose seq / cp does not divide by tp are skipped, not fatal (each
+    layout is checked as the trainer checks it); a fixed tp that cannot split it is refused by name."""
+    from qwen3_pretrain.cli import main as cli_main
+
+    args = ["plan", "--model", "qwen3-8b", "--nodes", "4", "--devices-per-node", "8", "--device", "h100",
+            "--seq-length", "6000", "--global-batch-size", "64"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "yes" in out  # layouts that fit were listed
+    assert cli_main(["plan", "--model", "qwen3-8b", "--nodes", "1", "--devices-per-node", "8", "--device", "h100",
+                     "--seq-length", "6001", "--tp", "2"]) == 2
+    assert "seq_length 6001 is not a multiple of tp = 2" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def _kill_self(x: int) -> int:
 def test_a_killed_worker_is_an_error_not_a_hang():
     before = _children()
     start = time.perf_counter()
-    with pytest.raises(WorkerDied, match="worker process died"):
+    with pytest.raises(WorkerDied, match="worker process died before returning its result: killed"):
         list(ordered_map(_kill_self, range(20), 2))
     assert time.perf_counter() - start < 30
     assert not _children() - before

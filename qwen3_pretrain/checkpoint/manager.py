@@ -61,9 +61,11 @@ class Checkpointer:
         self.async_save = async_save
         # An asynchronous save runs DCP's collectives in a background thread while training goes on:
         # on a group of their own, so they never interleave with the training's (collective: every rank
-        # builds its Checkpointer at the same point). The group takes the default group's backends: its
-        # object collectives run on the CPU one (gloo), and a device bound at init needs one of its own.
-        self._async_group = dist.new_group() if async_save else None
+        # builds its Checkpointer at the same point). gloo alone: DCP's collectives are on CPU objects, and
+        # the default group's device library would make a communicator here that nothing uses. (A group of
+        # gloo alone is possible because the process group is bound to a device only where the device's
+        # library is NCCL, which gloo also registers for: parallel/env.py.)
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
         self._pending: tuple[Any, Path, Path, dict] | None = None
 
     # --- state ----------------------------------------------------------------------

@@ -81,15 +81,20 @@ class Liveness:
     """Each rank's progress, published in the rendezvous store, and waits on the other ranks that give up
     only on one that has gone silent.
 
-    ``tick()`` (cheap: an integer increment) marks progress; a thread publishes the count every
-    ``beat_s`` seconds while it changes. ``wait_for_all(step)`` returns every rank's answer to ``step``
-    once all have posted one (``post``), and raises a UserError naming the ranks whose count has not
-    moved for ``timeout_s`` while they had not posted.
+    Each rank keeps one status key: its progress count (``tick()``, cheap: an integer increment, bumped as
+    work is done and while it waits on another rank, alive) and the steps it has answered (``post``). A
+    thread publishes the status every ``beat_s`` seconds while it changes. A waiting rank reads every
+    rank's status in one store call per poll, returns the answers once the ranks it waits for have
+    posted them, and raises a UserError naming the ranks whose count has not moved for ``timeout_s``
+    while they had not posted.
     """
 
     def __init__(self, store: dist.Store, info: LaunchInfo, timeout_s: float, beat_s: float = 2.0) -> None:
         self.store, self.info, self.timeout_s, self.beat_s = store, info, timeout_s, beat_s
         self.count = 0
+        self.posted: list[str] = []
+        self._lock = threading.Lock()  # the status key is written by the thread and by post()
+        self._publish_status()  # exists before any rank reads it (the first collective comes after)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._publish, name="convert-progress", daemon=True)
         self._thread.start()
@@ -97,14 +102,21 @@ class Liveness:
     def tick(self) -> None:
         self.count += 1
 
+    def _key(self, rank: int) -> str:
+        return f"status/{rank}"
+
+    def _publish_status(self) -> None:
+        with self._lock:
+            self.store.set(self._key(self.info.rank), json.dumps([self.count, self.posted]))
+
     def _publish(self) -> None:
-        published = None
+        published = self.count
         while not self._stop.wait(self.beat_s):
             if self.count != published:
                 published = self.count
                 try:
-                    self.store.set(f"progress/{self.info.rank}", str(published))
-                except Exception:  # the store is gone (rank 0 ended): the main thread finds out itself
+                    self._publish_status()
+                except Exception:  # the store is gone: the main thread finds out itself
                     return
 
     def close(self, linger_s: float = 60.0) -> None:
@@ -125,6 +137,8 @@ class Liveness:
         """This rank's answer to ``step`` (any JSON value), for the others to read."""
         self.tick()
         self.store.set(f"{step}/{self.info.rank}", json.dumps(answer))
+        self.posted.append(step)
+        self._publish_status()
 
     def wait_for_all(self, step: str, poll_s: float = 0.5) -> list[Any]:
         """Every rank's answer to ``step``, in rank order."""
@@ -135,34 +149,34 @@ class Liveness:
         return self._wait(step, [rank], poll_s)[0]
 
     def _wait(self, step: str, ranks: list[int], poll_s: float) -> list[Any]:
-        world = self.info.world_size
-        last_seen: dict[int, tuple[str, float]] = {}
-        waiting = set(ranks)
+        last_seen: dict[int, tuple[int, float]] = {}
         while True:
-            waiting = {r for r in waiting if not self._has(f"{step}/{r}")}
+            statuses = [json.loads(v) for v in self._read([self._key(r) for r in ranks])]
+            waiting = [(r, count) for r, (count, posted) in zip(ranks, statuses) if step not in posted]
             if not waiting:
-                return [json.loads(self.store.get(f"{step}/{r}")) for r in ranks]
+                return [json.loads(v) for v in self._read([f"{step}/{r}" for r in ranks])]
             now = time.monotonic()
             silent = []
-            for r in sorted(waiting):
-                count = self.store.get(f"progress/{r}").decode() if self._has(f"progress/{r}") else "0"
+            for r, count in waiting:
                 if r not in last_seen or last_seen[r][0] != count:
                     last_seen[r] = (count, now)
                 elif now - last_seen[r][1] >= self.timeout_s:
                     silent.append(r)
             if silent:
-                names = ", ".join(f"rank {r} of {world}" for r in silent)
+                names = ", ".join(f"rank {r} of {self.info.world_size}" for r in silent)
                 raise UserError(f"{names} made no progress for {self.timeout_s:g} s (rank_timeout_s) before "
-                                f"finishing the step '{step}' the others finished: its process is stuck or gone "
-                                "(killed, out of memory, its node down; see that rank's output). Every rank stops; "
-                                "raise rank_timeout_s if that rank's work was just slow")
+                                f"finishing the step '{step}' that rank {self.info.rank} waits for: its process is "
+                                "stuck or gone (killed, out of memory, its node down; see that rank's output). "
+                                "Every rank stops; raise rank_timeout_s if that rank's work was just slow")
+            self.tick()  # waiting on a live rank is progress: the ranks waiting on this one keep waiting
             time.sleep(poll_s)
 
-    def _has(self, key: str) -> bool:
+    def _read(self, keys: list[str]) -> list[bytes]:
         try:
-            return self.store.check([key])
-        except Exception as exc:  # rank 0, which holds the store under mpirun, has ended
-            raise UserError(f"lost the rendezvous store ({exc}): rank 0 has stopped; see its output") from None
+            return self.store.multi_get(keys)
+        except Exception as exc:  # the process holding the store has ended
+            raise UserError(f"lost the rendezvous store ({exc}): the process holding it (rank 0 under mpirun, "
+                            "torchrun's agent under torchrun) has stopped; see its output") from None
 
 
 def _agree(step: Callable[[], T], info: LaunchInfo, live: Liveness, name: str) -> T:
@@ -372,7 +386,7 @@ def convert_on_ranks(cfg: DataConvertConfig, files: list[Path], info: LaunchInfo
     # Collectives run only once every rank has reached them (the long waits are Liveness's), so the
     # silence limit bounds them as well.
     store = init_process_group(info, torch.device("cpu"), cfg.rank_timeout_s, _INIT_TIMEOUT_S)
-    live = Liveness(store, info, cfg.rank_timeout_s)
+    live = Liveness(store or dist.distributed_c10d._get_default_store(), info, cfg.rank_timeout_s)
     rank.tick = live.tick
     try:
         nonce = [uuid.uuid4().hex]

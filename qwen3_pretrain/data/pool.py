@@ -86,7 +86,7 @@ def ordered_map(func: Callable[[T], R], items: Iterable[T], workers: int,
         # The workers start with the first task, before ``items`` starts any thread of its own.
         gc.freeze()
         try:
-            executor.submit(_ready).result()
+            _result(executor.submit(_ready))
         finally:
             gc.unfreeze()
         pending: deque[Future] = deque()
@@ -104,9 +104,9 @@ def _result(future: Future) -> Any:
     try:
         return future.result()
     except BrokenProcessPool:
-        raise WorkerDied("a worker process died before returning its result (killed from outside, most often "
-                         "by the out-of-memory killer: see `dmesg`); use fewer workers or smaller units of "
-                         "work, or free memory") from None
+        raise WorkerDied("a worker process died before returning its result: killed (most often by the "
+                         "out-of-memory killer: see `dmesg`; then use fewer workers or smaller units of work), "
+                         "crashed, or its start-up failed (see the messages above)") from None
 
 
 def put_unless_stopped(out: queue.Queue, item: Any, stop: threading.Event) -> bool:

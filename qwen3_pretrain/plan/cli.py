@@ -21,7 +21,7 @@ from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.parallel.dims import check_model_split
+from qwen3_pretrain.parallel.dims import check_model_split, sequence_split_problem
 from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
                                         enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
@@ -212,8 +212,8 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     return base, fixed
 
 
-def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any]) -> None:
-    """Refuse fixed degrees the cluster or the model cannot take, saying why."""
+def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any], seq_length: int) -> None:
+    """Refuse fixed degrees the cluster, the model or the sequence cannot take, saying why."""
     tp, pp, dp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("dp", 1), fixed.get("cp", 1)
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
         if value < 1:
@@ -226,6 +226,10 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any]) -> No
     if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and needed != cluster.devices:
         raise UserError(f"tp x pp x dp x cp = {needed} but the cluster has {cluster.devices} devices")
     check_model_split(cfg, tp, pp)
+    if "tp" in fixed or "cp" in fixed:
+        problem = sequence_split_problem(seq_length, cp, tp)
+        if problem:
+            raise UserError(problem)
     shard = fixed.get("dp_shard")
     if shard is not None and (shard < 1 or "dp" in fixed and dp % shard):
         raise UserError(f"--dp-shard {shard} must be a positive divisor of dp {dp}")
@@ -330,7 +334,7 @@ def main(argv: list[str]) -> int:
     base = base.replace(optimizer_impl=hw.optimizer_impl)
     if args.gradient_accumulation_steps is not None or "gradient_accumulation_steps" in conf:
         fixed["gradient_accumulation_steps"] = base.gradient_accumulation_steps
-    check_fixed(cfg, cluster, fixed)
+    check_fixed(cfg, cluster, fixed, base.seq_length)
     candidates = search(cfg, cluster, base, fixed, hw, args.global_batch_size)
     if not candidates:
         raise UserError(f"no layout of {cluster.devices} devices matches: check that --global-batch-size "

@@ -266,6 +266,8 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
     fixed = dict(fixed or {})
     for tp in [t for t in valid_tp_degrees(cfg) if cluster.devices % t == 0]:
         for cp in _cp_choices(base.seq_length, cluster.devices // tp, fixed):
+            if sequence_split_problem(base.seq_length, cp, tp):
+                continue  # the sequence does not split over these cp and tp ranks
             for pp in [p for p in _divisors(cluster.devices // (tp * cp)) if p <= cfg.num_hidden_layers]:
                 dp = cluster.devices // (tp * cp * pp)
                 if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):

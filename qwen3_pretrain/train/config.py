@@ -124,7 +124,8 @@ class TrainConfig:
                "backward; no atomic adds in index and scatter kernels), cuBLAS with a fixed workspace "
                "(CUBLAS_WORKSPACE_CONFIG), cuDNN deterministic, HCCL deterministic reductions on NPUs. Two runs "
                "of one layout then give bit-equal losses on a GPU (a resume checked against an uninterrupted "
-               "run); a few percent slower. CPU steps are deterministic either way.")
+               "run); a few percent slower (torch also fills new tensors' memory, so that reading it unwritten "
+               "cannot differ between runs). CPU steps are deterministic either way.")
     compile: bool = field_help(False, "torch.compile each decoder layer (after activation checkpointing, before "
                                       "FSDP): faster on GPUs once compiled; the first step pays the compilation "
                                       "(tens of seconds). Not with tp > 1 (its gradients differed from eager).")

@@ -222,11 +222,7 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
     if grad_hidden is not None or grad_weight:
         # d loss / d logits = softmax - one-hot, zero on ignored tokens
         probs.mul_(torch.where(valid, sum_exp.reciprocal(), 0.0)[:, None])
-        # one entry per row: written back, not scatter-added (CUDA's 2-D scatter_add has no deterministic
-        # kernel, so ``deterministic: true`` would refuse it); the same sum either way
-        rows = torch.arange(len(labels), device=probs.device)
-        probs.index_put_((rows, local_ids[:, 0]), probs.gather(1, local_ids)[:, 0] - owned.to(probs.dtype))
-        grad_logits = probs
+        grad_logits = probs.scatter_add_(1, local_ids, -owned.to(probs.dtype)[:, None])
         if not scratch.same_dtype:
             grad_logits = scratch.low[: len(labels)].copy_(grad_logits)
         if grad_hidden is not None:
