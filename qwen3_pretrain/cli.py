@@ -50,7 +50,7 @@ def _usage() -> str:
     lines = ["usage: qwen3-pretrain <command> [options]", "", "commands:"]
     width = max(len(n) for n in COMMANDS)
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run 'qwen3-pretrain <command> --help' for the options of one command."]
+    lines += ["", "Run 'qwen3-pretrain <command> --help' for the options of one command; --version for the version."]
     return "\n".join(lines)
 
 
@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from qwen3_pretrain import __version__
+
+        print(f"qwen3-pretrain {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         from qwen3_pretrain.config.loader import nearest

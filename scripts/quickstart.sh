@@ -152,6 +152,11 @@ python -m qwen3_pretrain generate --model "$DIR/w_pretrain_merged" --prompt "$PR
     --max_new_tokens 24 --top_k 50 --temperature 0.8 --seed 0
 
 stage "where everything is, and what to run on a cluster"
+# The commands below run as printed from a fresh shell in this folder: through the environment's own
+# command (no activation needed); after 'source $BIN/activate', plain 'qwen3-pretrain' works too.
+BIN=$(dirname "$(command -v python)")
+[[ $BIN == "$PWD"/* ]] && BIN=${BIN#"$PWD"/}
+CLI="$BIN/qwen3-pretrain"
 cat <<EOF
 artefacts:
   $DIR/data/wiki.parquet            the bundled dump as parquet
@@ -161,14 +166,19 @@ artefacts:
   $DIR/train_metrics.csv / .png     parsed metrics and loss curve
   $DIR/w_pretrain_merged/           HuggingFace model (config.json, model.safetensors, tokenizer)
 
+the command line (from this folder, in any shell; or 'source $BIN/activate' and then just 'qwen3-pretrain'):
+  $CLI --help
+  $CLI generate --model $DIR/w_pretrain_merged --prompt "$PROMPT"
+  $CLI plan --model qwen3-8b --nodes 2 --devices-per-node 4 --device 910b
+
 on a cluster (see examples/):
-  1. convert the full dump: python -m qwen3_pretrain wiki2parquet --input enwiki-latest-pages-articles.xml.bz2 \\
+  1. convert the full dump: $CLI wiki2parquet --input enwiki-latest-pages-articles.xml.bz2 \\
          --output /mnt/dist_data/data/pretain/d_ori/wiki.parquet
-     python -m qwen3_pretrain convert --config examples/pretain_data_config.yaml \\
+     $CLI convert --config examples/pretain_data_config.yaml \\
          input_path=/mnt/dist_data/data/pretain/d_ori/wiki.parquet output_path=/mnt/dist_data/data/pretain/d_convert
   2. train: edit examples/pretrain_config.yaml and examples/hostfile, then from that folder:
-         nohup ./pretrain_qwen3.sh > pretrain.log 2>&1 &   (mpirun -np 8 over the hostfile)
-  3. merge: python -m qwen3_pretrain merge --input_path /mnt/dist_data/Qwen3-8B/w_pretrain \\
+         nohup ./pretrain_qwen3.sh > pretrain.log 2>&1 &   (mpirun -np 8 over the hostfile; PATH must find $BIN's python)
+  3. merge: $CLI merge --input_path /mnt/dist_data/Qwen3-8B/w_pretrain \\
          --output_path /mnt/dist_data/Qwen3-8B/w_pretrain_merged --model_name qwen3-8b
 EOF
 printf '\n==== quickstart done in %ds: outputs in %s ====\n' "$SECONDS" "$DIR"

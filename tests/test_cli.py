@@ -124,3 +124,13 @@ def test_commands_ask_for_huge_pages_before_torch_loads_unless_the_user_says_oth
     # torch reads the variable once, at its first allocation: it must be set before torch is imported.
     assert _probe(repo_root, None) == "THP=1 torch_loaded=False"
     assert _probe(repo_root, "0") == "THP=0 torch_loaded=False"
+
+
+def test_version_is_the_projects(repo_root):
+    version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
+    for flag in ("--version", "-V"):
+        result = run_cli(repo_root, flag)
+        assert result.returncode == 0 and result.stdout.strip() == f"qwen3-pretrain {version}"
+    installed = subprocess.run([str(repo_root / ".venv" / "bin" / "qwen3-pretrain"), "--version"], capture_output=True,
+                               text=True) if (repo_root / ".venv" / "bin" / "qwen3-pretrain").exists() else None
+    assert installed is None or installed.stdout.strip() == f"qwen3-pretrain {version}"

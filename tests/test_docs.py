@@ -225,3 +225,64 @@ def test_commands_name_real_tools_and_subcommands(page):
     code = "\n".join(_FENCE.findall(text) + re.findall(r"`[^`\n]*`", text))
     unknown = sorted(set(re.findall(r"qwen3-pretrain ([a-z][\w-]*)", code)) - set(COMMANDS))
     assert not missing and not unknown, f"{page.name}: missing files {missing}, unknown subcommands {unknown}"
+
+
+# --- the short commands run as written --------------------------------------------------------------------
+
+
+_SHELL_FENCE = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.M | re.S)
+# Commands quick enough to run here, as the pages write them (the rest: training runs, device installs).
+_SHORT = re.compile(r"^(source \.venv/bin/activate|\.venv/bin/qwen3-pretrain --help|qwen3-pretrain (plan|[a-z-]+ --help)"
+                    r"|python -m qwen3_pretrain\.config\.docs --check|lint-imports"
+                    r"|python tools/(convert_wiki_to_parquet|data_convert)\.py)")
+
+
+def _runs_here(command: str) -> bool:
+    """Whether a command's inputs exist in the repository (the reference workflow's own inputs, its cluster's
+    /mnt/... and its wikiextractor folder, exist only there; ``runs/`` is what earlier commands write)."""
+    for word in command.split():
+        if word.startswith("/mnt/") or word == "wiki_text":
+            return False
+        if word.endswith((".yaml", ".bz2")) and not (REPO / word).exists():
+            return False
+    return True
+
+
+def _short_commands() -> list[tuple[str, str]]:
+    """Each shell block's short commands, in order, up to its first long one (a training run): one script per
+    block, since a block's commands build on each other."""
+    found = []
+    for page in [REPO / "README.md", *PAGES]:
+        for block in _SHELL_FENCE.findall(page.read_text(encoding="utf-8")):
+            script = []
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split("  #")[0].strip()
+                if not command or command.startswith("#"):
+                    continue
+                if not _SHORT.match(command) or "--commbench" in command:
+                    break
+                script.append(command)
+            if script and all(_runs_here(c) for c in script) and script != ["source .venv/bin/activate"]:
+                found.append((page.name, "\n".join(["set -e", *script])))
+    return found
+
+
+@pytest.mark.parametrize("page, command", _short_commands(), ids=lambda v: v.replace("set -e\n", "")[:60])
+def test_short_commands_run_as_written_from_a_fresh_shell(page, command, tmp_path):
+    """In a fresh shell with the environment activated (as the pages say to), from a folder holding the
+    repository's assets, examples and tools (so that what they write lands in a temporary folder)."""
+    import os
+    import subprocess
+    import sys
+
+    for name in ("assets", "examples", "tools", "docs", "pyproject.toml", ".venv", "qwen3_pretrain"):
+        if (REPO / name).exists():
+            (tmp_path / name).symlink_to(REPO / name)
+    venv_bin = Path(sys.executable).parent
+    env = {"PATH": f"{venv_bin}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "VIRTUAL_ENV": ""}
+    if not (tmp_path / ".venv").exists():  # the test's own environment stands for the repository's
+        (tmp_path / ".venv").mkdir()
+        (tmp_path / ".venv" / "bin").symlink_to(venv_bin)
+    proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"{page}: {command}\n{proc.stderr[-2000:]}"

@@ -81,6 +81,14 @@ def test_quickstart_writes_every_artefact_and_resumes(tmp_path: Path) -> None:
     assert model.config.vocab_size == 151936 and model.config.tie_word_embeddings
     assert re.search(r"continuation \(\d+ tokens, top-50 sampling, T=0.8\): '", proc.stdout)
 
+    # The closing hints run as printed from a fresh shell (no environment activated, nothing on PATH).
+    hints = proc.stdout[proc.stdout.index("the command line"):].splitlines()[1:4]
+    fresh = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
+    for hint in hints[:2]:  # --help, and generate from the merged model
+        run = subprocess.run(["bash", "-c", hint.strip() + " --max_new_tokens 4" * ("generate" in hint)],
+                             cwd=REPO_ROOT, env=fresh, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (hint, run.stderr[-2000:])
+
 
 def test_quickstart_rejects_a_bad_step_count(tmp_path: Path) -> None:
     proc = run_quickstart(tmp_path / "qs", steps=1, timeout=60)

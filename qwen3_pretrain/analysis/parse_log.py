@@ -13,7 +13,7 @@ Restarts: a *segment* begins at each ``run start:`` line (``{"event": "start"}``
 in jsonl), at a ``resumed from ... at step N`` line that follows records of the
 current segment, and at a step that goes backward without either. Rows are
 keyed by step and a later segment replaces an earlier one, so the steps re-done
-after a resume win. Restarts = segments - 1.
+after a resume win. Restarts = segments that logged a step - 1.
 
 Warm-up: the first record of each segment carries start-up, compilation and
 allocator warm-up, so it is left out of the mean throughput and MFU (all
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from qwen3_pretrain.analysis.report import ParsedLog, format_summary, summarize, write_csv
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import MissingFileError, UserError
 
 EXAMPLE_LINE = (
@@ -164,7 +165,8 @@ class _Collector:
             rows=[self.rows[s] for s in sorted(self.rows)],
             warmup_steps={s for i, s in firsts if s is not None and self.row_segment[s] == i},
             restart_steps=[s for s in restarts if s is not None],  # a segment that logged nothing has no place
-            num_restarts=max(len(firsts) - 1, 0),
+            # a run that logged no step (nothing left to train) restarted nothing that the rows show
+            num_restarts=max(sum(s is not None for s in self.first_steps) - 1, 0),
             num_ignored=self.num_ignored,
             evals=[self.evals[s] for s in sorted(self.evals)],
         )
@@ -259,8 +261,8 @@ def parse_metrics(path: str | os.PathLike) -> ParsedLog:
 
 
 def _arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="qwen3-pretrain parse-log",
+    p = CommandParser(
+        "parse-log",
         description="Training log (nohup output) or metrics.jsonl -> one CSV row per logged step, a summary "
         "and optionally a PNG plot. Steps re-done after a resume replace the earlier ones.",
     )

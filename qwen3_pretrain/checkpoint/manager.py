@@ -98,6 +98,8 @@ class Checkpointer:
         # Each step a rank takes on its own is agreed on before the next collective one: a rank that
         # failed alone would otherwise leave the others waiting in DCP's collectives until the timeout.
         what = f"saving checkpoint {tmp}"
+        if rank == 0:  # a large save takes a while: say so when it starts, not only when it is done
+            log.info("saving checkpoint %s%s ...", final, " in the background" if self.async_save else "")
         self._agree(what, _attempt(lambda: _fresh_dir(tmp)) if rank == 0 else None)
         rng = {"cpu": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -161,6 +163,7 @@ class Checkpointer:
         done = [p for p in list_checkpoints(self.root).values() if problem(p) is None]
         for old in done[: -self.keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
+            log.info("removed checkpoint %s (keep_last_n: %d)", old, self.keep_last_n)
 
     # --- load -----------------------------------------------------------------------
 

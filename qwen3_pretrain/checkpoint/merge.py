@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from tqdm import tqdm
 
 from qwen3_pretrain.checkpoint.layout import DCP_METADATA, META_FILE, check_complete, find_checkpoint, read_meta
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shapes, parse_size
@@ -243,7 +244,7 @@ def _tokenizer_dir_files(path: Path) -> list[Path]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="qwen3-pretrain merge", description=__doc__.splitlines()[0])
+    parser = CommandParser("merge", description=__doc__.splitlines()[0])
     parser.add_argument("--input_path", "--input-path", required=True,
                         help="the training run's output_path (holds latest and step_*/)")
     parser.add_argument("--output_path", "--output-path", required=True,

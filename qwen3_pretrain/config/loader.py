@@ -144,19 +144,22 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: cannot read a value of type {_type_name(tp)}")
 
 
-def from_dict(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
-    """Build dataclass ``cls`` from ``data`` strictly: unknown keys and bad values are errors."""
+def from_dict(cls: type[T], data: dict[str, Any], source: str = "config",
+              key_sources: dict[str, str] | None = None) -> T:
+    """Build dataclass ``cls`` from ``data`` strictly: unknown keys and bad values are errors, blamed on
+    where the key came from (``key_sources[key]``, else ``source``)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of key: value, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        where = (key_sources or {}).get(key, source)
         if key not in fields:
             hint = nearest(str(key), fields)
             suggestion = f"; did you mean {hint!r}?" if hint else f"; valid keys: {', '.join(sorted(fields))}"
-            raise ConfigError(f"{source}: unknown key {key!r}{suggestion}")
-        kwargs[key] = coerce(value, hints[key], f"{source}: {key}")
+            raise ConfigError(f"{where}: unknown key {key!r}{suggestion}")
+        kwargs[key] = coerce(value, hints[key], f"{where}: {key}")
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
     if missing:
@@ -182,7 +185,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise MissingFileError(f"config file {str(path)!r} does not exist")
+        raise MissingFileError(f"config file {str(path)!r} does not exist{_near_config_file(path)}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -196,11 +199,25 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def _near_config_file(path: Path) -> str:
+    """"; did you mean ..." for a YAML file of a near name beside ``path`` or in ``examples/`` (the reference
+    workflow spells its data config pretain_data_config.yaml)."""
+    for folder in (path.parent, Path("examples")):
+        if folder.is_dir():
+            names = {p.name: p for p in folder.glob("*.y*ml")}
+            hint = nearest(path.name, names)
+            if hint:
+                return f"; did you mean {str(names[hint])!r}?"
+    return ""
+
+
 def load_config(cls: type[T], path: str | os.PathLike | None, overrides: Iterable[str] = ()) -> T:
     """Read YAML ``path`` (optional), apply ``key=value`` overrides, build ``cls`` strictly."""
     data = read_yaml(path) if path else {}
-    data.update(parse_overrides(overrides))
-    return from_dict(cls, data, source=str(path) if path else "config")
+    given = parse_overrides(overrides)
+    data.update(given)
+    return from_dict(cls, data, source=str(path) if path else "config",
+                     key_sources={key: f"command line ({key}=...)" for key in given})
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -18,8 +18,9 @@ class DataConvertConfig:
                                       "(searched recursively) or a glob")
     tokenizer_path: str = field_help(help="folder holding tokenizer.json (a HuggingFace model folder) or the file")
     output_path: str = field_help(help="folder for shard_NNNNN.bin/.idx and manifest.json (created if missing)")
-    seq_length: int = field_help(8192, help="training sequence length the data is meant for (recorded in "
-                                            "the manifest; training checks it)")
+    seq_length: int = field_help(8192, help="training sequence length the data is meant for (recorded in the "
+                                            "manifest; samples are packed at training time, so the shards serve "
+                                            "any seq_length: training at another one logs a note)")
     shards: int = field_help(16, help="number of output shards; documents are spread so tokens balance "
                                          "(on several ranks each shard is written as one piece per rank)")
     do_lower_case: bool = field_help(False, help="lower-case the text before tokenizing")

@@ -18,14 +18,13 @@ leaves no manifest (and only ``*.tmp`` files, cleaned by the next run).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.config.loader import load_config
 from qwen3_pretrain.convert.config import DataConvertConfig
 from qwen3_pretrain.convert.inputs import check_inputs, input_files
@@ -87,16 +86,9 @@ def _launch(cfg: DataConvertConfig) -> LaunchInfo | None:
     return launch if launch.world_size > 1 else None
 
 
-def _config_help() -> str:
-    lines = ["config keys (YAML or key=value):"]
-    lines += [f"  {f.name}: {f.metadata['help']}" for f in dataclasses.fields(DataConvertConfig)]
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     """``convert --config FILE.yaml [key=value ...]``."""
-    parser = argparse.ArgumentParser(prog="convert", description=__doc__.split("\n\n")[0],
-                                     epilog=_config_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("convert", description=__doc__.split("\n\n")[0], config=DataConvertConfig)
     parser.add_argument("--config", help="YAML config file (e.g. examples/pretain_data_config.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override a config key")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ a temporary file that is renamed into place only when complete.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import glob
 import itertools
@@ -33,8 +33,9 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from qwen3_pretrain.data.pool import available_cores
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.convert.wiki_dump import Article, DumpProgress, compression, iter_dump_articles, open_binary
+from qwen3_pretrain.data.pool import available_cores
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 
@@ -209,7 +210,9 @@ def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -
     make_dirs(output.parent, "the output file's folder")
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
-        with pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer:
+        with _writing(output):
+            writer = pq.ParquetWriter(tmp, SCHEMA, compression="zstd")
+        with writer:
             rows: list[tuple[str, str, str]] = []  # (id, title, url)
             texts: list[bytes] = []
             size = 0
@@ -218,13 +221,27 @@ def write_parquet(articles: Iterable[Article], output: Path, stats: WikiStats) -
                 texts.append(article[3].encode("utf-8"))
                 size += len(texts[-1])
                 if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
-                    _flush(writer, rows, texts, stats)
+                    with _writing(output):
+                        _flush(writer, rows, texts, stats)
                     rows, texts, size = [], [], 0
             if rows:
-                _flush(writer, rows, texts, stats)
-        os.replace(tmp, output)
+                with _writing(output):
+                    _flush(writer, rows, texts, stats)
+        with _writing(output):
+            os.replace(tmp, output)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # nothing was written there, or the folder refuses it too
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _writing(output: Path):
+    """An operating-system error while writing ``output`` is the user's to fix: one line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(f"--output {output}: cannot write there ({exc.strerror or exc}); choose a writable "
+                        "location") from None
 
 
 def _articles(sources: list[Path], workers: int, progress: DumpProgress, threads: int = 0) -> Iterator[Article]:
@@ -258,7 +275,7 @@ def wiki_to_parquet(source: str | os.PathLike | list[str | os.PathLike], output:
 
 def main(argv: list[str]) -> int:
     """``wiki2parquet --input PATH [PATH ...] --output FILE.parquet``."""
-    parser = argparse.ArgumentParser(prog="wiki2parquet", description=__doc__.split("\n\n")[0])
+    parser = CommandParser("wiki2parquet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, nargs="+",
                         help="Wikipedia dumps (.xml or .xml.bz2; several files, the dump's parts or a quoted "
                              "glob such as 'enwiki-*-pages-articles*.xml-p*.bz2') or wikiextractor output folders")

@@ -67,6 +67,9 @@ def read_manifest(data_path: str | os.PathLike) -> dict[str, Any]:
     Cheap (reads no shard): this is what every rank does at start-up.
     """
     root = Path(data_path)
+    if root.is_file():
+        raise UserError(f"data_path {root} is a file; give the folder 'qwen3-pretrain convert' wrote (shard_*.bin/"
+                        ".idx and manifest.json)")
     if not root.is_dir():
         words = str(data_path).split()
         blend = ("; a blend of several datasets is written weight first: \"0.7 /data/wiki 0.3 /data/books\""

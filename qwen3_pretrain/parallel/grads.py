@@ -42,28 +42,38 @@ class TiedWeights:
             dist.all_reduce(_local(mine.grad), group=self.group)
 
 
-def global_grad_norm(params: list[torch.Tensor], pp_group) -> torch.Tensor:
-    """L2 norm of all gradients of the model over every rank, each parameter counted once.
+def global_grad_norm(params: list[torch.Tensor], ranks_per_stage: int) -> torch.Tensor:
+    """L2 norm of all gradients of the model over every rank, each parameter counted once, in one all-reduce
+    over the world.
 
-    Gradients sharded or replicated over dp/tp are DTensors: their norm is computed per group of equal
-    placement (``full_tensor`` reduces over the mesh correctly for shards and replicas alike); stages
-    then add their squares over the pipeline axis.
+    Each rank adds the squares of its gradients' local shards, each divided by the number of ranks of its
+    pipeline stage that hold an identical copy of that shard (the stage's ``ranks_per_stage`` over the
+    shards the gradient is cut into: replicas over dp, tp ranks of a replicated norm weight, ...); the
+    pipeline stages hold different parameters. Summed over the world, every element counts once. (A
+    DTensor's own norm would reduce over its mesh axes one after the other: as many all-reduces, and
+    torch's warning that they may disagree between ranks.)
     """
-    groups: dict = defaultdict(list)
+    by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            g = p.grad
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-            groups[key].append(g)
+            by_copies[ranks_per_stage // _num_shards(p.grad)].append(_local(p.grad))
     device = next((_local(p).device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total_sq += norm.float() ** 2
-    if pp_group is not None:
-        dist.all_reduce(total_sq, group=pp_group)
+    for copies, grads in by_copies.items():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total_sq += torch.stack(norms).pow(2).sum() / copies
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total_sq)
     return total_sq.sqrt()
+
+
+def _num_shards(t: torch.Tensor) -> int:
+    """Into how many distinct pieces a (DTensor) gradient is cut over its mesh."""
+    if not isinstance(t, DTensor):
+        return 1
+    assert not any(p.is_partial() for p in t.placements), "a gradient is reduced before its norm is taken"
+    # every placement but Replicate cuts it: Shard, and the strided shard FSDP makes of a tp-sharded dim
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if not p.is_replicate())
 
 
 @torch.no_grad()

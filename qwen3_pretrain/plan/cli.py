@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
@@ -65,8 +66,7 @@ class Candidate:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen3-pretrain plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = CommandParser("plan", description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("model and training config")
     src.add_argument("--model", help="preset name (qwen3-0.6b ... qwen3-32b) or a HuggingFace model directory")
     src.add_argument("--config", help="training config YAML (pretrain_config.yaml): its model and layout keys")

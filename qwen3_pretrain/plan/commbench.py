@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.parallel import env, launch
@@ -48,8 +49,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen3-pretrain commbench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = CommandParser("commbench", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the mesh")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the mesh")
     p.add_argument("--sizes", default="1KB,64KB,1MB,16MB", help="message sizes (whole buffer), comma-separated")

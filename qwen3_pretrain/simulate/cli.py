@@ -12,6 +12,7 @@ import dataclasses
 import json
 import time
 
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.config.loader import load_config
 from qwen3_pretrain.data.pool import available_cores
 from qwen3_pretrain.errors import UserError
@@ -22,7 +23,7 @@ GiB = 2**30
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="qwen3-pretrain simulate", description=(
+    parser = CommandParser("simulate", description=(
         "Run the training engine for chosen ranks of the configured world on fake tensors (no data, weights or "
         "devices needed): peak memory by category per rank beside the planner's prediction, and the bytes each "
         "rank sends per step per mesh axis."))

@@ -16,7 +16,6 @@ those it uses on CUDA.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import multiprocessing
 import time
 import warnings
@@ -209,7 +208,5 @@ def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1
 
 
 def _quiet_known_notices() -> None:
-    # The trainer's own filters (train/trainer.py), plus DTensor's note on the gradient norm's two
-    # sequential all-reduces over (dp, tp): a handful of scalars per step.
+    # The trainer's own filter (train/trainer.py).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -64,7 +64,8 @@ def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -
     config stops before any heavy work: the trainer's and the scale simulation's one set-up."""
     if cfg.seq_length > model.max_position_embeddings:
         raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
-                          f"{model.max_position_embeddings}")
+                          f"{model.max_position_embeddings}; lower seq_length to at most that, or raise "
+                          "max_position_embeddings (model_overrides for a preset, config.json of model_path)")
     dims = ParallelDims.resolve(world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                                 distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard)
     stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
@@ -258,7 +259,7 @@ class Engine:
         """The global gradient norm, after a tied head's and embedding's gradients are summed."""
         if self.tied is not None:
             self.tied.sync_grads()
-        return global_grad_norm(self.norm_params, self.pp_group)
+        return global_grad_norm(self.norm_params, self.dims.world_size // self.dims.pp)
 
     def optimizer_step(self, lr: float, grad_norm: float | None) -> None:
         """Clip to ``grad_norm`` and step; ``None`` skips the update. Gradients are dropped either way."""

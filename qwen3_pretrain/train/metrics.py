@@ -49,6 +49,12 @@ def device_peak_tflops(device: torch.device, configured: float | None,
     return measure_cpu_tflops(dtype=dtype), f"measured {str(dtype).removeprefix('torch.')} matmul"
 
 
+def cpu_peak_per_process(per_core_tflops: float, cores: int, processes_on_node: int) -> float:
+    """A CPU "device" is one process: its share of the node's cores at the measured per-core peak. The same
+    whatever the launcher and its thread settings, so the same tokens/s give the same MFU."""
+    return per_core_tflops * cores / max(processes_on_node, 1)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on an accelerator (CUDA or NPU); nothing to wait for on a CPU."""
     if device.type in ("cuda", "npu"):
@@ -56,9 +62,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def measure_cpu_tflops(n: int = 1024, reps: int = 8, dtype: torch.dtype = torch.bfloat16,
-                       max_seconds: float = 0.5) -> float:
-    """Matmul throughput of this CPU in ``dtype``: up to ``reps`` timed products, fewer once ``max_seconds``
-    have passed (a CPU that emulates bf16 takes about a second per product)."""
+                       max_seconds: float = 0.5, threads: int | None = None) -> float:
+    """Matmul throughput of this CPU in ``dtype`` on ``threads`` threads (default: the process's setting):
+    up to ``reps`` timed products, fewer once ``max_seconds`` have passed (a CPU that emulates bf16 takes
+    about a second per product)."""
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure_cpu_tflops(n, reps, dtype, max_seconds)
+        finally:
+            torch.set_num_threads(before)
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up

@@ -10,8 +10,7 @@ import torch
 from qwen3_pretrain.config.loader import nearest
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.models.qwen3.model import TIED_ALIASES
-from qwen3_pretrain.models.qwen3.model import init_param
+from qwen3_pretrain.models.qwen3.model import TIED_ALIASES, init_param
 from qwen3_pretrain.train.config import TrainConfig
 
 # Keys a preset and a checkpoint's config.json must agree on for model_name to describe model_path.
@@ -23,7 +22,8 @@ ARCHITECTURE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "n
 class ModelSource:
     config: Qwen3Config
     reader: object | None  # HFCheckpointReader when continuing from a HF directory
-    description: str
+    description: str  # where the initial weights come from
+    name: str = ""  # what the model is: the preset (and its overrides) or the HF directory
 
     def tensor_source(self, padded_vocab: int, seed: int):
         """A ``ParamSource`` for ``materialize``: values of any slice of any parameter.
@@ -62,7 +62,8 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         reader = HFCheckpointReader(cfg.model_path)
         reader.validate()  # a broken checkpoint fails here, naming the tensor and file, not mid-load
         _check_name_matches(cfg.model_name, reader.config, cfg.model_path)
-        return ModelSource(reader.config, reader, f"{cfg.model_path} (continued pre-training)")
+        return ModelSource(reader.config, reader, f"weights from {cfg.model_path} (continued pre-training)",
+                           name=f"{cfg.model_name} ({cfg.model_path})")
     model_cfg = get_preset(cfg.model_name)
     if cfg.model_overrides:
         fields = {f.name for f in dataclasses.fields(Qwen3Config)}
@@ -71,7 +72,9 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
                 hint = nearest(key, fields)
                 raise ConfigError(f"model_overrides: unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else ""))
         model_cfg = dataclasses.replace(model_cfg, **cfg.model_overrides)
-    return ModelSource(model_cfg, None, f"{cfg.model_name} preset, random init (seed {cfg.seed})")
+    overrides = f" with model_overrides {', '.join(f'{k}={v}' for k, v in cfg.model_overrides.items())}" \
+        if cfg.model_overrides else ""
+    return ModelSource(model_cfg, None, f"random init (seed {cfg.seed})", name=f"{cfg.model_name} preset{overrides}")
 
 
 def _check_name_matches(model_name: str, config: Qwen3Config, path: str) -> None:

@@ -6,7 +6,8 @@ as one process, under ``torchrun`` or under ``mpirun``.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -21,8 +22,10 @@ import torch.distributed as dist
 
 from qwen3_pretrain.checkpoint.layout import find_latest, read_meta
 from qwen3_pretrain.checkpoint.manager import Checkpointer
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
 from qwen3_pretrain.data.blend import BlendedDataset, validate_sources
+from qwen3_pretrain.data.pool import available_cores
 from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
@@ -34,13 +37,20 @@ from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import math_fallbacks, predict_memory
 from qwen3_pretrain.train.config import TrainConfig
-from qwen3_pretrain.train.metrics import (MetricsWriter, device_capacity, device_memory, device_peak_tflops,
-                                          format_line, memory_gib, memory_warning, runtime_reserved_gib, synchronize)
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
+from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
+                                          device_peak_tflops, format_line, measure_cpu_tflops, memory_gib,
+                                          memory_warning, runtime_reserved_gib, synchronize)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import lr_at
 
 log = logging.getLogger("qwen3_pretrain.train")
+
+
+# Steps logged after every start whatever log_steps is, so the first loss (and step time) come at once.
+ALWAYS_LOGGED_STEPS = 3
+# What the learning rate at a step depends on besides the step: changed on resume, the schedule changes shape.
+SCHEDULE_KEYS = ("learning_rate", "min_lr", "warmup_steps", "total_steps", "lr_decay_style")
 
 
 class TrainingHalted(UserError):
@@ -59,13 +69,16 @@ class Trainer:
         self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self._create_engine()
+        self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
+        # Start-up phases that can take minutes (weights read from a HF directory, a checkpoint) are said
+        # when they start and when they end.
+        with self._phase(f"building the model ({self.source.name}; {self.source.description})"):
+            self._create_engine()
         self._create_data()
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_in_a_row = 0
         self.stop_requested = self.stop_agreed = False
-        self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
         make_dirs(cfg.output_path, "output_path")
         self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
         # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
@@ -90,7 +103,8 @@ class Trainer:
         self.dims = self.parallelism.dims
         if cfg.eval_steps and not cfg.valid_fraction:
             raise ConfigError("eval_steps needs a held-out split: set valid_fraction (e.g. 0.01)")
-        validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path, cfg.seq_length)
+        self.manifests = validate_sources(cfg.data_sources, model_cfg.vocab_size, cfg.tokenizer_path,
+                                          cfg.seq_length)
 
     def _create_engine(self) -> None:
         self.engine = Engine(self.cfg, self.source, self.parallelism, self.mesh, self.device, self.fp32_matmul,
@@ -114,6 +128,16 @@ class Trainer:
             self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
         self.global_tokens = self.engine.global_tokens
 
+    @contextlib.contextmanager
+    def _phase(self, what: str):
+        """Log ``what`` when it starts and how long it took when it ends (on the logging rank)."""
+        if self.is_log_rank:
+            log.info("%s ...", what)
+        start = time.perf_counter()
+        yield
+        if self.is_log_rank:
+            log.info("done in %.1f s: %s", time.perf_counter() - start, what.split(" (")[0])
+
     # --- checkpoints ------------------------------------------------------------------
 
     def _maybe_resume(self) -> Path | None:
@@ -130,11 +154,26 @@ class Trainer:
             return None
         # before loading: a checkpoint of another model fails there with DCP's size or key errors
         self._check_checkpoint_model(read_meta(path), path)
-        meta = self.checkpointer.load(path)
+        with self._phase(f"loading checkpoint {path}"):
+            meta = self.checkpointer.load(path)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
         self.loader.load_state_dict(meta["data"])
+        self._warn_schedule_change(meta.get("config", {}))
         return path
+
+    def _warn_schedule_change(self, saved: dict) -> None:
+        """Resuming with other learning-rate settings reshapes the schedule from the next step on: allowed
+        (extending total_steps is common), but said, with the lr the next step gets under each schedule."""
+        changed = {k: (saved[k], getattr(self.cfg, k)) for k in SCHEDULE_KEYS
+                   if k in saved and saved[k] != getattr(self.cfg, k)}
+        if not changed or not self.is_log_rank:
+            return
+        before = dataclasses.replace(self.cfg, **{k: old for k, (old, _) in changed.items()})
+        log.warning("resuming with another learning-rate schedule (%s): the lr of step %d is %.3g (the checkpoint's "
+                    "schedule: %.3g); to continue it unchanged, resume with the checkpoint's values",
+                    ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()), self.step + 1,
+                    lr_at(self.step, self.cfg), lr_at(self.step, before))
 
     def _check_checkpoint_model(self, meta: dict, path: Path) -> None:
         saved, current = meta.get("model_config", {}), self.source.config.to_hf_dict()
@@ -193,10 +232,12 @@ class Trainer:
             signal.signal(signum, self._request_stop)
         self._log_start()
         history: list[dict] = []
-        # Only the logging rank reports MFU: only it looks the device up (and warns if it is unknown).
-        peak = device_peak_tflops(self.device, cfg.peak_tflops,
-                                  matmul_dtype(cfg.mixed_precision, self.fp32_matmul))[0] \
-            if self.is_log_rank else float("nan")
+        if self.step >= cfg.total_steps:
+            if self.is_log_rank:
+                log.warning("checkpoint step %d >= total_steps %d: nothing to train; raise total_steps or use "
+                            "another output_path", self.step, cfg.total_steps)
+            return history
+        peak = self._peak_tflops()
         flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
         avg_step = None
         saved_at = started_at = self.step
@@ -206,8 +247,10 @@ class Trainer:
             self._check_finite(rec)
             if avg_step is None or rec["step"] > 1:  # the first step pays for warm-up
                 avg_step = rec["step_time_s"] if avg_step is None else 0.9 * avg_step + 0.1 * rec["step_time_s"]
+            # The first steps are always logged: the first loss comes at once, whatever log_steps is.
             if self.is_log_rank and (rec["step"] % cfg.log_steps == 0 or rec["step"] == cfg.total_steps
-                                     or rec["skipped"] or self.stop_agreed):
+                                     or rec["step"] <= started_at + ALWAYS_LOGGED_STEPS or rec["skipped"]
+                                     or self.stop_agreed):
                 self._log_step(rec, peak, flops_per_token, avg_step)
             due = self.step == cfg.total_steps or (cfg.save_steps and self.step % cfg.save_steps == 0)
             # A step skipped for a non-finite loss is not saved: 'latest' keeps naming the last good state.
@@ -230,6 +273,27 @@ class Trainer:
         # transfer still in flight at that moment aborts the process.
         dist.barrier()
         return history
+
+    def _peak_tflops(self) -> float:
+        """The peak per device that MFU divides by (on the logging rank; nan elsewhere), logged with its
+        origin. On a CPU: one core's matmul peak, measured while the other ranks wait (collective), times
+        the node's cores over its processes, whatever the launcher set the threads to."""
+        cfg, dtype = self.cfg, matmul_dtype(self.cfg.mixed_precision, self.fp32_matmul)
+        if self.device.type == "cpu" and not cfg.peak_tflops:
+            dist.barrier()
+            per_core = measure_cpu_tflops(dtype=dtype, threads=1) if self.is_log_rank else float("nan")
+            dist.barrier()
+            cores, processes = available_cores(), self.launch.local_world_size or 1
+            peak = cpu_peak_per_process(per_core, cores, processes)
+            origin = (f"{per_core:.3g} TFLOP/s measured on one core in {str(dtype).removeprefix('torch.')} x "
+                      f"{cores} cores / {processes} process(es) on this node")
+        elif self.is_log_rank:  # only the logging rank looks the device up (and warns if it is unknown)
+            peak, origin = device_peak_tflops(self.device, cfg.peak_tflops, dtype)
+        else:
+            return float("nan")
+        if self.is_log_rank:
+            log.info("MFU against a peak of %.3g TFLOP/s per device (%s)", peak, origin)
+        return peak
 
     def _check_finite(self, rec: dict) -> None:
         if not rec["skipped"]:
@@ -271,11 +335,21 @@ class Trainer:
         if self.launch.rank == 0:
             save_config(cfg, Path(cfg.output_path) / "config.yaml")
         if self.is_log_rank:
+            weights = (f"weights from {self.resumed_from.name} (resumed)" if self.resumed_from is not None
+                       else self.source.description)
             log.info("run start: world %d | tp %d pp %d dp %d cp %d | global_batch %d (batch_size %d x dp %d x "
-                     "accumulation %d) | seq %d | model %s, %.3gB params | %s | device %s | launcher %s",
-                     self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size, dims.dp,
-                     cfg.gradient_accumulation_steps, cfg.seq_length, cfg.model_name, m.num_params() / 1e9,
-                     self.source.description, self.device, self.launch.launcher)
+                     "accumulation %d) | seq %d | model %s, %s params | %s | device %s | launcher %s",
+                     self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size,
+                     dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name,
+                     _count(m.num_params()), weights, self.device, self.launch.launcher)
+            # The start record first: a resume record after it belongs to the run it starts.
+            self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
+                                "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
+                                "global_batch": self.global_batch})
+            for manifest, source in zip(self.manifests, cfg.data_sources):
+                if manifest.get("seq_length") not in (None, cfg.seq_length):
+                    log.info("%s was converted for seq_length %s; training at %d (fine: samples are packed at any "
+                             "length)", source.path, manifest["seq_length"], cfg.seq_length)
             if self.fp32_matmul:
                 log.info("bf16 matmuls are computed in fp32: %s (cpu_bf16_matmul: %s)", "this CPU has no AVX512-BF16 "
                          "or AMX, native bf16 would run several times slower" if cfg.cpu_bf16_matmul == "auto"
@@ -284,9 +358,6 @@ class Trainer:
                 log.info("resumed from %s at step %d", self.resumed_from, self.step)
                 self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
             self._log_predicted_memory()
-            self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
-                                "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
-                                "global_batch": self.global_batch})
 
     def _layout(self) -> Layout:
         return engine_layout(self.cfg, self.parallelism, self.loss_chunk_tokens, self.device.type,
@@ -334,10 +405,9 @@ class Trainer:
 
 
 def _setup_logging(rank: int) -> None:
-    # Known, harmless notices of torch.distributed, printed by every rank: the model's outputs are never
-    # modified in place, and the gradient-norm reduction over (dp, tp) is a handful of scalars per step.
+    # A known, harmless notice of torch.distributed, printed by every rank: the model's outputs are never
+    # modified in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    warnings.filterwarnings("ignore", message=r".*sequential all_reduce.*")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     root = logging.getLogger("qwen3_pretrain")
@@ -347,7 +417,7 @@ def _setup_logging(rank: int) -> None:
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    parser = argparse.ArgumentParser(prog="qwen3-pretrain train", description="Pre-train a Qwen3 model.")
+    parser = CommandParser("train", description="Pre-train a Qwen3 model.", config=TrainConfig)
     parser.add_argument("--config", help="training config YAML (the reference pretrain_config.yaml keys)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     args = parser.parse_args(argv)
@@ -371,3 +441,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _count(n: int) -> str:
+    """A parameter count as people write it: 20.3M, 8.19B."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import MissingFileError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import load_hf_model, save_hf_model
@@ -32,7 +33,7 @@ def tiny_config() -> Qwen3Config:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="qwen3-pretrain demo", description=__doc__.splitlines()[0])
+    parser = CommandParser("demo", description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=Path("runs/demo/tiny-qwen3"),
                         help="HF model directory to write (replaced if it holds a previous model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")

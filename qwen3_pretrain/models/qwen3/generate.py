@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import MissingFileError, UserError
-from qwen3_pretrain.models.qwen3.hf_io import load_hf_model
+from qwen3_pretrain.models.qwen3.hf_io import check_not_training_output, load_hf_model
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
 # The pre-training document separator: a model trained on packed documents emits it where a text ends.
@@ -103,7 +104,7 @@ def generate(model: Qwen3Model, prompt_ids: list[int], sampling: SamplingConfig,
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="qwen3-pretrain generate", description=__doc__.splitlines()[0])
+    parser = CommandParser("generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, type=Path,
                         help="HF model directory (config.json + safetensors), e.g. the output of merge")
     parser.add_argument("--prompt", required=True, help="text to continue")
@@ -126,6 +127,7 @@ def main(argv: list[str]) -> int:
     if not args.model.is_dir():
         raise MissingFileError(f"--model {args.model}: no such directory; give a HF model directory "
                                "(e.g. the output_path of 'qwen3-pretrain merge')")
+    check_not_training_output(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     model = load_hf_model(args.model, dtype=torch.float32)
     prompt_ids = tokenizer.encode(args.prompt).ids

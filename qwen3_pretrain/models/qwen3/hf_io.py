@@ -137,6 +137,14 @@ def parse_size(size: int | str) -> int:
 # --- reading --------------------------------------------------------------
 
 
+def check_not_training_output(path: Path) -> None:
+    """A training output_path given where a HuggingFace model belongs: say to merge it first."""
+    if not (path / CONFIG_FILE).is_file() and ((path / "latest").is_file() or any(path.glob("step_*/meta.json"))):
+        raise UserError(f"{path} is a training output_path (sharded checkpoints step_N/), not a HuggingFace model; "
+                        f"merge it into one first: qwen3-pretrain merge --input_path {path} --output_path "
+                        f"{path}_merged, then use {path}_merged")
+
+
 class HFCheckpointReader:
     """Lazy access to the tensors of a HF Qwen3 directory, by internal name.
 
@@ -150,6 +158,7 @@ class HFCheckpointReader:
         if not self.path.is_dir():
             raise MissingFileError(f"{self.path}: no such directory; expected a HuggingFace model directory "
                                    f"with {CONFIG_FILE} and {SINGLE_FILE} (or {INDEX_FILE})")
+        check_not_training_output(self.path)
         self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
         self._handles: dict[str, safe_open] = {}
         self._hf_name: dict[str, str] = {}  # internal -> HF name

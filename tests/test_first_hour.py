@@ -1,0 +1,119 @@
+"""The first hour as a user: what the commands say, run as a user runs them (the CLI, torchrun with 2 processes).
+
+Nothing happens without a word (a resume with nothing to train, a reshaped learning-rate schedule, a removed
+checkpoint, a long start-up phase, a save), no scary warning comes from our own code, and every mistake ends
+in one line that says what to change.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._train_helpers import child_env, free_port, make_corpus, write_config
+
+REPO = Path(__file__).resolve().parents[1]
+DUMP = REPO / "assets" / "enwiki-sample" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+def cli(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qwen3_pretrain", *args], capture_output=True, text=True, cwd=cwd,
+                          env=child_env(), timeout=timeout)
+
+
+def torchrun(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):
+    """A tp 2 run of 4 steps logged every 100 (saving at 2 and 4, keeping 1), the same command again (nothing
+    left to train), then again with total_steps 6 (another schedule)."""
+    root = tmp_path_factory.mktemp("first_hour")
+    config = write_config(root / "c.yaml", make_corpus(root / "data"), root / "out", tp=2, total_steps=4,
+                          log_steps=100, save_steps=2, keep_last_n=1)
+    first = torchrun(config)
+    again = torchrun(config)
+    longer = torchrun(config, "total_steps=6")
+    return root, first, again, longer
+
+
+@pytest.mark.distributed
+def test_a_run_says_what_it_does(tp2_runs):
+    _, first, _, _ = tp2_runs
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out[-3000:]
+    # the first steps are logged whatever log_steps is; start-up phases say when they start and end
+    assert re.search(r"step 1/4 \| loss", out) and re.search(r"step 3/4 \| loss", out)
+    assert "building the model (qwen3-0.6b preset with model_overrides head_dim=16" in out and "done in" in out
+    assert "MFU against a peak of" in out
+    # a save says when it starts, then what it wrote; the checkpoint keep_last_n drops is named
+    saving, saved = out.index("saving checkpoint"), out.index("saved checkpoint")
+    assert saving < saved
+    assert re.search(r"removed checkpoint \S+step_0000002 \(keep_last_n: 1\)", out)
+    # no warning of torch's about the gradient norm's reductions (it is one all-reduce)
+    assert "sequential all_reduce" not in out and "inconsistent results" not in out
+
+
+@pytest.mark.distributed
+def test_nothing_to_train_and_a_reshaped_schedule_are_said(tp2_runs):
+    root, _, again, longer = tp2_runs
+    assert again.returncode == 0
+    assert "checkpoint step 4 >= total_steps 4: nothing to train; raise total_steps or use another output_path" \
+        in again.stdout
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert re.search(r"resuming with another learning-rate schedule \(total_steps 4 -> 6\): the lr of step 5 is "
+                     r"\S+ \(the checkpoint's schedule: \S+\)", longer.stdout)
+    assert "weights from step_0000004 (resumed)" in longer.stdout
+    # parse-log: two runs that logged steps are one restart, not two (a start and a resume event)
+    summary = cli("parse-log", "--log_path", str(root / "out" / "metrics.jsonl"), "--output_path",
+                  str(root / "m.csv"))
+    assert summary.returncode == 0 and "restarts: 1" in summary.stdout, summary.stdout
+
+
+def test_every_mistake_ends_in_one_line(tmp_path):
+    def one_line(proc: subprocess.CompletedProcess, message: str) -> None:
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("wiki2parquet:")]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr[-2000:]
+
+    one_line(cli("wiki2parquet", "--input", str(DUMP), "--output", "/proc/wiki.parquet"),
+             "--output /proc/wiki.parquet: cannot write there")
+    run = tmp_path / "run"
+    (run / "step_0000002").mkdir(parents=True)
+    (run / "step_0000002" / "meta.json").write_text("{}")
+    (run / "latest").write_text("step_0000002")
+    one_line(cli("generate", "--model", str(run), "--prompt", "x"),
+             f"{run} is a training output_path (sharded checkpoints step_N/), not a HuggingFace model; merge it")
+    data_file = tmp_path / "data.bin"
+    data_file.write_bytes(b"")
+    one_line(cli("train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
+                 f"data_path={data_file}", "rank_size=1", "tp=1", "pp=1"),
+             f"data_path {data_file} is a file; give the folder")
+    one_line(cli("train", "--config", str(REPO / "examples" / "pretrain_config.yaml"), "distributed_optimizer=Ture"),
+             "command line (distributed_optimizer=...): distributed_optimizer: expected true or false, got 'Ture'")
+    one_line(cli("convert", "--config", "pretrain_data_config.yaml"),
+             "config file 'pretrain_data_config.yaml' does not exist; did you mean 'examples/pretain_data_config.yaml'?")
+    one_line(cli("train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
+                 "seq_length=100000", "rank_size=1", "tp=1", "pp=1"),
+             "lower seq_length to at most that, or raise max_position_embeddings")
+
+
+def test_one_command_line_convention():
+    """Long options take dashes or underscores everywhere; usage names the command as typed; help repeats no
+    default; train and convert list their config keys."""
+    plan = cli("plan", "--model", "qwen3-8b", "--seq_length", "4096", "--devices_per_node", "8", "--device", "h100")
+    assert plan.returncode == 0, plan.stderr
+    for command in ("wiki2parquet", "convert", "train", "plan", "simulate", "merge", "parse-log", "generate",
+                    "commbench", "demo"):
+        usage = cli(command, "--help")
+        assert usage.returncode == 0 and usage.stdout.startswith(f"usage: qwen3-pretrain {command} "), command
+        assert "(default: None)" not in usage.stdout, command
+    for command, key in (("train", "gradient_checkpointing"), ("convert", "chunk_size")):
+        assert re.search(rf"^  {key}$", cli(command, "--help").stdout, re.MULTILINE), command
