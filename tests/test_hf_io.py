@@ -26,7 +26,10 @@ from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
 # Published totals (model cards / config.json of Qwen/Qwen3-*), in billions.
 PUBLISHED_PARAMS_B = {"qwen3-0.6b": 0.596, "qwen3-1.7b": 1.721, "qwen3-4b": 4.022,
-                      "qwen3-8b": 8.191, "qwen3-14b": 14.768, "qwen3-32b": 32.762}
+                      "qwen3-8b": 8.191, "qwen3-14b": 14.768, "qwen3-32b": 32.762,
+                      # the model cards: "30.5B in total and 3.3B activated", "235B in total and 22B activated"
+                      "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.0}
+PUBLISHED_ACTIVE_B = {"qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22.0}
 
 
 def make_model(cfg, seed: int = 0) -> Qwen3Model:
@@ -282,3 +285,7 @@ def test_preset_parameter_counts_match_published(preset):
     assert counted == cfg.num_params()
     assert expected_shapes(cfg) == {name: tuple(p.shape) for name, p in model.named_parameters()}
     assert abs(counted - published) / published < 0.005
+    if preset in PUBLISHED_ACTIVE_B:  # the cards round the active count to two digits
+        active = cfg.num_params(active=True)
+        assert abs(active / 1e9 - PUBLISHED_ACTIVE_B[preset]) / PUBLISHED_ACTIVE_B[preset] < 0.02
+        assert cfg.num_sparse_layers == cfg.num_hidden_layers

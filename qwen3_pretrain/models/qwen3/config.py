@@ -1,7 +1,13 @@
-"""Qwen3 model configuration, with the field names of HuggingFace's ``config.json``.
+"""Qwen3 model configuration, dense and mixture-of-experts, with the field names of HuggingFace's ``config.json``.
 
 ``head_dim`` is a field of its own and is never derived from ``hidden_size /
 num_attention_heads``: Qwen3-0.6B has 16 heads of 128 on a hidden size of 1024.
+
+One class serves both families (``model_type`` ``qwen3`` and ``qwen3_moe``): a
+model with ``num_experts > 0`` replaces the MLP of its sparse layers
+(``is_sparse_layer``) by a mixture of ``num_experts`` experts of
+``moe_intermediate_size``, each token routed to ``num_experts_per_tok`` of them;
+attention, norms, embedding and head are the dense family's.
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ class Qwen3Config:
     bos_token_id: int = ENDOFTEXT_ID
     eos_token_id: int = 151645
     torch_dtype: str = "bfloat16"
+    # --- mixture of experts (Qwen3-MoE; 0 experts: dense) ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    decoder_sparse_step: int = 1  # every this-many-th layer is sparse (1: all of them)
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)  # layers kept dense
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1 (transformers' default: no)
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,14 +80,37 @@ class Qwen3Config:
             raise UserError(f"model config: hidden_act {self.hidden_act!r} is not supported (Qwen3 uses 'silu')")
         if self.attention_bias:
             raise UserError("model config: attention_bias=true is not supported (Qwen3 has no biases)")
+        if self.num_experts:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise UserError(f"model config: {name} must be a positive integer, got {value!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise UserError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                                f"({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer ``index`` holds experts (transformers' rule: not in ``mlp_only_layers`` and every
+        ``decoder_sparse_step``-th layer, counting from 1)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
 
     # --- HF config.json ---------------------------------------------------
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
         model_type = data.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise UserError(f"{source}: model_type is {model_type!r}; this project trains dense 'qwen3' models")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise UserError(f"{source}: model_type is {model_type!r}; this project trains 'qwen3' and 'qwen3_moe' "
+                            "models")
         if data.get("rope_scaling"):
             raise UserError(f"{source}: rope_scaling {data['rope_scaling']!r} is not supported; remove it for pre-training")
         if data.get("use_sliding_window"):
@@ -97,6 +134,13 @@ class Qwen3Config:
             kwargs["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        if model_type == "qwen3_moe":
+            kwargs.setdefault("num_experts", data.get("num_local_experts", 128))  # transformers' class default
+            kwargs["mlp_only_layers"] = list(kwargs.get("mlp_only_layers") or [])
+        else:
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                        "mlp_only_layers", "norm_topk_prob", "router_aux_loss_coef"):
+                kwargs.pop(key, None)
         try:
             return cls(**kwargs)
         except TypeError as exc:
@@ -119,9 +163,13 @@ class Qwen3Config:
 
     def to_hf_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        if not self.is_moe:
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                        "mlp_only_layers", "norm_topk_prob", "router_aux_loss_coef"):
+                out.pop(key)
         out.update({
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
             "attention_dropout": 0.0,
             "rope_scaling": None,
             "use_cache": True,
@@ -133,27 +181,36 @@ class Qwen3Config:
 
     # --- sizes ------------------------------------------------------------
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count; with ``include_embedding=False`` the input embedding and an untied head are left out."""
+    def mlp_params(self, index: int, active: bool = False) -> int:
+        """Parameters of layer ``index``'s MLP: the dense one, or the experts and their router (``active``: the
+        router and the ``num_experts_per_tok`` experts one token uses)."""
+        h = self.hidden_size
+        if not self.is_sparse_layer(index):
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count; with ``include_embedding=False`` the input embedding and an untied head are left out;
+        ``active``: with the experts one token uses in place of all (a MoE model's "A3B")."""
         h, hd = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_attention_heads * hd, self.num_key_value_heads * hd
         attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * hd  # q, k, v, o, q_norm, k_norm
-        mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h
-        total = self.num_hidden_layers * layer + h
+        total = sum(attn + self.mlp_params(i, active) + 2 * h for i in range(self.num_hidden_layers)) + h
         if include_embedding:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
 
     def num_matmul_params(self) -> int:
-        """Weights that take part in matmuls: every linear layer including the LM head, not the embedding lookup."""
+        """Weights that take part in a token's matmuls: every linear layer including the LM head (of a MoE layer
+        the router and the experts the token is routed to), not the embedding lookup."""
         h = self.hidden_size
-        per_layer = (h * self.num_attention_heads * self.head_dim * 2 + 2 * h * self.num_key_value_heads * self.head_dim
-                     + 3 * h * self.intermediate_size)
-        return self.num_hidden_layers * per_layer + self.vocab_size * h
+        attn = h * self.num_attention_heads * self.head_dim * 2 + 2 * h * self.num_key_value_heads * self.head_dim
+        return sum(attn + self.mlp_params(i, active=True) for i in range(self.num_hidden_layers)) + self.vocab_size * h
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6 * N_matmul + 12 * L * heads * head_dim * seq (PaLM convention)."""
+        """Training FLOPs per token: 6 * N_matmul (active parameters) + 12 * L * heads * head_dim * seq (PaLM
+        convention)."""
         attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_length
         return 6.0 * self.num_matmul_params() + attn
 
@@ -172,6 +229,20 @@ PRESETS: dict[str, Qwen3Config] = {
     "qwen3-14b": _preset(5120, 40, 40, 17408, tied=False),
     "qwen3-32b": _preset(5120, 64, 64, 25600, tied=False),
 }
+
+
+def _moe_preset(hidden: int, layers: int, heads: int, expert_ffn: int) -> Qwen3Config:
+    return Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=4,
+                       head_dim=128, intermediate_size=6144 if hidden == 2048 else 12288, tie_word_embeddings=False,
+                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=expert_ffn, norm_topk_prob=True)
+
+
+# Published Qwen3 mixture-of-experts models (config.json of Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B):
+# 30.5B parameters, 3.3B active; 235.1B, 22.2B active.
+PRESETS.update({
+    "qwen3-30b-a3b": _moe_preset(2048, 48, 32, 768),
+    "qwen3-235b-a22b": _moe_preset(4096, 94, 64, 1536),
+})
 
 
 def get_preset(name: str) -> Qwen3Config:

@@ -6,6 +6,15 @@ one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
 Everything else in the project speaks the model's own parameter names
 (``layers.3.attn.q_proj.weight``); the table below translates.
 
+A MoE layer's experts are stacked in the model (``layers.3.mlp.experts.gate_proj``
+[E, I, H], ``up_proj`` [E, I, H], ``down_proj`` [E, H, I]). The files hold one
+tensor per expert and projection (``model.layers.3.mlp.experts.7.gate_proj.weight``),
+as the released Qwen3-MoE checkpoints and transformers' ``save_pretrained`` do;
+this is what is written. Reading also takes transformers' packed form
+(``mlp.experts.gate_up_proj`` [E, 2I, H], the gate's rows first, and
+``mlp.experts.down_proj`` [E, H, I]). Either way a slice of the stacked tensor
+reads only the experts, and the rows, it covers.
+
 Loading never holds two copies of the model: the model is built on the
 ``meta`` device, materialized empty, and filled tensor by tensor. Saving
 holds one shard at a time and becomes visible only once complete (written
@@ -46,6 +55,8 @@ NAME_TABLE: list[tuple[str, str]] = [
     ("layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),  # a MoE layer's router
+    ("layers.{i}.mlp.experts.down_proj", "model.layers.{i}.mlp.experts.down_proj"),  # packed (read only)
     ("norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
 ]
@@ -69,6 +80,20 @@ def _compile(template: str) -> re.Pattern[str]:
 _TO_HF = [(_compile(internal), hf) for internal, hf in NAME_TABLE]
 _TO_INTERNAL = [(_compile(hf), internal) for internal, hf in NAME_TABLE]
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_STACKED = re.compile(r"layers\.(?P<i>\d+)\.mlp\.experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                         r"\.weight$")
+_PACKED = re.compile(r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def expert_hf_name(name: str, expert: int) -> str:
+    """The HF name of expert ``expert``'s slice of stacked tensor ``name``:
+    ``layers.3.mlp.experts.gate_proj``, 7 -> ``model.layers.3.mlp.experts.7.gate_proj.weight``."""
+    match = _STACKED.match(name)
+    assert match, f"{name!r} is not a stacked expert tensor"
+    return f"model.layers.{match['i']}.mlp.experts.{expert}.{match['proj']}.weight"
+
 
 def _translate(name: str, rules: list[tuple[re.Pattern[str], str]], kind: str) -> str:
     for pattern, template in rules:
@@ -79,12 +104,20 @@ def _translate(name: str, rules: list[tuple[re.Pattern[str], str]], kind: str) -
 
 
 def hf_to_internal(name: str) -> str:
-    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.attn.q_proj.weight``."""
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.attn.q_proj.weight``; one expert's tensor
+    (``model.layers.0.mlp.experts.5.up_proj.weight``) -> the stacked tensor it is part of
+    (``layers.0.mlp.experts.up_proj``)."""
+    match = _PER_EXPERT.match(name)
+    if match:
+        return f"layers.{match['i']}.mlp.experts.{match['proj']}"
     return _translate(name, _TO_INTERNAL, "HF")
 
 
 def internal_to_hf(name: str) -> str:
-    """``layers.0.attn.q_proj.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
+    """``layers.0.attn.q_proj.weight`` -> ``model.layers.0.self_attn.q_proj.weight``; a stacked expert tensor
+    -> the pattern of its per-expert names (``model.layers.0.mlp.experts.*.up_proj.weight``)."""
+    if _STACKED.match(name):
+        return expert_hf_name(name, 0).replace(".experts.0.", ".experts.*.")
     return _translate(name, _TO_HF, "internal")
 
 
@@ -105,13 +138,15 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "attn.q_norm.weight": (hd,),
         "attn.k_norm.weight": (hd,),
         "mlp_norm.weight": (h,),
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
     }
+    dense = {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    e, moe_inter = config.num_experts, config.moe_intermediate_size
+    sparse = {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj": (e, moe_inter, h),
+              "mlp.experts.up_proj": (e, moe_inter, h), "mlp.experts.down_proj": (e, h, moe_inter)}
     shapes = {"embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
+        mlp = sparse if config.is_sparse_layer(i) else dense
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in {**layer, **mlp}.items()})
     shapes["norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -145,6 +180,16 @@ def check_not_training_output(path: Path) -> None:
                         f"{path}_merged, then use {path}_merged")
 
 
+@dataclasses.dataclass
+class _Stored:
+    """Where the values of one internal tensor are: one tensor of a file; a range of a packed tensor's dim 1
+    (``rows``: a packed ``gate_up_proj``'s gate or up half); or, ``stacked``, one tensor per expert."""
+
+    pieces: list[tuple[str, str]]  # (file name, HF name); per expert in expert order when stacked
+    rows: tuple[int, int] | None = None
+    stacked: bool = False
+
+
 class HFCheckpointReader:
     """Lazy access to the tensors of a HF Qwen3 directory, by internal name.
 
@@ -161,14 +206,32 @@ class HFCheckpointReader:
         check_not_training_output(self.path)
         self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
         self._handles: dict[str, safe_open] = {}
-        self._hf_name: dict[str, str] = {}  # internal -> HF name
-        self._file: dict[str, str] = {}  # internal -> file name
+        self._stored: dict[str, _Stored] = {}
+        experts: dict[str, dict[int, tuple[str, str]]] = {}  # stacked name -> expert -> (file, HF name)
         for hf_name, file_name in self._weight_map().items():
-            try:
-                name = hf_to_internal(hf_name)
-            except UserError as exc:
-                raise UserError(f"{self.path / file_name}: {exc}") from None
-            self._hf_name[name], self._file[name] = hf_name, file_name
+            if _PER_EXPERT.match(hf_name):
+                experts.setdefault(hf_to_internal(hf_name), {})[int(_PER_EXPERT.match(hf_name)["e"])] = \
+                    (file_name, hf_name)
+            elif (packed := _PACKED.match(hf_name)) and packed["proj"] == "gate_up_proj":
+                self._add_packed_gate_up(packed["i"], file_name, hf_name)
+            else:
+                try:
+                    name = hf_to_internal(hf_name)
+                except UserError as exc:
+                    raise UserError(f"{self.path / file_name}: {exc}") from None
+                self._stored[name] = _Stored([(file_name, hf_name)])
+        for name, by_expert in experts.items():
+            gap = next(e for e in range(len(by_expert) + 1) if e not in by_expert)
+            if gap < len(by_expert):
+                raise UserError(f"{self.path}: tensor {expert_hf_name(name, gap)!r} is missing while experts up to "
+                                f"{max(by_expert)} are present; the checkpoint is incomplete")
+            self._stored[name] = _Stored([by_expert[e] for e in range(len(by_expert))], stacked=True)
+
+    def _add_packed_gate_up(self, layer: str, file_name: str, hf_name: str) -> None:
+        rows = self._handle(file_name).get_slice(hf_name).get_shape()[1]
+        for k, proj in enumerate(("gate_proj", "up_proj")):  # gate rows first, as transformers chunks them
+            half = (k * rows // 2, (k + 1) * rows // 2)
+            self._stored[f"layers.{layer}.mlp.experts.{proj}"] = _Stored([(file_name, hf_name)], rows=half)
 
     def _weight_map(self) -> dict[str, str]:
         """HF name -> file name, from the index or from the single file's header."""
@@ -201,46 +264,68 @@ class HFCheckpointReader:
                 raise UserError(f"{self.path / file_name}: not a readable safetensors file ({exc})") from None
         return self._handles[file_name]
 
-    def _lookup(self, name: str) -> tuple[safe_open, str]:
-        if name not in self._file:
+    def _lookup(self, name: str) -> _Stored:
+        if name not in self._stored:
             raise UserError(f"{self.path}: no tensor {name!r} ({internal_to_hf(name)}) in this checkpoint")
-        return self._handle(self._file[name]), self._hf_name[name]
+        return self._stored[name]
+
+    def _slice(self, piece: tuple[str, str]):
+        file_name, hf_name = piece
+        return self._handle(file_name).get_slice(hf_name)
 
     def names(self) -> list[str]:
         """Internal names of the tensors present, in the checkpoint's order."""
-        return list(self._file)
+        return list(self._stored)
 
     def hf_name(self, name: str) -> str:
-        """The name tensor ``name`` has (or would have) in this checkpoint's files."""
-        return self._hf_name.get(name) or internal_to_hf(name)
+        """The name tensor ``name`` has (or would have) in this checkpoint's files (of a stacked expert
+        tensor: the pattern of its per-expert names)."""
+        stored = self._stored.get(name)
+        if stored is None or stored.stacked:
+            return internal_to_hf(name)
+        return stored.pieces[0][1]
 
     def file_of(self, name: str) -> Path:
-        """The safetensors file that holds tensor ``name``."""
-        self._lookup(name)
-        return self.path / self._file[name]
+        """The safetensors file that holds tensor ``name`` (of a stacked one: its first expert's)."""
+        return self.path / self._lookup(name).pieces[0][0]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        handle, hf_name = self._lookup(name)
-        return tuple(handle.get_slice(hf_name).get_shape())
+        stored = self._lookup(name)
+        shape = tuple(self._slice(stored.pieces[0]).get_shape())
+        if stored.stacked:
+            return (len(stored.pieces), *shape)
+        if stored.rows is not None:
+            return (shape[0], stored.rows[1] - stored.rows[0], *shape[2:])
+        return shape
 
     def dtype(self, name: str) -> torch.dtype:
-        handle, hf_name = self._lookup(name)
-        code = handle.get_slice(hf_name).get_dtype()
+        code = self._slice(self._lookup(name).pieces[0]).get_dtype()
         if code not in _SAFETENSORS_DTYPES:
-            raise UserError(f"{self.file_of(name)}: tensor {hf_name!r} is stored as {code}; expected a float type "
-                            f"({', '.join(_SAFETENSORS_DTYPES)})")
+            raise UserError(f"{self.file_of(name)}: tensor {self.hf_name(name)!r} is stored as {code}; expected a "
+                            f"float type ({', '.join(_SAFETENSORS_DTYPES)})")
         return _SAFETENSORS_DTYPES[code]
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor ``name`` on CPU, converted to ``dtype`` when given."""
-        handle, hf_name = self._lookup(name)
-        tensor = handle.get_tensor(hf_name)
-        return tensor if dtype is None else tensor.to(dtype)
+        return self.read_slice(name, tuple(slice(None) for _ in self.shape(name)), dtype)
 
     def read_slice(self, name: str, slices: tuple[slice, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``tensor[slices]`` reading only those bytes from disk (one slice per leading dim)."""
-        handle, hf_name = self._lookup(name)
-        tensor = handle.get_slice(hf_name)[tuple(slices)]
+        """``tensor[slices]`` reading only those bytes from disk (one slice per leading dim, no steps)."""
+        stored = self._lookup(name)
+        slices = tuple(slices) or (slice(None),)
+        if stored.stacked:
+            rest = slices[1:] or (slice(None),)
+            experts = range(len(stored.pieces))[slices[0]]
+            tensor = torch.stack([self._slice(stored.pieces[e])[rest] for e in experts]) if len(experts) else \
+                torch.empty((0, *self.shape(name)[1:]))[(slice(None), *rest)]
+        elif stored.rows is not None:
+            first, last = stored.rows
+            wanted = slices[1] if len(slices) > 1 else slice(None)
+            start, stop, _ = wanted.indices(last - first)
+            tensor = self._slice(stored.pieces[0])[(slices[0], slice(first + start, first + max(start, stop)),
+                                                    *slices[2:])]
+        else:
+            tensor = self._slice(stored.pieces[0])[slices]
         return tensor if dtype is None else tensor.to(dtype)
 
     def validate(self) -> None:
@@ -250,23 +335,23 @@ class HFCheckpointReader:
         writes both); it is accepted only when equal to the embedding.
         """
         expected = expected_shapes(self.config)
-        missing = [n for n in expected if n not in self._file]
+        missing = [n for n in expected if n not in self._stored]
         if missing:
             listed = INDEX_FILE if (self.path / INDEX_FILE).is_file() else SINGLE_FILE
             raise UserError(f"{self.path / listed}: tensor {self.hf_name(missing[0])!r} is missing "
                             f"({len(missing)} missing in all); the checkpoint does not match its {CONFIG_FILE}")
         tied_head = HEAD if self.config.tie_word_embeddings else None
-        extra = [n for n in self._file if n not in expected and n != tied_head]
+        extra = [n for n in self._stored if n not in expected and n != tied_head]
         if extra:
             raise UserError(f"{self.file_of(extra[0])}: unexpected tensor {self.hf_name(extra[0])!r} for the model "
                             f"described by {CONFIG_FILE} ({self.config.num_hidden_layers} layers, "
-                            f"tie_word_embeddings={self.config.tie_word_embeddings})")
+                            f"{self.config.num_experts} experts, tie_word_embeddings={self.config.tie_word_embeddings})")
         for name, shape in expected.items():
             found = self.shape(name)
             if found != shape:
                 raise UserError(f"{self.file_of(name)}: tensor {self.hf_name(name)!r} has shape {list(found)}, "
                                 f"expected {list(shape)} from {CONFIG_FILE}")
-        if tied_head in self._file and not torch.equal(self.read(tied_head), self.read(EMBEDDING)):
+        if tied_head in self._stored and not torch.equal(self.read(tied_head), self.read(EMBEDDING)):
             raise UserError(f"{self.file_of(tied_head)}: 'lm_head.weight' differs from the embedding but "
                             f"{CONFIG_FILE} says tie_word_embeddings=true; set it to false to keep a separate head")
 
@@ -337,19 +422,28 @@ class HFCheckpointWriter:
             return  # a tied head is the embedding; HF stores it once
         if name not in self._expected:
             raise UserError(f"{name!r} ({internal_to_hf(name)}) is not a tensor of this model "
-                            f"({self.config.num_hidden_layers} layers, tied={self.config.tie_word_embeddings})")
+                            f"({self.config.num_hidden_layers} layers, {self.config.num_experts} experts, "
+                            f"tied={self.config.tie_word_embeddings})")
         if name in self._added:
             raise UserError(f"tensor {name!r} was added twice")
         if tuple(tensor.shape) != self._expected[name]:
             raise UserError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(self._expected[name])} "
                             "from the model config")
-        tensor = tensor.detach().to("cpu", self.dtype).contiguous()
+        self._added.add(name)
+        tensor = tensor.detach()
+        if _STACKED.match(name):  # one tensor per expert, as the released checkpoints hold them
+            for expert in range(tensor.shape[0]):
+                self._queue(expert_hf_name(name, expert), tensor[expert])
+        else:
+            self._queue(internal_to_hf(name), tensor)
+
+    def _queue(self, hf_name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.to("cpu", self.dtype).contiguous()
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
             tensor = tensor.clone()  # safetensors refuses views that share a storage
         if self._shard and self._shard_bytes + tensor.nbytes > self.max_shard_bytes:
             self._flush()
-        self._added.add(name)
-        self._shard[internal_to_hf(name)] = tensor
+        self._shard[hf_name] = tensor
         self._shard_bytes += tensor.nbytes
 
     def add_file(self, source: str | os.PathLike) -> None:

@@ -1,7 +1,9 @@
-"""Qwen3 dense decoder in plain PyTorch.
+"""Qwen3 decoder in plain PyTorch, dense and mixture-of-experts (Qwen3-MoE).
 
 Reads top to bottom: RMSNorm, rotary embedding, attention, MLP, decoder layer,
-the model. Nothing here knows about ``torch.distributed``: tensor, pipeline and
+the model. A Qwen3-MoE model is the same model whose sparse layers
+(``Qwen3Config.is_sparse_layer``) hold a mixture of experts (models/ops/moe.py)
+in place of the MLP. Nothing here knows about ``torch.distributed``: tensor, pipeline and
 data parallelism are applied from outside by module name. For that:
 
 * layers live in a ``ModuleDict`` keyed by the layer index, so a pipeline stage
@@ -32,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
+from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 
@@ -71,6 +74,12 @@ class ModelOptions:
     document_mask: bool = False
     # The LM head a loss applies (returning hidden states), or None: a plain head returning logits.
     loss_head: LossHead | None = None
+    # How a MoE layer's experts compute (models/ops/moe.py); one matmul per expert when None.
+    experts: ExpertsKernel | None = None
+    # Sees each MoE layer's routing in training (the load-balancing loss and the expert-load metrics).
+    router_observer: RouterObserver | None = None
+    # Benchmark mode: MoE layers route round-robin (perfectly balanced) instead of by the router's choice.
+    moe_force_balance: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -162,13 +171,30 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SparseMLP(MoE):
+    """A Qwen3-MoE layer's mixture of experts, recomputed in backward like the MLP it replaces."""
+
+    def __init__(self, cfg: Qwen3Config, index: int, options: ModelOptions) -> None:
+        super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                         cfg.norm_topk_prob, layer=index, kernel=options.experts or ExpertLoop(),
+                         linear=options.linear, observer=options.router_observer,
+                         balanced=options.moe_force_balance)
+        self.recompute = options.recompute == "mlp"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute:
+            return checkpoint(super().forward, x, use_reentrant=False)
+        return super().forward(x)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel) -> None:
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel, index: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, options.linear, recompute=options.recompute == "mlp")
+        self.mlp = SparseMLP(cfg, index, options) if cfg.is_sparse_layer(index) \
+            else MLP(cfg, options.linear, recompute=options.recompute == "mlp")
         self.recompute = options.recompute == "full"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
@@ -207,7 +233,7 @@ class Qwen3Model(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) \
             if part.embedding else None
         layers = part.layers if part.layers is not None else range(cfg.num_hidden_layers)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention, i) for i in layers})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if part.head else None
         self.lm_head: nn.Module | None = self._head(cfg, options) if part.head else None
         # A loss head is applied by the loss (to the final hidden states, which the model returns).
@@ -280,14 +306,15 @@ def init_param(name: str, shape: tuple[int, ...], cfg: Qwen3Config, seed: int) -
     sharded or pipelined model initializes each rank's slice to exactly what
     the single-process model holds, whatever the parallel layout. Norms start
     at one; matrices are normal(0, initializer_range), with the projections
-    that write into the residual stream (o_proj, down_proj) scaled down by
+    that write into the residual stream (o_proj, down_proj, the experts'
+    down_proj) scaled down by
     sqrt(2 * num_layers) so the residual's variance does not grow with depth.
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(name)) % (2**63))
     std = cfg.initializer_range
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std /= math.sqrt(2 * cfg.num_hidden_layers)
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

@@ -1,0 +1,164 @@
+"""A mixture-of-experts MLP in plain torch: a softmax top-k router and stacked experts, computed dropless.
+
+A layer's tokens [T, H] go to the router, a projection to E logits in the
+model's dtype, turned into probabilities in fp32 over all experts; each token
+takes its ``top_k`` most probable experts, with those probabilities as weights
+(renormalised to sum to one when the config says so). Every assignment is
+computed (no capacity, no dropped token): the T * top_k (token, expert) pairs
+are sorted by expert, each expert applies its SwiGLU MLP to its contiguous
+run, and each token's outputs are weighted and summed back. This is
+transformers' Qwen3-MoE block, computed grouped instead of one expert at a
+time.
+
+The experts are stored stacked, ``gate_proj`` and ``up_proj`` [E, I, H] and
+``down_proj`` [E, H, I] (each expert's matrices are its ``nn.Linear``
+weights), so a grouped matmul takes them as they are and a checkpoint holds
+three tensors per layer. How the experts compute is chosen when the model is
+built (``ExpertsKernel``): ``GroupedMM``, one ``torch._grouped_mm`` per
+projection for all experts (bf16, where the device has it), or ``ExpertLoop``,
+one matmul per expert (exact in any dtype, any device).
+
+The router reports to an observer (``RouterObserver``), which the training
+engine uses for the load-balancing loss and the expert-load metrics; the
+model itself holds no balancing state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ExpertsKernel(Protocol):
+    """Applies each expert's SwiGLU MLP to its run of ``tokens`` [N, H] (sorted by expert, ``counts`` [E]
+    tokens each) -> [N, H]."""
+
+    name: str
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor: ...
+
+
+class ExpertLoop:
+    """One matmul per expert through ``linear`` (``F.linear``, or the fp32-upcasting one of
+    models/ops/precision.py). Reads the counts on the host (a device sync per layer)."""
+
+    name = "loop"
+
+    def __init__(self, linear: Linear = F.linear) -> None:
+        self.linear = linear
+
+    def __call__(self, tokens, counts, gate, up, down):
+        outs = []
+        for e, run in enumerate(torch.split(tokens, counts.tolist())):
+            if run.shape[0]:
+                outs.append(self.linear(F.silu(self.linear(run, gate[e])) * self.linear(run, up[e]), down[e]))
+        return torch.cat(outs) if outs else tokens.new_zeros(tokens.shape)
+
+
+class GroupedMM:
+    """``torch._grouped_mm`` over all experts at once, one call per projection (no host sync). Needs bf16
+    operands with dimensions that are multiples of 8 (the expert hidden sizes of every Qwen3-MoE are)."""
+
+    name = "grouped_mm"
+
+    def __call__(self, tokens, counts, gate, up, down):
+        offsets = counts.cumsum(0).to(torch.int32)
+        # Its backward needs a dense gradient (an expanded one has zero strides): hand it one.
+        h = F.silu(_grouped(tokens, gate, offsets)) * _grouped(tokens, up, offsets)
+        return _DenseGrad.apply(_grouped(h, down, offsets))
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[e-1]:offsets[e]`` of ``x`` times ``weight[e]`` transposed (an ``nn.Linear`` each)."""
+    return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+
+class _DenseGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class RouterObserver(Protocol):
+    """Sees every sparse layer's routing in a forward with autograd on; returns the layer's output, to which
+    it may attach a gradient (a load-balancing loss's) without changing its value.
+
+    ``layer``: the decoder layer's index; ``out`` [T, H]: the layer's MoE output; ``logits`` [T, E]: the router's
+    logits; ``probs`` [T, E] (fp32): their softmax; ``chosen`` [T, top_k]: the experts each token went to."""
+
+    def __call__(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
+                 chosen: torch.Tensor) -> torch.Tensor: ...
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU MLPs of ``hidden`` -> ``intermediate`` -> ``hidden``, stacked."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, kernel: ExpertsKernel) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, H], ``chosen`` and ``weights`` [T, k] -> [T, H]: each token's weighted expert outputs."""
+        top_k = chosen.shape[1]
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token = order // top_k
+        y = self.kernel(x.index_select(0, token), counts, self.gate_proj, self.up_proj, self.down_proj)
+        y = y * weights.reshape(-1, 1)[order]
+        # Per token, its experts' outputs add up in expert order (transformers' order).
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class MoE(nn.Module):
+    """The sparse MLP: router ``gate`` (an ``nn.Linear`` of ``linear``'s class, as transformers names it)
+    and ``experts``.
+
+    ``balanced``: a benchmark mode that routes token ``t``'s slot ``j`` to expert ``(t * top_k + j) mod E``
+    (perfect balance, as published MoE throughput figures assume), weighted by the router's probabilities
+    of those experts; the model then no longer computes what it was trained to.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool, *,
+                 layer: int, kernel: ExpertsKernel, linear: type[nn.Linear] = nn.Linear,
+                 observer: RouterObserver | None = None, balanced: bool = False) -> None:
+        super().__init__()
+        self.gate = linear(hidden, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, hidden, intermediate, kernel)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.layer, self.observer, self.balanced = layer, observer, balanced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.balanced:
+            chosen = self.round_robin(x.shape[0], probs.shape[1], x.device)
+            weights = probs.gather(1, chosen)
+        else:
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, chosen, weights.to(x.dtype))
+        if self.observer is not None and torch.is_grad_enabled():
+            out = self.observer(self.layer, out, logits, probs, chosen)
+        return out.view(shape)
+
+    def round_robin(self, num_tokens: int, num_experts: int, device: torch.device) -> torch.Tensor:
+        slots = torch.arange(num_tokens * self.top_k, device=device).view(num_tokens, self.top_k)
+        return slots % num_experts
