@@ -1,14 +1,21 @@
-"""Helpers of the checkpoint tests: a checkpoint to resume from, a checkpoint's tensors, per-step metrics."""
+"""Helpers of the checkpoint tests: a checkpoint to resume from, a checkpoint's tensors, per-step metrics, a run
+killed with SIGKILL and resumed."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests._train_helpers import check_ok, child_env, losses, run_train
 
 
 def step_dir(output_path: Path, step: int) -> Path:
@@ -51,3 +58,36 @@ def assert_identical_states(want: dict[str, dict[str, Any]], got: dict[str, dict
                 assert torch.equal(got[part][key], value), f"{part}.{key} differs"
             else:
                 assert got[part][key] == value, (part, key, got[part][key], value)
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Return once ``step`` is logged; the timeout is generous, as start-up is slow on a busy machine."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.is_file() and any(json.loads(l).get("step", 0) >= step and "loss" in json.loads(l)
+                                     for l in metrics.read_text().splitlines() if l.strip()):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.kill()
+    raise TimeoutError(f"step {step} never logged in {timeout} s")
+
+
+def train_cmd(cfg: Path) -> list[str]:
+    return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
+
+
+def kill_then_resume(cfg, out, kill_after: int, total: int) -> subprocess.CompletedProcess:
+    """Start ``cfg``, SIGKILL it after step ``kill_after`` of ``total``, run it again to the end; the
+    resumed run's completed process."""
+    proc = subprocess.Popen(train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    wait_for_step(out / "metrics.jsonl", kill_after, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Popen does not signal a process that already exited: then the exit code would be 0 and every
+    # step logged, and the rest of the test would prove nothing.
+    assert proc.returncode == -signal.SIGKILL, f"the run ended (exit {proc.returncode}) before it could be killed"
+    assert len(losses(out)) < total, "the run finished before it was killed"
+    proc = run_train(cfg, 1, timeout=900)
+    check_ok(proc)
+    return proc

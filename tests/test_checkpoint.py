@@ -4,19 +4,18 @@ Resuming under another layout is in test_checkpoint_layouts.py."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests._checkpoint_helpers import assert_identical_states, checkpoint_state, records, resume_from, step_dir
+from tests._checkpoint_helpers import (assert_identical_states, checkpoint_state, kill_then_resume, records, resume_from,
+                                       step_dir, train_cmd, wait_for_step)
 from tests._train_helpers import (check_ok, child_env, free_port, losses, make_corpus, run_train, step_records,
                                   write_config)
 
@@ -51,23 +50,6 @@ def test_resume_is_bit_exact(uninterrupted, corpus, tmp_path):
                             checkpoint_state(step_dir(out, TOTAL), tmp_path))
 
 
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    """Return once ``step`` is logged; the timeout is generous, as start-up is slow on a busy machine."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if metrics.is_file() and any(json.loads(l).get("step", 0) >= step and "loss" in json.loads(l)
-                                     for l in metrics.read_text().splitlines() if l.strip()):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    proc.kill()
-    raise TimeoutError(f"step {step} never logged in {timeout} s")
-
-
-def _train_cmd(cfg: Path) -> list[str]:
-    return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
-
-
 def test_one_stage_stores_a_tied_weight_once(uninterrupted, tmp_path):
     dcp_to_torch_save(uninterrupted / "step_0000006", tmp_path / "flat.pt")
     state = torch.load(tmp_path / "flat.pt", weights_only=False)
@@ -77,22 +59,6 @@ def test_one_stage_stores_a_tied_weight_once(uninterrupted, tmp_path):
     assert not any(".lm_head." in k for k in optim), [k for k in optim if ".lm_head." in k]
 
 
-def _kill_then_resume(cfg, out, kill_after: int, total: int) -> subprocess.CompletedProcess:
-    """Start ``cfg``, SIGKILL it after step ``kill_after`` of ``total``, run it again to the end; the
-    resumed run's completed process."""
-    proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    _wait_for_step(out / "metrics.jsonl", kill_after, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    # Popen does not signal a process that already exited: then the exit code would be 0 and every
-    # step logged, and the rest of the test would prove nothing.
-    assert proc.returncode == -signal.SIGKILL, f"the run ended (exit {proc.returncode}) before it could be killed"
-    assert len(losses(out)) < total, "the run finished before it was killed"
-    proc = run_train(cfg, 1, timeout=900)
-    check_ok(proc)
-    return proc
-
-
 def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path):
     total, kill_after = 20, 5  # many steps left after the kill: it lands mid-run even on a slow machine
     ref = tmp_path / "ref"
@@ -100,7 +66,7 @@ def test_kill_9_then_resume_gives_identical_losses_and_weights(corpus, tmp_path)
     check_ok(run_train(cfg_ref, 1, timeout=900))
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=total, save_steps=2)
-    proc = _kill_then_resume(cfg, out, kill_after, total)
+    proc = kill_then_resume(cfg, out, kill_after, total)
     assert "resumed from" in proc.stdout
     assert records(out) == records(ref)
     assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
@@ -117,7 +83,7 @@ def test_blended_run_killed_then_resumed_gives_identical_losses_weights_and_mix(
     check_ok(run_train(write_config(tmp_path / "r.yaml", data_path, ref, total_steps=total, save_steps=2), 1,
                        timeout=900))
     cfg = write_config(tmp_path / "c.yaml", data_path, out, total_steps=total, save_steps=2)
-    proc = _kill_then_resume(cfg, out, kill_after, total)
+    proc = kill_then_resume(cfg, out, kill_after, total)
     assert "resumed from" in proc.stdout and f"| mix {corpus.name}=" in proc.stdout
     assert records(out) == records(ref)
     mixes = [r["samples_by_dataset"] for r in step_records(out)]
@@ -151,9 +117,9 @@ def test_half_written_checkpoint_is_ignored(uninterrupted, corpus, tmp_path):
 def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=10_000, save_steps=0)
-    proc = subprocess.Popen(_train_cmd(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(train_cmd(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env())
-    _wait_for_step(out / "metrics.jsonl", 2, proc)
+    wait_for_step(out / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout
@@ -175,7 +141,7 @@ def test_elastic_restart_after_a_rank_is_killed(corpus, tmp_path):
            "--master_port", str(free_port()), "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
     log = open(tmp_path / "train.log", "w")  # a file, not a pipe nobody reads while waiting
     agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=child_env())
-    _wait_for_step(out / "metrics.jsonl", 3, agent)
+    wait_for_step(out / "metrics.jsonl", 3, agent)
     workers = _children(agent.pid)
     assert workers, "no worker processes found"
     subprocess.run(["kill", "-9", str(workers[-1])], check=True)
@@ -244,7 +210,7 @@ def test_failed_save_keeps_the_previous_checkpoint(uninterrupted, corpus, tmp_pa
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
-    proc = subprocess.run(_train_cmd(cfg), capture_output=True, text=True, env=child_env(), timeout=300,
+    proc = subprocess.run(train_cmd(cfg), capture_output=True, text=True, env=child_env(), timeout=300,
                           preexec_fn=limit_file_size)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "saving checkpoint" in proc.stderr and "the previous checkpoint is intact" in proc.stderr

@@ -41,6 +41,8 @@ EXAMPLE_LINE = (
     "2026-12-02 14:05:31 INFO step 100/100000 | loss 2.3412 | lr 1.00e-05 | grad_norm 0.91 | "
     "tokens/s 732 (91.5/device) | step 0.80 s | mfu 41.2% | mem 42.0 GiB | eta 22h13m"
 )
+# A MoE model's records go on with ``| aux 8.0123 | load 1.42 max/mean, 0% idle`` (and ``| z 3.2`` with a
+# z-loss, ``| routing forced (benchmark)`` in the benchmark mode).
 
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|[nN]a[nN]|[iI]nf)"
 # The timestamp/level prefix belongs to the record it introduces: when two lines
@@ -81,6 +83,12 @@ _KNOWN: dict[str, tuple[re.Pattern, Callable[[re.Match], dict[str, Any]]]] = {
         ("mfu", rf"({_NUM})\s*(%?)", lambda m: {"mfu": float(Decimal(m[1]) / (100 if m[2] else 1))}),
         ("mem", rf"({_NUM})\s*(GiB|MiB|TiB|GB|MB)", lambda m: {"memory_gib": float(m[1]) * _GIB_PER_UNIT[m[2]]}),
         ("eta", r"\?|(?=\d)(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", _eta_seconds),
+        # a MoE model's balancing losses and expert load, named as in metrics.jsonl
+        ("aux", f"({_NUM})", lambda m: {"moe_aux_loss": float(m[1])}),
+        ("z", f"({_NUM})", lambda m: {"moe_z_loss": float(m[1])}),
+        ("load", rf"({_NUM}) max/mean, ({_NUM})% idle",
+         lambda m: {"moe_load_max": float(m[1]), "moe_idle_experts": float(Decimal(m[2]) / 100)}),
+        ("routing", r"forced \(benchmark\)", lambda m: {"moe_force_balance": True}),
     ]
 }
 

@@ -117,6 +117,11 @@ class ParallelDims:
         shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicate else shard
 
+    def token_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ranks that split one micro-batch's tokens between them (dp x cp), as one axis: a MoE layer
+        counts its experts' tokens over them."""
+        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
         """The checks against the model: tp splits its heads, the stages its layers."""
         check_model_split(cfg, self.tp, num_stages)

@@ -23,8 +23,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from qwen3_pretrain.hardware import experts_backend
 from qwen3_pretrain.models.ops.loss import TiedLMHead
-from qwen3_pretrain.models.ops.precision import Fp32Linear
+from qwen3_pretrain.models.ops.moe import ExpertLoop, ExpertsKernel, GroupedMM, RouterObserver
+from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
@@ -61,16 +63,30 @@ def choose_attention(device_type: str, fp32_matmul: bool = False, cp_mesh: Devic
     return ContextParallelAttention(kernel, cp_mesh) if cp_mesh is not None else kernel
 
 
+def choose_experts(device_type: str, mixed_precision: str, fp32_matmul: bool = False) -> ExpertsKernel:
+    """The one place a MoE layer's expert kernel is chosen (``hardware.experts_backend``): a grouped matmul
+    where the device has one for the compute dtype, else one matmul per expert (in fp32 where bf16 matmuls
+    run in fp32)."""
+    dtype = "float32" if fp32_matmul or mixed_precision != "bf16" else "bfloat16"
+    if experts_backend(device_type, dtype) == "grouped_mm":
+        return GroupedMM()
+    return ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear)
+
+
 def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int, *,
                 attention: AttentionKernel | None = None, fp32_matmul: bool = False, ac_mode: str = "none",
-                document_mask: bool = False, cp_mesh: DeviceMesh | None = None) -> Qwen3Model:
+                document_mask: bool = False, cp_mesh: DeviceMesh | None = None,
+                experts: ExpertsKernel | None = None, router_observer: RouterObserver | None = None,
+                moe_force_balance: bool = False) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
     ``attention``: the kernel (``choose_attention``; by default the CPU's, for ``fp32_matmul`` and
     ``cp_mesh``); ``fp32_matmul``: its bf16 matmuls run in fp32 (CPUs without native bf16,
     ``models/ops/precision.py``); ``ac_mode``: what is recomputed in backward; ``document_mask``: attention
-    within each document; ``cp_mesh``: the cp axis when it has more than one rank."""
+    within each document; ``cp_mesh``: the cp axis when it has more than one rank; ``experts``: a MoE layer's
+    expert kernel (``choose_experts``), ``router_observer``: what watches its routing (the engine's balancing
+    losses), ``moe_force_balance``: round-robin routing (a benchmark mode)."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     last = spec.stage_index == spec.num_stages - 1
     # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
@@ -78,7 +94,9 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     loss_head = LossHead(chunk_tokens=loss_chunk_tokens, valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size
                          else None, fp32_matmul=fp32_matmul)
     options = ModelOptions(attention=kernel, linear=Fp32Linear if fp32_matmul else nn.Linear,
-                           recompute=ac_mode, document_mask=document_mask, loss_head=loss_head)
+                           recompute=ac_mode, document_mask=document_mask, loss_head=loss_head,
+                           experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
+                           router_observer=router_observer, moe_force_balance=moe_force_balance)
     part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last)
     with torch.device("meta"):
         return Qwen3Model(cfg, options, part)

@@ -18,12 +18,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from qwen3_pretrain.models.ops.loss import TiedLMHead
+from qwen3_pretrain.models.ops.moe import MoE
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -65,9 +67,9 @@ class VocabParallelEmbedding(nn.Module):
         return partial.redistribute(mesh, [Shard(1)]).to_local()
 
 
-def _layer_plan() -> dict:
+def _layer_plan(sparse: bool) -> dict:
     gather = dict(desired_input_layouts=(Replicate(), None, None, None), input_layouts=(Shard(1), None, None, None))
-    return {
+    common = {
         "attn_norm": SequenceParallel(),
         "attn": PrepareModuleInput(**gather),
         "attn.q_proj": ColwiseParallel(),
@@ -78,6 +80,16 @@ def _layer_plan() -> dict:
         "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         "mlp_norm": SequenceParallel(),
+    }
+    if sparse:
+        # A MoE layer runs whole on every tp rank, on the whole sequence: its router and experts are
+        # replicated (each rank computes the same), the sequence gathered in and cut out again. Expert
+        # parallelism is what splits the experts.
+        return {**common, "mlp": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+    return {
+        **common,
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
@@ -90,8 +102,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     plan: dict = {}
     if model.norm is not None:
         plan["norm"] = SequenceParallel(use_local_output=True)
-    for name in model.layers:
-        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan().items()})
+    for name, layer in model.layers.items():
+        sparse = isinstance(layer.mlp, MoE)
+        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse).items()})
     parallelize_module(model, tp_mesh, plan)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_mesh)

@@ -129,6 +129,20 @@ class TrainConfig:
     compile: bool = field_help(False, "torch.compile each decoder layer (after activation checkpointing, before "
                                       "FSDP): faster on GPUs once compiled; the first step pays the compilation "
                                       "(tens of seconds). Not with tp > 1 (its gradients differed from eager).")
+    # --- mixture of experts (Qwen3-MoE models; docs/moe.md) ------------------------------------------------
+    moe_aux_loss: Literal["global_batch", "micro_batch", "none"] = field_help(
+        "global_batch", "The load-balancing loss of a MoE model. global_batch: each layer's expert frequencies "
+                        "over every rank of a micro-batch, accumulated over the step's micro-batches so far (Qwen's "
+                        "recipe; layouts give the same loss); micro_batch: transformers' definition, per rank and "
+                        "micro-batch with all layers pooled (pp 1 only); none: no balancing loss (the load is "
+                        "still logged). Formulas in docs/moe.md.")
+    moe_aux_loss_coef: float | None = field_help(None, "Weight of the load-balancing loss in the objective. Empty: "
+                                                 "the model config's router_aux_loss_coef (0.001 in Qwen3-MoE).")
+    moe_z_loss_coef: float = field_help(0.0, "Weight of the router z-loss (the mean squared log-sum-exp of the "
+                                        "router logits, ST-MoE), which keeps the logits small; 0 disables.")
+    moe_force_balance: bool = field_help(False, "Benchmark mode: route every token round-robin over the experts "
+                                         "(perfect balance, as published MoE throughput figures assume) instead "
+                                         "of by the router; the log marks such runs. Not for real training.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -185,6 +199,12 @@ class TrainConfig:
         if self.reduce_grads_every_microbatch and self.pp > 1:
             raise ConfigError("reduce_grads_every_microbatch needs pp 1: the pipeline schedule accumulates "
                               "gradients unsharded and reduces them once per step; set it to False")
+        if self.moe_aux_loss == "micro_batch" and self.pp > 1:
+            raise ConfigError("moe_aux_loss micro_batch pools a micro-batch's layers (transformers' definition), "
+                              "which pp > 1 puts on different ranks; use moe_aux_loss global_batch, or pp 1")
+        for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.batch_size * self.gradient_accumulation_steps % self.pp_microbatch_size:
             raise ConfigError(f"batch_size x gradient_accumulation_steps ({self.batch_size} x "
                               f"{self.gradient_accumulation_steps}) must be a multiple of pp_microbatch_size "

@@ -9,7 +9,7 @@ memory and communication at a scale no machine here has.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -32,12 +32,14 @@ from qwen3_pretrain.parallel.parallelize import (
     PartSpec,
     build_stage,
     choose_attention,
+    choose_experts,
     local_stage_indices,
     materialize,
     parallelize_stage,
 )
 from qwen3_pretrain.parallel.pipeline import build_schedule
 from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
+from qwen3_pretrain.train.balance import RouterBalance
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.model_source import ModelSource
 from qwen3_pretrain.train.optim import build_optimizer, set_lr
@@ -83,6 +85,7 @@ class StepResult:
     grad_norm: float
     skipped: bool  # a non-finite loss or gradient norm: the weights were not updated
     flagged: bool  # some rank raised the step's flag (a stop request)
+    moe: dict[str, float] = field(default_factory=dict)  # a MoE model's balancing loss and expert load
 
 
 class Engine:
@@ -115,7 +118,19 @@ class Engine:
         self.loss_scale = 1.0 / self.global_tokens
         self.tp_mesh = mesh["tp"]
         self.cp_rank = mesh.get_local_rank("cp")
+        self.balance = self._router_balance() if source.config.is_moe else None
         self._create_model(allocate, stage_io)
+
+    def _router_balance(self) -> RouterBalance:
+        """The MoE layers' observer: balancing losses and expert counts, over the ranks of a micro-batch."""
+        cfg, model_cfg = self.cfg, self.source.config
+        group_size = self.dims.dp * self.dims.cp
+        reduce = None
+        if group_size > 1:
+            group = self.dims.token_mesh(self.mesh).get_group()
+            reduce = lambda t: dist.all_reduce(t, group=group)  # noqa: E731
+        coef = model_cfg.router_aux_loss_coef if cfg.moe_aux_loss_coef is None else cfg.moe_aux_loss_coef
+        return RouterBalance(model_cfg, cfg.moe_aux_loss, coef, cfg.moe_z_loss_coef, group_size, reduce)
 
     # --- set-up ------------------------------------------------------------------
 
@@ -126,9 +141,11 @@ class Engine:
         ranges = stage_layer_ranges(model_cfg.num_hidden_layers, self.num_stages)
         cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
         attention = choose_attention(self.target_device_type, self.fp32_matmul, cp_mesh, self.make_attention)
+        experts = choose_experts(self.target_device_type, cfg.mixed_precision, self.fp32_matmul)
         part = build_stage(stage_cfg, PartSpec(idx, self.num_stages, ranges[idx]), model_cfg.vocab_size,
                            self.loss_chunk_tokens, attention=attention, fp32_matmul=self.fp32_matmul,
-                           ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh)
+                           ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
+                           experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type)
         if allocate is None:
@@ -156,9 +173,28 @@ class Engine:
         self.has_last = num_stages - 1 in self.stage_indices
         self.schedule = None
         if dims.pp > 1:
-            io = stage_io(self) if stage_io is not None else None
+            io = stage_io(self) if stage_io is not None else self.pipeline_messages()
             self.schedule = build_schedule(self.parts, self.stage_indices, num_stages, self.device, self.pp_group,
                                            cfg.pp_schedule, self.num_microbatches, self.loss_fn, io)
+
+    def pipeline_messages(self) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+        """Per local stage, example (inputs, outputs) of its pipeline messages, from the layout: stage 0 takes
+        the token ids (and positions, where they vary), a later stage the hidden states of this rank's share
+        of the sequence (1/cp, cut again over tp between layers) and the positions; the last stage returns
+        the final hidden states. Given up front, the schedule runs no forward and backward of its own to
+        find them (a forward the MoE layers would count as a micro-batch)."""
+        cfg, dims = self.cfg, self.dims
+        mb, seq = cfg.pp_microbatch_size, cfg.seq_length // dims.cp
+        dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+        ids = torch.zeros((mb, seq), dtype=torch.long, device=self.device)
+        first_in = (ids, ids) if self.uses_positions else (ids,)
+        hidden = torch.zeros((mb, seq // dims.tp, self.source.config.hidden_size), dtype=dtype, device=self.device,
+                             requires_grad=True)  # the gradient travels back along it
+        io = []
+        for idx in self.stage_indices:
+            inputs = first_in if idx == 0 else (hidden, ids)
+            io.append((inputs, (hidden,) if idx == self.num_stages - 1 else (hidden, ids)))
+        return io
 
     # --- one step -------------------------------------------------------------------
 
@@ -166,19 +202,27 @@ class Engine:
         """One optimizer step over this rank's micro-batches: forward and backward, the global gradient norm,
         the loss's reduction (which also tells every rank whether any raised ``flag``), and the update at
         ``lr``, skipped where the loss or the norm is not finite."""
+        if self.balance is not None:
+            self.balance.start_step(len(batches) if self.dims.pp == 1 else self.num_microbatches)
         local = self.forward_backward(batches)
         grad_norm = self.grad_norm().item()
-        loss, flagged = self.reduce_loss(local, flag)
+        extra = self.balance.local_stats(self.device) if self.balance is not None else None
+        loss, flagged, reduced = self.reduce_loss(local, flag, extra)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.optimizer_step(lr, None if skipped else grad_norm)
-        return StepResult(loss, grad_norm, skipped, flagged)
+        moe = self.balance.step_figures(reduced) if self.balance is not None else {}
+        return StepResult(loss, grad_norm, skipped, flagged, moe)
 
-    def reduce_loss(self, local: torch.Tensor, flag: bool = False) -> tuple[float, bool]:
+    def reduce_loss(self, local: torch.Tensor, flag: bool = False, extra: torch.Tensor | None = None
+                    ) -> tuple[float, bool, torch.Tensor | None]:
         """The global mean token loss from each rank's scaled token sum (nonzero on the last stage only,
-        replicated over tp), and whether any rank raised ``flag``, in one all-reduce."""
-        reduced = torch.stack([local.detach().float(), torch.tensor(float(flag), device=self.device)])
+        replicated over tp), whether any rank raised ``flag``, and the sum over the ranks of ``extra`` (each
+        figure counted once: divided by the tp ranks, which hold the same), in one all-reduce."""
+        parts = [local.detach().float().reshape(1), torch.tensor([float(flag)], device=self.device)]
+        reduced = torch.cat(parts + ([extra.float()] if extra is not None else []))
         dist.all_reduce(reduced)
-        return reduced[0].item() / self.dims.tp, reduced[1].item() > 0
+        rest = reduced[2:] / self.dims.tp if extra is not None else None
+        return reduced[0].item() / self.dims.tp, reduced[1].item() > 0, rest
 
     def evaluate(self, batches: list[Batch]) -> float:
         """The global mean token loss over ``batches`` (one global batch), without backward."""

@@ -158,6 +158,14 @@ def format_line(r: dict) -> str:
     mix = r.get("samples_by_dataset", {})
     if len(mix) > 1:
         line += " | mix " + format_mix(mix)
+    if "moe_load_max" in r:  # a MoE model: its balancing losses and the worst layer's expert load
+        if "moe_aux_loss" in r:
+            line += f" | aux {r['moe_aux_loss']:.4f}"
+        if "moe_z_loss" in r:
+            line += f" | z {r['moe_z_loss']:.4g}"
+        line += f" | load {r['moe_load_max']:.2f} max/mean, {100 * r['moe_idle_experts']:.0f}% idle"
+        if r.get("moe_force_balance"):
+            line += " | routing forced (benchmark)"
     return line + (" | skipped" if r.get("skipped") else "")
 
 

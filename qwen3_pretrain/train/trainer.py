@@ -221,7 +221,7 @@ class Trainer:
         self.tokens_seen += self.global_tokens
         return {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "step_time_s": time.perf_counter() - start,
-                "consumed_samples": self.loader.consumed_samples}
+                "consumed_samples": self.loader.consumed_samples, **result.moe}
 
     # --- the loop -------------------------------------------------------------------
 
@@ -319,6 +319,9 @@ class Trainer:
             "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
             "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
         }
+        record.update({key: value for key, value in rec.items() if key.startswith("moe_")})
+        if self.cfg.moe_force_balance:
+            record["moe_force_balance"] = True
         if rec["skipped"]:
             record["skipped"] = True
         log.info(format_line(record))

@@ -100,6 +100,13 @@ class RouterObserver(Protocol):
                  chosen: torch.Tensor) -> torch.Tensor: ...
 
 
+def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the (token, slot) pairs of ``chosen`` went to each expert: [E] (int64). A fixed-size
+    result (unlike ``bincount``'s), so it also runs on fake tensors."""
+    flat = chosen.reshape(-1)
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU MLPs of ``hidden`` -> ``intermediate`` -> ``hidden``, stacked."""
 
@@ -116,7 +123,7 @@ class GroupedExperts(nn.Module):
         top_k = chosen.shape[1]
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within each
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         token = order // top_k
         y = self.kernel(x.index_select(0, token), counts, self.gate_proj, self.up_proj, self.down_proj)
         y = y * weights.reshape(-1, 1)[order]

@@ -1,0 +1,203 @@
+"""The load-balancing loss of a mixture-of-experts model, its router z-loss, and the expert-load statistics.
+
+A ``RouterBalance`` watches every MoE layer's routing in a training step (the
+model calls it: ``ModelOptions.router_observer``). It never adds a term to the
+loss the engine back-propagates: each term's gradient with respect to the
+router's probabilities (or logits) is known in closed form, so it is handed to
+the layer's backward directly, attached to the layer's output by an identity
+function (``_Attach``). That works wherever the layer runs: on any pipeline
+stage, in any micro-batch, and again when backward recomputes the layer (the
+recompute reuses the first forward's frequencies, read back in order).
+
+Notation, for sparse layer l of L, micro-batch m of M in the step (a *global*
+micro-batch: the samples all data-parallel ranks process in their m-th forward,
+cut over the context-parallel ranks), E experts, top-k routing:
+  N_m             the micro-batch's tokens;
+  c_{l,e}^(m)     how many of its tokens chose expert e (sum over e: k N_m);
+  p_{l,t,e}       token t's router probability of expert e (softmax over all E);
+  P_{l,e}^(m)     = (1/N_m) sum_t p_{l,t,e}.
+
+global_batch (Qiu et al. 2025, Qwen's recipe). The frequencies are counted over
+every rank of the micro-batch (all-reduced over dp x cp) and accumulated over
+the step's micro-batches so far:
+  f_{l,e}^(m) = sum_{j<=m} c_{l,e}^(j) / sum_{j<=m} N_j
+  aux = (1/M) sum_m (1/L) sum_l E sum_e f_{l,e}^(m) P_{l,e}^(m)
+A rank's share of P is its tokens' probability sum over N_m, and the data-parallel
+gradient reduction sums the shares, so the gradient does not depend on the layout
+(the same global micro-batches in the same order give the same aux and gradient).
+
+micro_batch (transformers' load_balancing_loss_func). Per rank and micro-batch, with
+all sparse layers pooled as one batch of L N tokens (N: the rank's tokens):
+  aux_{r,m} = E sum_e (sum_l c_{l,e} / (L N)) (sum_l sum_t p_{l,t,e} / (L N))
+  aux = mean over the R = dp x cp ranks and the M micro-batches of aux_{r,m}.
+
+Both equal k for a perfectly balanced router. The objective is the language-model
+loss plus ``coef * aux``; the logged ``loss`` stays the language-model loss and
+``moe_aux_loss`` is ``aux``. The z-loss (ST-MoE), with its own coefficient:
+  z = (1/M) sum_m (1/L) sum_l (1/N_m) sum_t (logsumexp_e logits_{l,t,e})^2.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from qwen3_pretrain.models.ops.moe import expert_counts
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+
+AUX_LOSSES = ("global_batch", "micro_batch", "none")
+
+
+@dataclass
+class _Record:
+    """What the first forward of (layer, micro-batch) decided, for its backward and its recompute."""
+
+    probs_grad: Callable[[], torch.Tensor] | None  # d(coef * aux) / d(this rank's probability sums) [E]
+    z_grad: float  # d(z_coef * z) / d(this rank's sum of squared log-sum-exps)
+
+
+class _Attach(torch.autograd.Function):
+    """``out`` unchanged; in backward, the balancing terms' gradients go to the probability sums and the
+    squared log-sum-exps of the layer's router (read from the record when backward gets there)."""
+
+    @staticmethod
+    def forward(ctx, out, probs_sum, z_sum, record: _Record):
+        ctx.record = record
+        ctx.has_z = z_sum is not None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        record = ctx.record
+        probs_grad = record.probs_grad() if record.probs_grad is not None else None
+        z_grad = torch.full((), record.z_grad, device=grad.device) if ctx.has_z else None
+        return grad, probs_grad, z_grad, None
+
+
+class RouterBalance:
+    """One rank's balancing terms and expert counts over one step (``start_step`` ... ``local_stats``).
+
+    ``group_size``: R, the ranks that split a micro-batch's tokens (dp x cp); ``reduce``: sums a tensor in
+    place over them (None when R is 1). ``coef``/``z_coef``: the terms' weights in the objective.
+    """
+
+    def __init__(self, cfg: Qwen3Config, mode: str, coef: float, z_coef: float = 0.0, group_size: int = 1,
+                 reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        if mode not in AUX_LOSSES:
+            raise ValueError(f"moe_aux_loss must be one of {AUX_LOSSES}, not {mode!r}")
+        self.mode, self.coef, self.z_coef = mode, coef, z_coef
+        self.sparse_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)]
+        self.row = {layer: j for j, layer in enumerate(self.sparse_layers)}
+        self.num_layers, self.num_experts = len(self.sparse_layers), cfg.num_experts
+        self.group_size, self.reduce = group_size, reduce
+        self.attaches = (mode != "none" and coef > 0) or z_coef > 0
+        self.start_step(1)
+
+    def start_step(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self.load: torch.Tensor | None = None  # [L, E] tokens per expert on this rank this step
+        self.aux = self.z = 0.0  # this rank's shares of the step's terms (tensors once a layer ran)
+        self.seen: dict[int, int] = defaultdict(int)  # layer -> micro-batches it has run
+        self.running: dict[int, torch.Tensor] = {}  # layer -> [E + 1] counts and tokens so far (global_batch)
+        self.pooled: dict[int, torch.Tensor] = {}  # micro-batch -> [2, E] pooled counts, probability sums
+        self.tokens: dict[int, int] = {}  # micro-batch -> this rank's tokens (micro_batch)
+        self.pending: dict[int, deque[_Record]] = defaultdict(deque)  # layer -> records a recompute reads
+
+    # --- the observer the model calls ------------------------------------------------------------------------
+
+    def __call__(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
+                 chosen: torch.Tensor) -> torch.Tensor:
+        recompute = torch._C._current_graph_task_id() != -1  # backward is running this forward again
+        if recompute:
+            if not self.attaches:
+                return out
+            record = self.pending[layer].popleft()
+        else:
+            record = self._record(layer, logits, probs, chosen)
+            if not self.attaches:
+                return out
+            self.pending[layer].append(record)
+        z_sum = logits.float().logsumexp(-1).pow(2).sum() if self.z_coef > 0 else None
+        probs_sum = probs.sum(0) if record.probs_grad is not None else None
+        return _Attach.apply(out, probs_sum, z_sum, record)
+
+    @torch.no_grad()
+    def _record(self, layer: int, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> _Record:
+        counts = expert_counts(chosen, self.num_experts).float()
+        if self.load is None:
+            self.load = torch.zeros(self.num_layers, self.num_experts, device=counts.device)
+        self.load[self.row[layer]] += counts
+        m = self.seen[layer]
+        self.seen[layer] += 1
+        local_tokens = probs.shape[0]
+        tokens = local_tokens * self.group_size  # N_m: every rank holds as many of the micro-batch's tokens
+        scale = 1.0 / (self.num_layers * self.num_microbatches)
+        probs_grad = None
+        if self.mode == "global_batch":
+            probs_grad = self._global_batch(layer, counts, probs.sum(0), tokens, scale)
+        elif self.mode == "micro_batch":
+            probs_grad = self._micro_batch(m, counts, probs.sum(0), local_tokens)
+        if self.z_coef > 0:
+            self.z = self.z + logits.float().logsumexp(-1).pow(2).sum() * scale / tokens
+        z_grad = self.z_coef * scale / tokens
+        return _Record(probs_grad if self.coef > 0 else None, z_grad)
+
+    def _global_batch(self, layer: int, counts: torch.Tensor, probs_sum: torch.Tensor, tokens: int,
+                      scale: float) -> Callable[[], torch.Tensor]:
+        counts = counts.clone()
+        if self.reduce is not None:
+            self.reduce(counts)
+        running = self.running.get(layer)
+        if running is None:
+            running = self.running[layer] = torch.zeros(self.num_experts + 1, device=counts.device)
+        running[:-1] += counts
+        running[-1] += tokens
+        weights = self.num_experts * (running[:-1] / running[-1]) / tokens  # d aux_l^(m) / d probs_sum
+        self.aux = self.aux + (weights * probs_sum).sum() * scale
+        grad = weights * (self.coef * scale)
+        return lambda: grad
+
+    def _micro_batch(self, m: int, counts: torch.Tensor, probs_sum: torch.Tensor,
+                     local_tokens: int) -> Callable[[], torch.Tensor]:
+        pooled = self.pooled.get(m)
+        if pooled is None:
+            pooled = self.pooled[m] = torch.zeros(2, self.num_experts, device=counts.device)
+        pooled[0] += counts
+        pooled[1] += probs_sum
+        self.tokens[m] = local_tokens
+        rows = self.num_layers * local_tokens
+        scale = self.coef / (self.num_microbatches * self.group_size)
+        # read in backward, once every layer of the micro-batch has added its counts
+        return lambda: pooled[0] * (scale * self.num_experts / rows ** 2)
+
+    # --- the step's figures ----------------------------------------------------------------------------------
+
+    def local_stats(self, device: torch.device) -> torch.Tensor:
+        """This rank's [aux share, z share, tokens per expert (L x E)], for one sum over all ranks."""
+        aux = self.aux
+        if self.mode == "micro_batch":
+            for m, pooled in self.pooled.items():
+                rows = self.num_layers * self.tokens[m]
+                aux = aux + self.num_experts * (pooled[0] * pooled[1]).sum() / rows ** 2 / (
+                    self.num_microbatches * self.group_size)
+        load = self.load if self.load is not None else torch.zeros(self.num_layers, self.num_experts)
+        head = torch.stack([torch.as_tensor(aux, dtype=torch.float32), torch.as_tensor(self.z, dtype=torch.float32)])
+        return torch.cat([head.to(device), load.to(device).reshape(-1)])
+
+    def step_figures(self, reduced: torch.Tensor) -> dict[str, float]:
+        """The logged figures from the sum of every rank's ``local_stats`` (each counted once)."""
+        load = reduced[2:].view(self.num_layers, self.num_experts)
+        per_layer_mean = load.sum(1, keepdim=True) / self.num_experts
+        figures = {
+            # the worst layer's busiest expert, over its mean load (1 = perfect balance)
+            "moe_load_max": (load / per_layer_mean.clamp(min=1e-9)).max().item(),
+            # experts (over all layers) that received no token this step
+            "moe_idle_experts": (load == 0).float().mean().item()}
+        if self.mode != "none":
+            figures["moe_aux_loss"] = reduced[0].item()
+        if self.z_coef > 0:
+            figures["moe_z_loss"] = reduced[1].item()
+        return figures

@@ -1,0 +1,137 @@
+"""Training a Qwen3-MoE model: layouts that process the same global micro-batches in the same order give the
+same loss, balancing loss and gradient norm (moe_aux_loss global_batch, fp32); bf16 with recompute trains;
+a resume after kill -9 is bit-exact and a resume under another layout continues; the expert-load figures
+reach metrics.jsonl, the log line and parse-log's CSV."""
+
+from __future__ import annotations
+
+import csv
+import functools
+
+import pytest
+
+from tests._checkpoint_helpers import (assert_identical_states, checkpoint_state, kill_then_resume, resume_from,
+                                       step_dir)
+from tests._train_helpers import (TINY_MODEL, check_ok, make_corpus, run_train, step_records, worst_relative_diff,
+                                  write_config)
+
+MOE_MODEL = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+# a large balancing coefficient and a z-loss, so that a wrong balancing gradient moves the weights visibly
+SETUP = dict(model_overrides=MOE_MODEL, total_steps=4, save_steps=2, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01)
+TOL = 1e-5  # relative, loss / moe_aux_loss / moe_z_loss / grad_norm: the issue's bar (measured: <= 2e-6)
+
+# name -> (processes, overrides). Global batch 4 in one micro-batch: one process, dp 2 (sharded or
+# replicated optimizer), tp 2, cp 2. Two micro-batches of 2: one process accumulating, pp 2.
+RUNS = {
+    "single": (1, ["batch_size=4"]),
+    "dp2": (2, ["batch_size=2"]),
+    "dp2-replicated": (2, ["batch_size=2", "distributed_optimizer=false"]),
+    "tp2": (2, ["tp=2", "batch_size=4"]),
+    "cp2": (2, ["cp=2", "batch_size=4"]),
+    "single-accumulate": (1, ["batch_size=2", "gradient_accumulation_steps=2"]),
+    "pp2": (2, ["pp=2", "batch_size=4", "pp_microbatch_size=2"]),
+    "pp2-recompute": (2, ["pp=2", "batch_size=4", "pp_microbatch_size=2", "activation_checkpointing=full"]),
+    "bf16-recompute": (1, ["batch_size=2", "gradient_accumulation_steps=2", "mixed_precision=bf16",
+                           "activation_checkpointing=full", "total_steps=8", "save_steps=0"]),
+}
+
+
+class MoeRuns:
+    def __init__(self, root) -> None:
+        self.root = root
+        self.corpus = make_corpus(root / "corpus")
+
+    def config(self, path, output_path, **overrides):
+        return write_config(path, self.corpus, output_path, **{**SETUP, **overrides})
+
+    @functools.cache
+    def output(self, name: str):
+        nproc, overrides = RUNS[name]
+        run = self.root / name
+        run.mkdir()
+        proc = run_train(self.config(run / "c.yaml", run / "out"), nproc, *overrides, timeout=600)
+        check_ok(proc)
+        (run / "stdout.log").write_text(proc.stdout)
+        return run / "out"
+
+    def records(self, name: str) -> list[dict]:
+        return step_records(self.output(name))
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    return MoeRuns(tmp_path_factory.mktemp("moe_runs"))
+
+
+def assert_same_moe_training(got: list[dict], want: list[dict], label: str) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want], label
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "grad_norm"):
+        worst = worst_relative_diff([r[key] for r in got], [r[key] for r in want])
+        print(f"{label}: max relative {key} diff {worst:.2e}")
+        assert worst <= TOL, f"{label}: {key} differs by {worst:.2e}: {[r[key] for r in got]} vs " \
+                             f"{[r[key] for r in want]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,reference", [("dp2", "single"), ("dp2-replicated", "single"), ("tp2", "single"),
+                                            ("cp2", "single"), ("pp2", "single-accumulate"),
+                                            ("pp2-recompute", "single-accumulate")])
+def test_layout_gives_the_same_moe_training(name, reference, moe_runs):
+    """Measured: within 1.3e-6 (tp 2's gradient norm), 1.6e-7 for the rest. Probes: counting the expert
+    frequencies per rank (no all-reduce over dp x cp) moved dp 2's loss by 3.1e-4 over 4 steps; counting the
+    pipeline schedule's own shape-finding forward as a micro-batch moved pp 2's moe_aux_loss by 0.5."""
+    assert_same_moe_training(moe_runs.records(name), moe_runs.records(reference), f"{name} vs {reference}")
+
+
+def test_accumulation_counts_earlier_micro_batches(moe_runs):
+    """global_batch accumulates the frequencies over a step's micro-batches: two micro-batches of 2 are not
+    one of 4 (the second sees both), yet both start from the same loss."""
+    one, two = moe_runs.records("single"), moe_runs.records("single-accumulate")
+    assert one[0]["loss"] == pytest.approx(two[0]["loss"], rel=1e-6)
+    assert one[0]["moe_aux_loss"] != pytest.approx(two[0]["moe_aux_loss"], rel=1e-6)
+
+
+def test_bf16_with_recompute_trains(moe_runs):
+    records = moe_runs.records("bf16-recompute")
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] == r["grad_norm"] for r in records)  # no NaN
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert all(1.0 <= r["moe_load_max"] <= MOE_MODEL["num_experts"] for r in records)
+
+
+def test_figures_reach_the_log_line_and_parse_log(moe_runs, tmp_path):
+    out = moe_runs.output("single")
+    stdout = (out.parent / "stdout.log").read_text()
+    line = next(l for l in stdout.splitlines() if "step 1/4" in l)
+    first = moe_runs.records("single")[0]
+    assert f"aux {first['moe_aux_loss']:.4f} | z {first['moe_z_loss']:.4g} | load {first['moe_load_max']:.2f} " \
+           "max/mean" in line, line
+    from qwen3_pretrain.analysis.parse_log import main as parse_log
+
+    (tmp_path / "train.log").write_text(stdout)
+    assert parse_log(["--log_path", str(tmp_path / "train.log"), "--output_path", str(tmp_path / "steps.csv")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "steps.csv")))
+    assert float(rows[0]["moe_aux_loss"]) == pytest.approx(first["moe_aux_loss"], abs=1e-4)
+    assert float(rows[0]["moe_load_max"]) == pytest.approx(first["moe_load_max"], abs=1e-2)
+    assert float(rows[0]["moe_idle_experts"]) == pytest.approx(first["moe_idle_experts"], abs=1e-2)
+
+
+def test_kill_9_then_resume_is_bit_exact(moe_runs, tmp_path):
+    total = 12
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    check_ok(run_train(moe_runs.config(tmp_path / "r.yaml", ref, total_steps=total), 1, "batch_size=2"))
+    cfg = moe_runs.config(tmp_path / "c.yaml", out, total_steps=total, batch_size=2)
+    proc = kill_then_resume(cfg, out, 4, total)
+    assert "resumed from" in proc.stdout
+    keys = ("step", "loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_idle_experts")
+    assert [[r[k] for k in keys] for r in step_records(out)] == [[r[k] for k in keys] for r in step_records(ref)]
+    assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
+                            checkpoint_state(step_dir(out, total), tmp_path))
+
+
+@pytest.mark.distributed
+def test_resume_under_another_layout(moe_runs, tmp_path):
+    """dp 2's checkpoint of step 2 resumed by one process trains steps 3-4 as the one-process run did."""
+    resume_from(moe_runs.output("dp2"), 2, tmp_path / "out")
+    check_ok(run_train(moe_runs.config(tmp_path / "c.yaml", tmp_path / "out"), 1, "batch_size=4"))
+    want = [r for r in moe_runs.records("single") if r["step"] > 2]
+    assert_same_moe_training(step_records(tmp_path / "out"), want, "dp 2 -> one process resume")
