@@ -70,16 +70,6 @@ def attention_backend(device_type: str, call: AttentionCall) -> str:
     return "math"
 
 
-# --- MoE expert kernel rule -------------------------------------------------------------------------------
-#
-# torch._grouped_mm (one matmul over all experts' token runs, no host sync) takes bf16 operands on CUDA (sm90
-# and newer; sm80 through a fallback) and on a CPU, where it is also faster than one matmul per expert in
-# bf16 but slower in fp32 (bench/README.md); NPUs have their own grouped matmul in torch_npu, not used yet.
-def experts_backend(device_type: str, dtype: str) -> str:
-    """How a MoE layer's experts compute on ``device_type`` in ``dtype``: "grouped_mm" or "loop"."""
-    return "grouped_mm" if device_type in ("cuda", "cpu") and dtype == "bfloat16" else "loop"
-
-
 def default_chunk_tokens(device: str) -> int:
     """Tokens per loss chunk when the config leaves it empty: 4096 on accelerators, whose matmuls want
     large operands; 1024 on a CPU (``device`` "cpu"), where smaller chunks are as fast and take a

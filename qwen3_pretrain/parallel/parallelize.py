@@ -23,9 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from qwen3_pretrain.hardware import experts_backend
 from qwen3_pretrain.models.ops.loss import TiedLMHead
-from qwen3_pretrain.models.ops.moe import ExpertLoop, ExpertsKernel, GroupedMM, RouterObserver
+from qwen3_pretrain.models.ops.moe import ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
@@ -64,13 +63,11 @@ def choose_attention(device_type: str, fp32_matmul: bool = False, cp_mesh: Devic
 
 
 def choose_experts(device_type: str, mixed_precision: str, fp32_matmul: bool = False) -> ExpertsKernel:
-    """The one place a MoE layer's expert kernel is chosen (``hardware.experts_backend``): a grouped matmul
-    where the device has one for the compute dtype, else one matmul per expert (in fp32 where bf16 matmuls
-    run in fp32)."""
-    dtype = "float32" if fp32_matmul or mixed_precision != "bf16" else "bfloat16"
-    if experts_backend(device_type, dtype) == "grouped_mm":
-        return GroupedMM()
-    return ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear)
+    """The one place a MoE layer's expert kernel is chosen (``models/ops/moe.py``: ``experts_kernel``): a
+    grouped matmul where the device has one for the compute dtype, else one matmul per expert (in fp32 where
+    bf16 matmuls run in fp32)."""
+    dtype = torch.float32 if fp32_matmul or mixed_precision != "bf16" else torch.bfloat16
+    return experts_kernel(device_type, dtype, fp32_linear if fp32_matmul else torch.nn.functional.linear)
 
 
 def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int, *,

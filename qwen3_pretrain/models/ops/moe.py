@@ -89,6 +89,16 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.linear) -> ExpertsKernel:
+    """The expert kernel for ``device_type`` computing in ``dtype``. ``torch._grouped_mm`` takes bf16 on CUDA
+    (sm90 and newer; sm80 through a fallback) and on a CPU, where it is also faster than one matmul per expert
+    in bf16 but slower in fp32 (bench/README.md); NPUs have their own grouped matmul in torch_npu, not used
+    yet. Elsewhere one matmul per expert through ``linear``."""
+    if device_type in ("cuda", "cpu") and dtype == torch.bfloat16:
+        return GroupedMM()
+    return ExpertLoop(linear)
+
+
 class RouterObserver(Protocol):
     """Sees every sparse layer's routing in a forward with autograd on; returns the layer's output, to which
     it may attach a gradient (a load-balancing loss's) without changing its value.
