@@ -22,7 +22,8 @@ from qwen3_pretrain.models.ops.precision import use_fp32_matmul
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model, init_param
 from qwen3_pretrain.parallel.dims import ParallelDims
-from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_attention, materialize, parallelize_stage
+from qwen3_pretrain.parallel.parallelize import (PartSpec, build_stage, choose_attention, choose_experts, materialize,
+                                                  parallelize_stage)
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.simulate.memtrack import MemoryTracker
@@ -48,7 +49,8 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
     mesh = dims.build_mesh("cpu")
     model = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, layout.loss_chunk_tokens,
                         attention=choose_attention("cpu", layout.fp32_matmul), fp32_matmul=layout.fp32_matmul,
-                        ac_mode=layout.activation_checkpointing, document_mask=layout.document_mask)
+                        ac_mode=layout.activation_checkpointing, document_mask=layout.document_mask,
+                        experts=choose_experts("cpu", layout.mixed_precision, layout.fp32_matmul))
     parallelize_stage(model, mesh, dims.dp_mesh(mesh), layout.mixed_precision)
     materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, cfg, 0)[slices])
     return model

@@ -29,9 +29,14 @@ from plan_harness import measure  # bench/plan_harness.py: this script's folder 
 MiB = 2**20
 
 
-def _model(hidden: int, layers: int, intermediate: int, vocab: int = 151936, tied: bool = False) -> Qwen3Config:
+def _model(hidden: int, layers: int, intermediate: int, vocab: int = 151936, tied: bool = False,
+           **moe) -> Qwen3Config:
     return Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=64, intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied)
+                       head_dim=64, intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied, **moe)
+
+
+# A Qwen3-MoE in small: 16 experts of 256, top-4 (the published models: 128 experts, top-8).
+MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
 
 
 # name -> (model, layout); real Qwen3 vocabulary unless the name says otherwise
@@ -71,6 +76,13 @@ CASES: dict[str, tuple[Qwen3Config, Layout]] = {
                                        activation_checkpointing="mlp", mixed_precision="fp32")),
     "h512-full-bf16-v4k-s2048": (_model(512, 8, 1536, vocab=4096),
                                  Layout(micro_batch_size=4, seq_length=2048)),
+    "moe-h512-none-bf16-v4k-s2048": (_model(512, 4, 1536, vocab=4096, **MOE),
+                                     Layout(micro_batch_size=2, seq_length=2048, activation_checkpointing="none")),
+    "moe-h512-mlp-bf16-v4k-s2048": (_model(512, 4, 1536, vocab=4096, **MOE),
+                                    Layout(micro_batch_size=2, seq_length=2048, activation_checkpointing="mlp")),
+    "moe-h512-none-fp32-v4k-s2048": (_model(512, 4, 1536, vocab=4096, mlp_only_layers=[0], **MOE),
+                                     Layout(micro_batch_size=2, seq_length=2048, activation_checkpointing="none",
+                                            mixed_precision="fp32")),
 }
 
 

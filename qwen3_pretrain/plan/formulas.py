@@ -154,6 +154,32 @@ def qwen3_mlp_saved_bytes_per_token(hidden: int, intermediate: int, t: int = 1, 
     return 4 * d * intermediate / t + d * hidden - d * hidden / t
 
 
+def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int, top_k: int,
+                                    norm_topk_prob: bool, dtype_bytes: int = BF16) -> float:
+    """Bytes autograd keeps per token for one Qwen3-MoE block (``models/ops/moe.py``), beyond its input.
+
+    Counted from its operators, with ``k`` = ``top_k`` (token, expert) pairs per
+    token, ``E`` experts, ``I`` the expert hidden size and ``d`` the activation
+    dtype's bytes (the grouped kernel and the per-expert loop keep the same):
+
+    * router: its fp32 softmax over all experts (``4 E``), the top-k indices
+      (``8 k``) and, when the k weights are renormalised, their fp32 values
+      and sum (``4 k + 4``);
+    * dispatch: three int64 index vectors over the pairs (the sort order, the
+      pairs' tokens, the way back: ``24 k``), the pairs' weights in ``d``
+      (``d k``) and the permuted tokens (``d k h``);
+    * experts: gate, up, SiLU(gate), their product and the weighted product
+      (the down projection's input), ``5 d k I``.
+
+    The block runs whole on every tensor-parallel rank (``parallel/parallelize.py``),
+    so nothing here is divided by ``t``; the expert counts (``E`` integers per
+    micro-batch) are left out.
+    """
+    d, k = dtype_bytes, top_k
+    router = 4 * experts + 8 * k + (4 * k + 4 if norm_topk_prob else 0)
+    return router + 24 * k + d * k + d * k * hidden + 5 * d * k * intermediate
+
+
 def qwen3_backward_working_bytes_per_token(hidden: int, intermediate: int, t: int = 1,
                                            dtype_bytes: int = BF16) -> float:
     """Gradients alive at once while one layer runs backward (beyond what it saved).
@@ -214,8 +240,14 @@ def inflight_microbatches(schedule: Literal["1f1b", "interleaved", "gpipe"], p: 
 
 
 def layer_matmul_params(hidden: int, q_out: int, kv_out: int, intermediate: int) -> int:
-    """Weights of one layer's linears: q, k, v, o and gate, up, down."""
+    """Weights of one layer's linears: q, k, v, o and gate, up, down (``intermediate`` 0: attention only)."""
     return hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * intermediate
+
+
+def moe_matmul_params(hidden: int, intermediate: int, experts: int, top_k: int | None = None) -> int:
+    """Weights of one MoE block: the router and every expert's gate, up and down; with ``top_k``, those one
+    token multiplies by (the router and ``top_k`` experts: its active parameters)."""
+    return hidden * experts + 3 * hidden * intermediate * (experts if top_k is None else top_k)
 
 
 def training_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int,
@@ -231,17 +263,18 @@ def training_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: i
     return 6.0 * n_matmul + 12.0 * num_layers * q_out * seq
 
 
-def recompute_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int, seq: int,
+def recompute_flops_per_token(num_layers: int, attention_params: float, mlp_params: float, q_out: int, seq: int,
                               checkpointing: Literal["none", "selective", "mlp", "full"]) -> float:
-    """Extra forward FLOPs per token that activation recomputation runs in backward (selective: the
+    """Extra forward FLOPs per token that activation recomputation runs in backward, for layers whose
+    attention and MLP multiply a token by ``attention_params`` and ``mlp_params`` weights (selective: the
     attention core's ``Q K^T`` and ``A V``, counted over the whole square as in ``training_flops_per_token``)."""
     if checkpointing == "none":
         return 0.0
     if checkpointing == "mlp":
-        return num_layers * 2.0 * 3 * hidden * intermediate
+        return num_layers * 2.0 * mlp_params
     if checkpointing == "selective":
         return num_layers * 4.0 * q_out * seq
-    return num_layers * (2.0 * layer_matmul_params(hidden, q_out, kv_out, intermediate) + 4.0 * q_out * seq)
+    return num_layers * (2.0 * (attention_params + mlp_params) + 4.0 * q_out * seq)
 
 
 # --- communication ----------------------------------------------------------------

@@ -196,17 +196,23 @@ class StageShape:
     has_embedding: bool
     has_head: bool
     max_chunk_layers: int  # layers of its largest chunk (one chunk unless interleaved)
+    sparse_layers: int = 0  # of its layers, those with a mixture of experts in place of the MLP
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.sparse_layers
 
 
 def stage_shapes(cfg: Qwen3Config, layout: Layout) -> list[StageShape]:
     """One StageShape per pipeline rank; rank ``r`` holds chunks ``r, r + pp, r + 2 pp, ...``."""
     p, v = layout.pp, layout.stages_per_rank
-    split = [len(r) for r in stage_layer_ranges(cfg.num_hidden_layers, p * v)]
+    split = stage_layer_ranges(cfg.num_hidden_layers, p * v)
     shapes = []
     for rank in range(p):
         mine = [split[rank + k * p] for k in range(v)]
-        shapes.append(StageShape(rank, sum(mine), has_embedding=rank == 0, has_head=rank == p - 1,
-                                 max_chunk_layers=max(mine)))
+        shapes.append(StageShape(rank, sum(map(len, mine)), has_embedding=rank == 0, has_head=rank == p - 1,
+                                 max_chunk_layers=max(map(len, mine)),
+                                 sparse_layers=sum(cfg.is_sparse_layer(i) for chunk in mine for i in chunk)))
     return shapes
 
 

@@ -84,41 +84,67 @@ class StageParams:
     """Parameter counts of one pipeline rank (its tp shard), per FSDP unit."""
 
     total: float
-    layer: float  # one decoder layer (a unit each)
+    layer: float  # its largest decoder layer (a unit each)
     head: float  # the LM head (a unit), 0 off the last stage
     root: float  # the root unit: embedding and/or final norm, whatever the stage holds
     largest_tensor: float
     tied_head: bool  # the head applies the embedding's weight (tied, one stage): ``head`` is 0
+    layers: float = 0.0  # all its decoder layers
+
+
+def layer_params(cfg: Qwen3Config, layout: Layout, sparse: bool) -> float:
+    """Parameters of one decoder layer on a tp rank: attention and a dense MLP split over ``tp``; a MoE block
+    (router and experts) whole on every tp rank."""
+    t, h = layout.tp, cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    norms = 2 * h + 2 * cfg.head_dim
+    if sparse:
+        moe = F.moe_matmul_params(h, cfg.moe_intermediate_size, cfg.num_experts)
+        return F.layer_matmul_params(h, q, kv, 0) / t + moe + norms
+    return F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + norms
 
 
 def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StageParams:
     t, h = layout.tp, cfg.hidden_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    layer = F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + 2 * h + 2 * cfg.head_dim
+    dense, sparse = layer_params(cfg, layout, False), layer_params(cfg, layout, True)
+    layers = shape.dense_layers * dense + shape.sparse_layers * sparse
+    layer = max(dense if shape.dense_layers else 0.0, sparse if shape.sparse_layers else 0.0)
     vocab = cfg.vocab_size * h / t
     # A tied head beside its embedding applies the embedding's weight (models/ops/loss.py:TiedLMHead); under
     # pp > 1 it is a parameter of its own on the last stage (parallel/grads.py:TiedWeights).
     tied_head = cfg.tie_word_embeddings and shape.has_embedding and shape.has_head
     head = vocab if shape.has_head and not tied_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
-    largest = max([h * cfg.intermediate_size / t] + ([vocab] if shape.has_head or shape.has_embedding else []))
-    return StageParams(shape.num_layers * layer + head + root, layer, head, root, largest, tied_head)
+    tensors = [h * cfg.intermediate_size / t] if shape.dense_layers else []
+    tensors += [cfg.num_experts * cfg.moe_intermediate_size * h] if shape.sparse_layers else []  # stacked experts
+    largest = max(tensors + ([vocab] if shape.has_head or shape.has_embedding else []) + [0.0])
+    return StageParams(layers + head + root, layer, head, root, largest, tied_head, layers)
 
 
-def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
+def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
     d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
     if checkpointing == "full":
         return d * h / t  # the layer's input, sequence-sharded
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                cfg.intermediate_size, t, d, layout.fp32_matmul)
+                                                0 if sparse else cfg.intermediate_size, t, d, layout.fp32_matmul)
+    if sparse:
+        saved += _moe_bytes_per_token(cfg, layout)
     saved += context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
-    return saved - recomputed_bytes_per_token(cfg, layout, checkpointing)
+    return saved - recomputed_bytes_per_token(cfg, layout, checkpointing, sparse)
 
 
-def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
-    """What selective (attention core) or MLP recompute drops from a layer's saved bytes."""
+def _moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    return F.qwen3_moe_saved_bytes_per_token(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                             cfg.num_experts_per_tok, cfg.norm_topk_prob, layout.dtype_bytes)
+
+
+def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
+    """What selective (attention core) or MLP recompute drops from a layer's saved bytes (``sparse``: a layer
+    with a MoE block, all of whose saved bytes MLP recompute drops; its checkpoint keeps the gathered input)."""
     d, t = layout.dtype_bytes, layout.tp
+    if checkpointing == "mlp" and sparse:
+        return _moe_bytes_per_token(cfg, layout)
     if checkpointing == "mlp":
         return F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
     if checkpointing == "selective":
@@ -195,7 +221,9 @@ def _held_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
 def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
     """Activations the stage keeps for one micro-batch from its forward to its backward."""
     tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
-    per_mb = shape.num_layers * tokens * _layer_bytes_per_token(cfg, layout, layout.activation_checkpointing)
+    ac = layout.activation_checkpointing
+    per_mb = tokens * (shape.dense_layers * _layer_bytes_per_token(cfg, layout, ac)
+                       + shape.sparse_layers * _layer_bytes_per_token(cfg, layout, ac, sparse=True))
     per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
     if layout.cp > 1:
         per_mb += cp_mask_bytes(layout)
@@ -210,16 +238,25 @@ def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape)
     return per_mb
 
 
-def _backward_working(cfg: Qwen3Config, layout: Layout) -> float:
-    """One micro-batch's recomputed layer plus the gradients of the layer in backward."""
+def _backward_working(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """One micro-batch's recomputed layer plus the gradients of the layer in backward (the larger kind of
+    layer the stage holds; a MoE block's widest gradients are its pairs' ``k I``-wide ones, unsplit by tp)."""
     tokens, t, d = _microbatch_tokens(layout), layout.tp, layout.dtype_bytes
-    recomputed = 0.0
-    if layout.activation_checkpointing == "full":
-        recomputed = _layer_bytes_per_token(cfg, layout, "none")
-    else:
-        recomputed = recomputed_bytes_per_token(cfg, layout, layout.activation_checkpointing)
-    grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
-    return tokens * (recomputed + grads)
+    worst = 0.0
+    for sparse, count in ((False, shape.dense_layers), (True, shape.sparse_layers)):
+        if not count:
+            continue
+        if layout.activation_checkpointing == "full":
+            recomputed = _layer_bytes_per_token(cfg, layout, "none", sparse)
+        else:
+            recomputed = recomputed_bytes_per_token(cfg, layout, layout.activation_checkpointing, sparse)
+        if sparse:
+            grads = F.qwen3_backward_working_bytes_per_token(
+                cfg.hidden_size, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
+        else:
+            grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
+        worst = max(worst, recomputed + grads)
+    return tokens * worst
 
 
 def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
@@ -305,7 +342,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
                                gradients=before + head_grad + head_copy, activations=held, logits=0.0),
         "layer backward": dict(parameters=gathered(sp.root, 2 * sp.layer), optimizer=adam,
                                gradients=before + head_grad + unit_grad(sp.layer),
-                               activations=held + _backward_working(cfg, layout), logits=0.0),
+                               activations=held + _backward_working(cfg, layout, shape), logits=0.0),
         "end of backward": dict(parameters=gathered(sp.root or sp.layer), optimizer=adam,
                                 gradients=(accumulated or sharded_grads) + unit_grad(sp.root or sp.layer),
                                 activations=0.0, logits=0.0),

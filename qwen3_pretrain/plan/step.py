@@ -81,12 +81,18 @@ def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
 
 
 def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
-    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together."""
+    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together. A MoE
+    block computes its tokens' active parameters (router and ``top_k`` experts), and whole on every tp rank:
+    ``tp`` times over."""
     h, seq = cfg.hidden_size, layout.seq_length
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_token = shape.num_layers * (6.0 * F.layer_matmul_params(h, q, kv, cfg.intermediate_size) + 12.0 * q * seq)
-    per_token += F.recompute_flops_per_token(shape.num_layers, h, q, kv, cfg.intermediate_size, seq,
-                                             layout.activation_checkpointing)
+    attention = F.layer_matmul_params(h, q, kv, 0)
+    per_token = 0.0
+    for count, mlp in ((shape.dense_layers, 3 * h * cfg.intermediate_size),
+                       (shape.sparse_layers, layout.tp * F.moe_matmul_params(
+                           h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok))):
+        per_token += count * (6.0 * (attention + mlp) + 12.0 * q * seq)
+        per_token += F.recompute_flops_per_token(count, attention, mlp, q, seq, layout.activation_checkpointing)
     if shape.has_head:
         per_token += 6.0 * cfg.vocab_size * h
     return per_token * layout.microbatch_tokens
@@ -101,12 +107,18 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     act = layout.dtype_bytes * tokens * cfg.hidden_size  # one [tokens, hidden] activation
     # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
     # (the attention core that selective recompute reruns sits between them: no collective of its own)
-    gathers = 4 + {"full": 2, "mlp": 1, "selective": 0, "none": 0}[layout.activation_checkpointing]
+    ac = layout.activation_checkpointing
+    gathers = 4 + {"full": 2, "mlp": 1, "selective": 0, "none": 0}[ac]
     # Recomputation stops once the last tensor backward needs is rebuilt (checkpointing's early stop),
     # before the MLP's output reduce-scatter: full recompute repeats one of the layer's two scatters.
-    scatters = 4 + (1 if layout.activation_checkpointing == "full" else 0)
+    scatters = 4 + (1 if ac == "full" else 0)
+    # A MoE block, whole on every tp rank, cuts its output out of the replicated result (no collective) and
+    # gets its input's gradient whole (no reduce-scatter); its checkpoint keeps the gathered input.
+    sparse_gathers = 4 + (2 if ac == "full" else 0)
+    sparse_scatters = 2 + (1 if ac == "full" else 0)
     calls: list[tuple[F.Collective, float]] = \
-        ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.num_layers
+        ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.dense_layers \
+        + ([("all_gather", act)] * sparse_gathers + [("reduce_scatter", act)] * sparse_scatters) * shape.sparse_layers
     if shape.has_embedding:
         calls += [("reduce_scatter", act), ("all_gather", act)]
     if shape.has_head:
@@ -187,7 +199,7 @@ def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp) -> list[tu
     the cool-down) too: ``m + 1`` for the units freed after forward, once for the others.
     """
     embedding = cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_embedding and not sp.tied_head else 0.0
-    freed = shape.num_layers * sp.layer + embedding if layout.reshard_after_forward else 0.0
+    freed = sp.layers + embedding if layout.reshard_after_forward else 0.0
     m = layout.num_microbatches
     return [(freed, 2 * m if layout.pp == 1 else m + 1), (sp.total - freed, m if layout.pp == 1 else 1)]
 

@@ -8,7 +8,12 @@ computed (no capacity, no dropped token): the T * top_k (token, expert) pairs
 are sorted by expert, each expert applies its SwiGLU MLP to its contiguous
 run, and each token's outputs are weighted and summed back. This is
 transformers' Qwen3-MoE block, computed grouped instead of one expert at a
-time.
+time, with two changes that keep less for backward and change no value beyond
+rounding: a pair's routing weight scales the expert's intermediate (``I``
+wide) rather than its output (``H`` wide; the down projection is linear), and
+the outputs return to their tokens by a gather and a sum over the ``top_k``
+slots (which keeps only indices) rather than an ``index_add`` (which keeps its
+source, a second ``T * top_k x H`` tensor).
 
 The experts are stored stacked, ``gate_proj`` and ``up_proj`` [E, I, H] and
 ``down_proj`` [E, H, I] (each expert's matrices are its ``nn.Linear``
@@ -36,12 +41,13 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class ExpertsKernel(Protocol):
     """Applies each expert's SwiGLU MLP to its run of ``tokens`` [N, H] (sorted by expert, ``counts`` [E]
-    tokens each) -> [N, H]."""
+    tokens each), scaled by each row's routing weight ``weights`` [N, 1] -> [N, H]:
+    ``down_e(silu(gate_e x) * up_e x * w)``."""
 
     name: str
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                 down: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
+                 up: torch.Tensor, down: torch.Tensor) -> torch.Tensor: ...
 
 
 class ExpertLoop:
@@ -53,11 +59,13 @@ class ExpertLoop:
     def __init__(self, linear: Linear = F.linear) -> None:
         self.linear = linear
 
-    def __call__(self, tokens, counts, gate, up, down):
+    def __call__(self, tokens, counts, weights, gate, up, down):
         outs = []
-        for e, run in enumerate(torch.split(tokens, counts.tolist())):
+        sizes = counts.tolist()
+        for e, (run, w) in enumerate(zip(torch.split(tokens, sizes), torch.split(weights, sizes))):
             if run.shape[0]:
-                outs.append(self.linear(F.silu(self.linear(run, gate[e])) * self.linear(run, up[e]), down[e]))
+                h = F.silu(self.linear(run, gate[e])) * self.linear(run, up[e])
+                outs.append(self.linear(h * w, down[e]))
         return torch.cat(outs) if outs else tokens.new_zeros(tokens.shape)
 
 
@@ -67,11 +75,11 @@ class GroupedMM:
 
     name = "grouped_mm"
 
-    def __call__(self, tokens, counts, gate, up, down):
+    def __call__(self, tokens, counts, weights, gate, up, down):
         offsets = counts.cumsum(0).to(torch.int32)
-        # Its backward needs a dense gradient (an expanded one has zero strides): hand it one.
         h = F.silu(_grouped(tokens, gate, offsets)) * _grouped(tokens, up, offsets)
-        return _DenseGrad.apply(_grouped(h, down, offsets))
+        # Its backward needs a dense gradient (an expanded one has zero strides): hand it one.
+        return _DenseGrad.apply(_grouped(h * weights, down, offsets))
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -130,15 +138,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H], ``chosen`` and ``weights`` [T, k] -> [T, H]: each token's weighted expert outputs."""
-        top_k = chosen.shape[1]
+        num_tokens, top_k = chosen.shape
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within each
         counts = expert_counts(flat, self.num_experts)
-        token = order // top_k
-        y = self.kernel(x.index_select(0, token), counts, self.gate_proj, self.up_proj, self.down_proj)
-        y = y * weights.reshape(-1, 1)[order]
-        # Per token, its experts' outputs add up in expert order (transformers' order).
-        return torch.zeros_like(x).index_add_(0, token, y)
+        y = self.kernel(x.index_select(0, order // top_k), counts, weights.reshape(-1, 1)[order],
+                        self.gate_proj, self.up_proj, self.down_proj)
+        # Back to (token, slot) order, then each token's k outputs summed.
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return y[back].view(num_tokens, top_k, -1).sum(1)
 
 
 class MoE(nn.Module):
