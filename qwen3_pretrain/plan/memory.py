@@ -33,8 +33,9 @@ shard the weights: the data-parallel degree with the distributed optimizer,
 * **overhead**: allocator fragmentation (a stated fraction of the above) plus
   the runtime's own reservation (context, communicator buffers).
 
-The peak is the largest of five moments of a step: the loss, the start of
-backward, a layer's backward, the end of backward and the optimizer step.
+The peak is the largest of six moments of a step: the loss, the start of
+backward, a layer's backward, the backward of the stage's first layer (every other unit's
+gradient reduced by then), the end of backward and the optimizer step.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class StageParams:
     largest_tensor: float
     tied_head: bool  # the head applies the embedding's weight (tied, one stage): ``head`` is 0
     layers: float = 0.0  # all its decoder layers
+    pair: float = 0.0  # its two largest decoder layers (one computing, one prefetched)
 
 
 def layer_params(cfg: Qwen3Config, layout: Layout, sparse: bool) -> float:
@@ -108,7 +110,8 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     t, h = layout.tp, cfg.hidden_size
     dense, sparse = layer_params(cfg, layout, False), layer_params(cfg, layout, True)
     layers = shape.dense_layers * dense + shape.sparse_layers * sparse
-    layer = max(dense if shape.dense_layers else 0.0, sparse if shape.sparse_layers else 0.0)
+    sizes = sorted([dense] * min(shape.dense_layers, 2) + [sparse] * min(shape.sparse_layers, 2))[-2:]
+    layer, pair = (sizes[-1] if sizes else 0.0), sum(sizes)
     vocab = cfg.vocab_size * h / t
     # A tied head beside its embedding applies the embedding's weight (models/ops/loss.py:TiedLMHead); under
     # pp > 1 it is a parameter of its own on the last stage (parallel/grads.py:TiedWeights).
@@ -118,7 +121,7 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     tensors = [h * cfg.intermediate_size / t] if shape.dense_layers else []
     tensors += [cfg.num_experts * cfg.moe_intermediate_size * h] if shape.sparse_layers else []  # stacked experts
     largest = max(tensors + ([vocab] if shape.has_head or shape.has_embedding else []) + [0.0])
-    return StageParams(layers + head + root, layer, head, root, largest, tied_head, layers)
+    return StageParams(layers + head + root, layer, head, root, largest, tied_head, layers, pair)
 
 
 def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
@@ -340,15 +343,23 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
                      activations=held, logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
         "backward start": dict(parameters=gathered(sp.root) + root_gathering, optimizer=adam,
                                gradients=before + head_grad + head_copy, activations=held, logits=0.0),
-        "layer backward": dict(parameters=gathered(sp.root, 2 * sp.layer), optimizer=adam,
+        "layer backward": dict(parameters=gathered(sp.root, sp.pair), optimizer=adam,
                                gradients=before + head_grad + unit_grad(sp.layer),
                                activations=held + _backward_working(cfg, layout, shape), logits=0.0),
+        # The stage's first layer, the last backward reaches: every other unit's gradient is already
+        # reduced (or accumulated), its own is produced; two layers gathered, one layer's activations left.
+        "last layer backward": dict(parameters=gathered(sp.root, sp.pair), optimizer=adam,
+                                    gradients=(accumulated or sharded_grads) + unit_grad(sp.layer),
+                                    activations=_backward_working(cfg, layout, shape)
+                                    + held / max(shape.num_layers, 1), logits=0.0),
         "end of backward": dict(parameters=gathered(sp.root or sp.layer), optimizer=adam,
                                 gradients=(accumulated or sharded_grads) + unit_grad(sp.root or sp.layer),
                                 activations=0.0, logits=0.0),
         "optimizer step": dict(parameters=master, gradients=sharded_grads, optimizer=adam + step_temp,
                                activations=0.0, logits=0.0),
     }
+    if layout.pp > 1:
+        del moments["last layer backward"]  # the schedule reduces after the last backward (``_pipelined``)
     if layout.pp > 1 and layout.reshard_after_forward:
         _pipelined(moments, cfg, layout, shape, head_weight, head_grad, accumulated or sharded_grads)
     return moments
@@ -377,7 +388,7 @@ def _pipelined(moments: dict[str, dict[str, float]], cfg: Qwen3Config, layout: L
     if layout.pp_schedule != "interleaved":
         grad = d * sp.layer if layout.mixed_precision == "bf16" else 0.0
         step = moments["layer backward"]
-        first = dict(step, parameters=few + 2 * d * sp.layer, gradients=moments["loss"]["gradients"] + head_grad + grad)
+        first = dict(step, parameters=few + d * sp.pair, gradients=moments["loss"]["gradients"] + head_grad + grad)
         inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, layout.num_microbatches)
         earlier = accumulated if inflight >= 2 else moments["loss"]["gradients"]
         cooldown = dict(step, gradients=earlier + head_grad + grad,

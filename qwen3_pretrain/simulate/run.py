@@ -35,6 +35,7 @@ from qwen3_pretrain.parallel.dims import AXES, ParallelDims
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.simulate.attention import KernelRecord, simulated_kernels
+from qwen3_pretrain.simulate.experts import play_experts
 from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, Parallelism, engine_layout, resolve_parallelism
@@ -110,7 +111,7 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
         engine = Engine(cfg, world.source, world.parallelism, mesh, device, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
                         stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target,
-                        make_attention=simulated_kernels(kernels))
+                        make_attention=simulated_kernels(kernels), play_experts=play_experts)
         for group in engine.dp_mesh.get_all_groups():  # under cp, FSDP's flattened dp_shard x cp group
             groups.setdefault(group.group_name, "dp")
         if engine.tied is not None and engine.tied.group is not None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
+from qwen3_pretrain.models.ops.moe import ExpertsKernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
@@ -100,11 +101,12 @@ class Engine:
     def __init__(self, cfg: TrainConfig, source: ModelSource, parallelism: Parallelism, mesh: DeviceMesh,
                  device: torch.device, fp32_matmul: bool, loss_chunk_tokens: int,
                  allocate: Callable[[nn.Module], None] | None = None, stage_io: StageIO | None = None,
-                 target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel) -> None:
+                 target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel,
+                 play_experts: Callable[[ExpertsKernel], ExpertsKernel] | None = None) -> None:
         # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors
-        # (and plays that device's attention kernels there: ``make_attention``).
+        # (and plays that device's attention and expert kernels there: ``make_attention``, ``play_experts``).
         self.target_device_type = target_device_type or device.type
-        self.make_attention = make_attention
+        self.make_attention, self.play_experts = make_attention, play_experts
         self.cfg, self.source, self.mesh, self.device = cfg, source, mesh, device
         self.dims, self.stages_per_rank = parallelism.dims, parallelism.stages_per_rank
         self.num_stages = parallelism.num_stages
@@ -142,6 +144,8 @@ class Engine:
         cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
         attention = choose_attention(self.target_device_type, self.fp32_matmul, cp_mesh, self.make_attention)
         experts = choose_experts(self.target_device_type, cfg.mixed_precision, self.fp32_matmul)
+        if self.play_experts is not None:
+            experts = self.play_experts(experts)
         part = build_stage(stage_cfg, PartSpec(idx, self.num_stages, ranges[idx]), model_cfg.vocab_size,
                            self.loss_chunk_tokens, attention=attention, fp32_matmul=self.fp32_matmul,
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,

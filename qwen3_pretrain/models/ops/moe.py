@@ -61,12 +61,16 @@ class ExpertLoop:
 
     def __call__(self, tokens, counts, weights, gate, up, down):
         outs = []
-        sizes = counts.tolist()
+        sizes = self.sizes(counts, tokens.shape[0])
         for e, (run, w) in enumerate(zip(torch.split(tokens, sizes), torch.split(weights, sizes))):
             if run.shape[0]:
                 h = F.silu(self.linear(run, gate[e])) * self.linear(run, up[e])
                 outs.append(self.linear(h * w, down[e]))
         return torch.cat(outs) if outs else tokens.new_zeros(tokens.shape)
+
+    def sizes(self, counts: torch.Tensor, num_tokens: int) -> list[int]:
+        """Each expert's run length (of ``num_tokens`` in all), read on the host."""
+        return counts.tolist()
 
 
 class GroupedMM:
