@@ -7,17 +7,27 @@ from __future__ import annotations
 
 import csv
 import functools
+import subprocess
+import sys
 
 import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from qwen3_pretrain import load_hf_model, save_hf_model
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 
 from tests._checkpoint_helpers import (assert_identical_states, checkpoint_state, kill_then_resume, resume_from,
                                        step_dir)
-from tests._train_helpers import (TINY_MODEL, check_ok, make_corpus, run_train, step_records, worst_relative_diff,
+from tests._train_helpers import (TINY_MODEL, check_ok, child_env, make_corpus, run_train, step_records, worst_relative_diff,
                                   write_config)
 
 MOE_MODEL = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 # a large balancing coefficient and a z-loss, so that a wrong balancing gradient moves the weights visibly
 SETUP = dict(model_overrides=MOE_MODEL, total_steps=4, save_steps=2, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01)
+KEYS = ("step", "loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_idle_experts")
 TOL = 1e-5  # relative, loss / moe_aux_loss / moe_z_loss / grad_norm: the issue's bar (measured: <= 2e-6)
 
 # name -> (processes, overrides). Global batch 4 in one micro-batch: one process, dp 2 (sharded or
@@ -122,8 +132,7 @@ def test_kill_9_then_resume_is_bit_exact(moe_runs, tmp_path):
     cfg = moe_runs.config(tmp_path / "c.yaml", out, total_steps=total, batch_size=2)
     proc = kill_then_resume(cfg, out, 4, total)
     assert "resumed from" in proc.stdout
-    keys = ("step", "loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_idle_experts")
-    assert [[r[k] for k in keys] for r in step_records(out)] == [[r[k] for k in keys] for r in step_records(ref)]
+    assert [[r[k] for k in KEYS] for r in step_records(out)] == [[r[k] for k in KEYS] for r in step_records(ref)]
     assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
                             checkpoint_state(step_dir(out, total), tmp_path))
 
@@ -135,3 +144,56 @@ def test_resume_under_another_layout(moe_runs, tmp_path):
     check_ok(run_train(moe_runs.config(tmp_path / "c.yaml", tmp_path / "out"), 1, "batch_size=4"))
     want = [r for r in moe_runs.records("single") if r["step"] > 2]
     assert_same_moe_training(step_records(tmp_path / "out"), want, "dp 2 -> one process resume")
+
+
+@pytest.mark.distributed
+def test_merge_of_a_pp2_run_loads_in_transformers(moe_runs, tmp_path):
+    """pp 2's final checkpoint merges into a directory transformers' Qwen3MoeForCausalLM loads with no
+    missing or unexpected key, each expert under its own name, computing the training model's logits."""
+    out = moe_runs.output("pp2")
+    merged = tmp_path / "merged"
+    check_ok(subprocess.run([sys.executable, "-m", "qwen3_pretrain", "merge", "--input_path", str(out),
+                             "--output_path", str(merged), "--model_name", "qwen3-0.6b", "--dtype", "fp32"],
+                            capture_output=True, text=True, env=child_env(), timeout=120))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    state = checkpoint_state(step_dir(out, 4), tmp_path)["model"]
+    written = {}
+    for file in merged.glob("*.safetensors"):
+        written.update(load_file(str(file)))
+    # expert 5 of layer 2, as transformers names it, is row 5 of the stacked training tensor
+    assert torch.equal(written["model.layers.2.mlp.experts.5.down_proj.weight"],
+                       state["layers.2.mlp.experts.down_proj"][5])
+    state.setdefault("lm_head.weight", state["embed_tokens.weight"])  # the plain model names the tie twice
+    model = Qwen3Model(Qwen3Config(**MOE_MODEL))
+    model.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - model(tokens)).abs().max().item()
+    print(f"merged MoE model vs training model: max abs logits diff {diff:.2e}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.distributed
+def test_continue_from_what_transformers_writes(moe_runs, tmp_path):
+    """A directory written by transformers' save_pretrained (one tensor per expert, as the released
+    checkpoints; the packed form is read in tests/test_moe_parity.py) and the same weights written by
+    save_hf_model continue training identically under pp 2, each stage reading its own layers."""
+    torch.manual_seed(3)
+    config = transformers.Qwen3MoeConfig(**{k: v for k, v in MOE_MODEL.items()}, decoder_sparse_step=1,
+                                         mlp_only_layers=[], max_position_embeddings=4096)
+    by_transformers = tmp_path / "by_transformers"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(by_transformers)
+    by_us = tmp_path / "by_us"
+    save_hf_model(load_hf_model(by_transformers), by_us, dtype=torch.float32)
+    runs = []
+    for source in (by_transformers, by_us):
+        cfg = moe_runs.config(tmp_path / f"{source.name}.yaml", tmp_path / f"out_{source.name}", total_steps=2,
+                              save_steps=0, model_name="tiny-moe", model_path=str(source), model_overrides={})
+        proc = run_train(cfg, 2, "pp=2", "batch_size=4", "pp_microbatch_size=2")
+        check_ok(proc)
+        assert "(continued pre-training)" in proc.stdout
+        runs.append([[r[k] for k in KEYS] for r in step_records(tmp_path / f"out_{source.name}")])
+    assert runs[0] == runs[1]
