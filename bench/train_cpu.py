@@ -3,6 +3,7 @@
     python bench/train_cpu.py                                   # every variant (~15 min on 2 idle cores)
     python bench/train_cpu.py --variants hf-bf16,bf16 --steps 3
     python bench/train_cpu.py --profile bf16                    # where one engine step spends its time
+    python bench/train_cpu.py --model moe --variants hf-bf16,bf16,hf-fp32,fp32   # Qwen3-MoE
 
 Model: Qwen3 with hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64,
 intermediate 768, the full 151,936 vocabulary, tied embeddings; seq 512, batch
@@ -13,6 +14,12 @@ resident memory (``ru_maxrss``, the largest rank's) is its own. Steps after
 the warm-up ones are timed in wall and CPU seconds (user + system over all
 threads and ranks); the table shows medians. On a shared machine the CPU time
 is the steadier figure: the load average is printed before and after.
+
+``--model moe``: the same model with a mixture of 16 experts of 256, top-4
+(renormalised), in place of every MLP (the active MLP width 1,024 beside the
+dense 768), and ``Qwen3MoeForCausalLM`` in the plain loop (transformers'
+default expert implementation; its router loss is off there, ``moe_aux_loss:
+none`` in the engine, so both compute the same objective).
 
 ``hf-*`` is the plain loop: ``Qwen3ForCausalLM`` in fp32, AdamW, full logits
 and ``F.cross_entropy``, gradient clipping, under ``torch.autocast("cpu",
@@ -50,6 +57,7 @@ from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 64, "intermediate_size": 768, "vocab_size": 151936, "tie_word_embeddings": True}
+MOE = {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256, "norm_topk_prob": True}
 SEQ, BATCH = 512, 4
 # name -> (kind, processes, threads per process, engine config keys)
 VARIANTS = {
@@ -82,6 +90,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--data", default=str(REPO / "runs/data/d_convert"),
                         help="converted data folder; built from the bundled dump when absent")
     parser.add_argument("--profile", metavar="VARIANT", help="profile one step of this engine variant instead")
+    parser.add_argument("--model", choices=("dense", "moe"), default="dense",
+                        help="the dense model, or the same with a mixture of experts in every layer")
     parser.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -125,33 +135,41 @@ def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 4) -> tuple[flo
 # --- the two training loops (run in a worker process) ---------------------------------------
 
 
-def engine_config(name: str, data: str, out: str):
+def model_keys(model: str) -> dict:
+    return dict(MODEL, **MOE) if model == "moe" else dict(MODEL)
+
+
+def engine_config(name: str, data: str, out: str, model: str = "dense"):
     from qwen3_pretrain.config.loader import from_dict
     from qwen3_pretrain.train.config import TrainConfig
 
     _, nproc, _, keys = VARIANTS[name]
-    cfg = {"model_name": "qwen3-0.6b", "model_overrides": dict(MODEL), "data_path": data, "output_path": out,
+    moe = {"moe_aux_loss": "none"} if model == "moe" else {}
+    cfg = {"model_name": "qwen3-0.6b", "model_overrides": model_keys(model), "data_path": data, "output_path": out,
            "seq_length": SEQ, "batch_size": BATCH // nproc, "total_steps": 1000, "log_steps": 1000,
-           "save_steps": 0, "learning_rate": 3e-4, **keys}
+           "save_steps": 0, "learning_rate": 3e-4, **moe, **keys}
     return from_dict(TrainConfig, cfg, source=f"variant {name}")
 
 
-def engine_step_fn(name: str, data: str, out: str):
+def engine_step_fn(name: str, data: str, out: str, model: str = "dense"):
     from qwen3_pretrain.train.trainer import Trainer
 
-    trainer = Trainer(engine_config(name, data, out))
+    trainer = Trainer(engine_config(name, data, out, model))
     return lambda: trainer.train_step()["loss"], trainer
 
 
-def hf_step_fn(name: str, data: str):
+def hf_step_fn(name: str, data: str, model_kind: str = "dense"):
     """The plain loop on the same samples the engine's loader yields."""
     import torch.nn.functional as F
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 
     torch.manual_seed(1234)
-    model = Qwen3ForCausalLM(Qwen3Config(**MODEL, rope_theta=1e6, max_position_embeddings=40960))
+    family = "Qwen3Moe" if model_kind == "moe" else "Qwen3"
+    config = getattr(transformers, f"{family}Config")(**model_keys(model_kind), rope_theta=1e6,
+                                                      max_position_embeddings=40960)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
     loader = GlobalBatchLoader(PackedDataset(data, SEQ, seed=1234), BATCH, 0, 1, BATCH)
     autocast = VARIANTS[name][3]["mixed_precision"] == "bf16"
@@ -176,9 +194,9 @@ def worker(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", os.environ.get("BENCH_COPY", 0)))
     trainer = None
     if kind == "hf":
-        step = hf_step_fn(args.worker, args.data)
+        step = hf_step_fn(args.worker, args.data, args.model)
     else:
-        step, trainer = engine_step_fn(args.worker, args.data, str(Path(args.out) / "run"))
+        step, trainer = engine_step_fn(args.worker, args.data, str(Path(args.out) / "run"), args.model)
     before = peak_rss_gib()
     warmup = args.warmup
     if args.profile:
@@ -236,7 +254,7 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
 
     def worker_script(out_dir: Path) -> list[str]:
         script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out_dir),
-                  "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model]
         return script + (["--profile=" + name] if args.profile else [])
 
     launcher = [sys.executable] if nproc == 1 else [
@@ -288,7 +306,7 @@ def describe(name: str) -> str:
     return f"{label} {nproc}p x {threads}t " + " ".join(f"{k}={v}" for k, v in keys.items())
 
 
-def header() -> None:
+def header(model: str) -> None:
     torch.set_num_threads(2)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
@@ -298,7 +316,7 @@ def header() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         wall, cpu = matmul_tflops(dtype)
         print(f"matmul 2048^3 {str(dtype)[6:]:<8} 2 threads: {wall:.3f} TFLOP/s by wall, {cpu:.3f} by CPU time")
-    print(f"model: {MODEL}; seq {SEQ} x batch {BATCH} = {SEQ * BATCH} tokens per step")
+    print(f"model: {model_keys(model)}; seq {SEQ} x batch {BATCH} = {SEQ * BATCH} tokens per step")
 
 
 def print_table(rows: dict[str, dict]) -> None:
@@ -333,7 +351,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"error: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    header()
+    header(args.model)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="train_cpu_") as tmp:
         data = ensure_data(args.data, Path(tmp))

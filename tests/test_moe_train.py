@@ -9,6 +9,7 @@ import csv
 import functools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,19 @@ def test_continue_from_what_transformers_writes(moe_runs, tmp_path):
         assert "(continued pre-training)" in proc.stdout
         runs.append([[r[k] for k in KEYS] for r in step_records(tmp_path / f"out_{source.name}")])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.distributed
+def test_the_quickstart_moe_example_trains(moe_runs, tmp_path):
+    """examples/quickstart/pretrain_moe_config.yaml as written (dp 2 x pp 2 on 4 processes, bf16, the
+    global-batch loss), on the test corpus for 12 steps: the loss falls and the MoE figures are logged."""
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    # the test corpus is synthetic (no tokenizer to check it against)
+    proc = run_train(repo / "examples/quickstart/pretrain_moe_config.yaml", 4, f"data_path={moe_runs.corpus}",
+                     f"output_path={out}", "tokenizer_path=null", "total_steps=12", "save_steps=0",
+                     "warmup_steps=2", timeout=600)
+    check_ok(proc)
+    records = step_records(out)
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0, [r["loss"] for r in records]
+    assert all(r["moe_aux_loss"] >= 1.0 and 1.0 <= r["moe_load_max"] <= 4.0 for r in records)
