@@ -112,6 +112,8 @@ def test_bf16_with_recompute_trains(moe_runs):
 def test_figures_reach_the_log_line_and_parse_log(moe_runs, tmp_path):
     out = moe_runs.output("single")
     stdout = (out.parent / "stdout.log").read_text()
+    start = next(l for l in stdout.splitlines() if "run start" in l)
+    assert " params, " in start and " active | " in start, start  # total and active parameters
     line = next(l for l in stdout.splitlines() if "step 1/4" in l)
     first = moe_runs.records("single")[0]
     assert f"aux {first['moe_aux_loss']:.4f} | z {first['moe_z_loss']:.4g} | load {first['moe_load_max']:.2f} " \

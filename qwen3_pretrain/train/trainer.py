@@ -340,11 +340,14 @@ class Trainer:
         if self.is_log_rank:
             weights = (f"weights from {self.resumed_from.name} (resumed)" if self.resumed_from is not None
                        else self.source.description)
+            size = f"{_count(m.num_params())} params"
+            if m.is_moe:  # the active ones (a token's share of the experts) are what MFU counts
+                size += f", {_count(m.num_params(active=True))} active"
             log.info("run start: world %d | tp %d pp %d dp %d cp %d | global_batch %d (batch_size %d x dp %d x "
-                     "accumulation %d) | seq %d | model %s, %s params | %s | device %s | launcher %s",
+                     "accumulation %d) | seq %d | model %s, %s | %s | device %s | launcher %s",
                      self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size,
-                     dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name,
-                     _count(m.num_params()), weights, self.device, self.launch.launcher)
+                     dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name, size, weights,
+                     self.device, self.launch.launcher)
             # The start record first: a resume record after it belongs to the run it starts.
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
                                 "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
