@@ -110,7 +110,7 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
         kernels = KernelRecord()
         engine = Engine(cfg, world.source, world.parallelism, mesh, device, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
-                        stage_io=lambda e: _stage_io(e, fake, allocate), target_device_type=world.target,
+                        stage_io=lambda e: _stage_io(e, fake), target_device_type=world.target,
                         make_attention=simulated_kernels(kernels), play_experts=play_experts)
         for group in engine.dp_mesh.get_all_groups():  # under cp, FSDP's flattened dp_shard x cp group
             groups.setdefault(group.group_name, "dp")
@@ -161,27 +161,10 @@ def _synthetic_batches(cfg: TrainConfig, positions: bool) -> list[dict[str, torc
     return [dict(mb) for _ in range(cfg.gradient_accumulation_steps)]
 
 
-def _stage_io(engine: Engine, fake: FakeTensorMode, allocate):
-    """Example inputs and outputs of this rank's pipeline stages, found by running stage 0 (and the last
-    stage) forward once: the message between stages is what stage 0 returns."""
-    cfg = engine.cfg
-    # built outside the fake mode: slicing the device mesh reads its (real) rank tensor
-    first = engine.parts[0] if engine.has_first else engine.build_part(0, allocate)
-    with fake, ScalarReads():
-        local_seq = cfg.seq_length // engine.dims.cp  # under cp each rank holds its share of every sequence
-        ids = torch.zeros((cfg.pp_microbatch_size, local_seq), dtype=torch.long)
-        first_in = (ids, torch.arange(local_seq).expand(ids.shape)) if engine.uses_positions else (ids,)
-        message = _as_tuple(first(*first_in))
-        io = []
-        for part, idx in zip(engine.parts, engine.stage_indices):
-            inputs = first_in if idx == 0 else message
-            outputs = _as_tuple(part(*inputs)) if idx == engine.num_stages - 1 else message
-            io.append((inputs, outputs))
-    return io
-
-
-def _as_tuple(x) -> tuple[torch.Tensor, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+def _stage_io(engine: Engine, fake: FakeTensorMode):
+    """The engine's own pipeline messages (``Engine.pipeline_messages``), as fake tensors."""
+    with fake:
+        return engine.pipeline_messages()
 
 
 def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1,
