@@ -4,10 +4,10 @@ killed with SIGKILL and resumed."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests._train_helpers import check_ok, child_env, losses, run_train
+from tests._train_helpers import check_ok, child_env, losses, run_train, train_command
 
 
 def step_dir(output_path: Path, step: int) -> Path:
@@ -73,21 +73,20 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise TimeoutError(f"step {step} never logged in {timeout} s")
 
 
-def train_cmd(cfg: Path) -> list[str]:
-    return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg)]
-
-
-def kill_then_resume(cfg, out, kill_after: int, total: int) -> subprocess.CompletedProcess:
-    """Start ``cfg``, SIGKILL it after step ``kill_after`` of ``total``, run it again to the end; the
-    resumed run's completed process."""
-    proc = subprocess.Popen(train_cmd(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+def kill_then_resume(cfg, out, kill_after: int, total: int, nproc: int = 1, *overrides: str
+                     ) -> subprocess.CompletedProcess:
+    """Start ``cfg`` (on ``nproc`` processes), SIGKILL it after step ``kill_after`` of ``total`` (every
+    process of the launch at once, as a machine that dies), run it again to the end; the resumed run's
+    completed process."""
+    proc = subprocess.Popen(train_command(cfg, nproc, *overrides), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True)
     wait_for_step(out / "metrics.jsonl", kill_after, proc)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     # Popen does not signal a process that already exited: then the exit code would be 0 and every
     # step logged, and the rest of the test would prove nothing.
     assert proc.returncode == -signal.SIGKILL, f"the run ended (exit {proc.returncode}) before it could be killed"
     assert len(losses(out)) < total, "the run finished before it was killed"
-    proc = run_train(cfg, 1, timeout=900)
+    proc = run_train(cfg, nproc, *overrides, timeout=900)
     check_ok(proc)
     return proc

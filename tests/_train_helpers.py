@@ -66,15 +66,18 @@ def child_env() -> dict:
     return env
 
 
+def train_command(config: Path, nproc: int = 1, *overrides: str) -> list[str]:
+    """``qwen3-pretrain train`` as one process, or under torchrun with ``nproc`` processes."""
+    if nproc == 1:
+        return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), "-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
+
+
 def run_train(config: Path, nproc: int = 1, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run ``qwen3-pretrain train`` as one process, or under torchrun with ``nproc`` processes."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "qwen3_pretrain", "train", "--config", str(config),
-               *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
+    return subprocess.run(train_command(config, nproc, *overrides), capture_output=True, text=True,
+                          timeout=timeout, env=child_env())
 
 
 def step_records(output_path: Path) -> list[dict]:

@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests._checkpoint_helpers import (assert_identical_states, checkpoint_state, kill_then_resume, records, resume_from,
-                                       step_dir, train_cmd, wait_for_step)
+                                       step_dir, wait_for_step)
 from tests._train_helpers import (check_ok, child_env, free_port, losses, make_corpus, run_train, step_records,
-                                  write_config)
+                                  train_command, write_config)
 
 TOTAL = 6
 
@@ -117,7 +117,7 @@ def test_half_written_checkpoint_is_ignored(uninterrupted, corpus, tmp_path):
 def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=10_000, save_steps=0)
-    proc = subprocess.Popen(train_cmd(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(train_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env())
     wait_for_step(out / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -210,7 +210,7 @@ def test_failed_save_keeps_the_previous_checkpoint(uninterrupted, corpus, tmp_pa
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
-    proc = subprocess.run(train_cmd(cfg), capture_output=True, text=True, env=child_env(), timeout=300,
+    proc = subprocess.run(train_command(cfg), capture_output=True, text=True, env=child_env(), timeout=300,
                           preexec_fn=limit_file_size)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "saving checkpoint" in proc.stderr and "the previous checkpoint is intact" in proc.stderr

@@ -18,6 +18,14 @@ default every dp rank shards with the distributed optimizer (one group) and
 every dp rank holds a full replica without it; ``dp_shard`` between the two,
 e.g. the dp ranks of one node, keeps the per-layer traffic on the node's links
 and sends only one all-reduce of the gradient shards across nodes.
+
+Expert parallelism (``ep``) is not an axis of its own: it borrows ranks of
+``dp_shard`` x ``cp``, which see different tokens, so the ``ep`` ranks of a
+group can hold different experts and send each other the tokens routed to
+them. That flattened axis unfolds into ``efsdp`` x ``ep`` (``expert_meshes``):
+a MoE layer's experts are split over ``ep`` and each rank's share is sharded by
+FSDP over ``efsdp`` (with ``dp_replicate`` copies under HSDP), while the rest
+of the model shards over the whole of ``dp_shard`` x ``cp`` as before.
 """
 
 from __future__ import annotations
@@ -47,12 +55,14 @@ class ParallelDims:
     cp: int = 1
     dp_shard: int = 1  # data-parallel ranks that shard together (FSDP's group, with the cp ranks)
     distributed_optimizer: bool = True
+    ep: int = 1  # expert parallelism, borrowed from dp_shard x cp
 
     @classmethod
     def resolve(cls, *, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, distributed_optimizer: bool = True,
-                dp_shard: int | None = None) -> ParallelDims:
+                dp_shard: int | None = None, ep: int = 1) -> ParallelDims:
         """The degrees of a ``world_size``-rank launch: dp is what tp x pp x cp leave; ``dp_shard`` (the
-        config's; None: every dp rank with the distributed optimizer, 1 without) must divide it."""
+        config's; None: every dp rank with the distributed optimizer, 1 without) must divide it; ``ep`` must
+        divide ``dp_shard`` x cp, the ranks it borrows."""
         if world_size % (tp * pp * cp):
             raise UserError(f"tp x pp x cp = {tp} x {pp} x {cp} = {tp * pp * cp} does not divide the {world_size} "
                             "launched processes; choose tp, pp and cp whose product divides it")
@@ -63,8 +73,15 @@ class ParallelDims:
                             f"divides {dp}, e.g. the dp ranks of one node")
         if dp_shard is None:
             dp_shard = dp if distributed_optimizer else 1
+        if ep < 1 or (dp_shard * cp) % ep:
+            fix = ("" if distributed_optimizer or cp > 1 else
+                   "; without the distributed optimizer every dp rank holds a replica (dp_shard 1): turn "
+                   "distributed_optimizer on or set dp_shard")
+            raise UserError(f"ep = {ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}, the "
+                            f"ranks expert parallelism borrows (they see different tokens); choose an ep that "
+                            f"divides {dp_shard * cp}{fix}")
         return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard,
-                   distributed_optimizer=distributed_optimizer)
+                   distributed_optimizer=distributed_optimizer, ep=ep)
 
     @property
     def dp(self) -> int:
@@ -117,14 +134,32 @@ class ParallelDims:
         shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicate else shard
 
+    def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """(ep mesh, the mesh FSDP shards each rank's experts over) for ep > 1: ``dp_shard`` x ``cp``
+        flattened and unfolded into ``efsdp`` x ``ep``, ep innermost (an ep group is the nearest ranks);
+        under HSDP the experts' shards are replicated over ``dp_replicate`` like the rest."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else mesh["dp_shard"]
+        sparse = shard._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("efsdp", "ep"))
+        replicate = not (self.dp_replicate == 1 and self.distributed_optimizer)
+        fsdp = DeviceMesh._concatenate([mesh["dp_replicate"], sparse["efsdp"]]) if replicate else sparse["efsdp"]
+        return sparse["ep"], fsdp
+
     def token_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The ranks that split one micro-batch's tokens between them (dp x cp), as one axis: a MoE layer
         counts its experts' tokens over them."""
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
-        """The checks against the model: tp splits its heads, the stages its layers."""
+        """The checks against the model: tp splits its heads, the stages its layers, ep its experts."""
         check_model_split(cfg, self.tp, num_stages)
+        if self.ep > 1 and not cfg.is_moe:
+            raise UserError(f"ep = {self.ep} splits the experts of a mixture-of-experts model, but this model has "
+                            "none (num_experts 0); set ep: 1")
+        if self.ep > 1 and cfg.num_experts % self.ep:
+            raise UserError(f"ep = {self.ep} does not divide num_experts = {cfg.num_experts}; choose an ep that "
+                            f"divides {cfg.num_experts}")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh

@@ -24,12 +24,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from qwen3_pretrain.models.ops.loss import TiedLMHead
-from qwen3_pretrain.models.ops.moe import ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
+from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention
+from qwen3_pretrain.parallel.expert_parallel import apply_expert_parallel
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
@@ -119,11 +120,12 @@ class AllReduceScatter:
 
 
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
-               reduce_scatter_device: str | None = None) -> None:
+               reduce_scatter_device: str | None = None, experts_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
     the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
     root. The embedding is a unit of its own so that it is gathered only around its own forward and
-    backward, not for the whole backward pass as part of the root."""
+    backward, not for the whole backward pass as part of the root. Under expert parallelism a MoE layer's
+    experts are a unit of their own, sharded over ``experts_mesh`` (the data-parallel ranks ep leaves)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     tied_head = isinstance(model.lm_head, TiedLMHead)
@@ -132,6 +134,8 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         # embedding's forward to its backward, the end of the step, and both gradients meet there.
         fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not tied_head)
     for unit in model.layers.values():
+        if experts_mesh is not None and isinstance(unit.mlp, MoE):
+            fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp)
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
     if model.lm_head is not None and not tied_head:
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
@@ -152,14 +156,20 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
 
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, mixed_precision: str,
-                      compile_layers: bool = False, reduce_scatter_device: str | None = None) -> None:
+                      compile_layers: bool = False, reduce_scatter_device: str | None = None,
+                      expert_meshes: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
+    """Tensor parallelism, expert parallelism (``expert_meshes``: ParallelDims.expert_meshes, for ep > 1),
+    per-layer compilation and FSDP, in that order, on a stage built by ``build_stage``."""
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if expert_meshes is not None:
+        apply_expert_parallel(model, expert_meshes[0])
     if compile_layers:
         # Each decoder layer on its own (they share one graph); in place, so parameter names stay.
         for layer in model.layers.values():
             layer.compile()
-    apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device)
+    apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
+               expert_meshes[1] if expert_meshes is not None else None)
 
 
 @torch.no_grad()

@@ -44,6 +44,10 @@ class TrainConfig:
                          "mirrored chunks of 2 x cp, for causal load balance); attention all-gathers keys and "
                          "values over them. For long sequences (docs/training.md 'Long sequences'); seq_length "
                          "must be a multiple of 2 x cp. world = pp x dp x cp x tp.")
+    ep: int = field_help(1, "Expert-parallel degree of a mixture-of-experts model: each MoE layer's experts are "
+                         "split over this many ranks and the tokens travel to their experts' ranks and back "
+                         "(all-to-all). Borrowed from the dp_shard x cp ranks (not a factor of the world): must "
+                         "divide them and num_experts. docs/moe.md 'Expert parallelism'.")
     seq_length: int = field_help(4096, "Tokens per sample.")
     batch_size: int = field_help(1, "Micro-batch per data-parallel rank (samples). Global batch = batch_size x dp "
                                  "x gradient_accumulation_steps.")

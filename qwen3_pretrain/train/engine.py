@@ -70,7 +70,7 @@ def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -
                           f"{model.max_position_embeddings}; lower seq_length to at most that, or raise "
                           "max_position_embeddings (model_overrides for a preset, config.json of model_path)")
     dims = ParallelDims.resolve(world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
-                                distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard)
+                                distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard, ep=cfg.ep)
     stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
     dims.validate(model, cfg.pp * stages_per_rank)
     check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
@@ -151,7 +151,7 @@ class Engine:
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
                            experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
-                          reduce_scatter_device=self.target_device_type)
+                          reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes)
         if allocate is None:
             materialize(part, self.device, self.source.tensor_source(self.padded_vocab, cfg.seed))
         else:
@@ -164,6 +164,7 @@ class Engine:
         num_stages = self.num_stages
         self.stage_indices = local_stage_indices(self.mesh.get_local_rank("pp"), dims.pp, self.stages_per_rank)
         self.dp_mesh = dims.dp_mesh(self.mesh)
+        self.expert_meshes = dims.expert_meshes(self.mesh) if dims.ep > 1 else None
         self.parts = [self.build_part(idx, allocate) for idx in self.stage_indices]
         self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings and dims.pp > 1 else None
         self.params = [p for part in self.parts for p in part.parameters()]

@@ -111,6 +111,16 @@ def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.line
     return ExpertLoop(linear)
 
 
+class ExpertsDispatch(Protocol):
+    """Brings the (token, expert) pairs to ``experts`` and their outputs back: ``tokens`` [N, H] and their
+    routing ``weights`` [N, 1] sorted by expert, ``counts`` [E] of them per expert (all ``E`` experts of the
+    layer) -> [N, H], row for row. Without one, the layer's own experts compute them all (``GroupedExperts``);
+    expert parallelism sends them to the ranks holding their experts (``parallel/expert_parallel.py``)."""
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor: ...
+
+
 class RouterObserver(Protocol):
     """Sees every sparse layer's routing in a forward with autograd on; returns the layer's output, to which
     it may attach a gradient (a load-balancing loss's) without changing its value.
@@ -130,7 +140,8 @@ def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU MLPs of ``hidden`` -> ``intermediate`` -> ``hidden``, stacked."""
+    """``num_experts`` SwiGLU MLPs of ``hidden`` -> ``intermediate`` -> ``hidden``, stacked; ``dispatch``
+    (set when the model is parallelized) when they live on several ranks."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, kernel: ExpertsKernel) -> None:
         super().__init__()
@@ -139,6 +150,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.kernel = kernel
+        self.dispatch: ExpertsDispatch | None = None
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H], ``chosen`` and ``weights`` [T, k] -> [T, H]: each token's weighted expert outputs."""
@@ -146,8 +158,11 @@ class GroupedExperts(nn.Module):
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within each
         counts = expert_counts(flat, self.num_experts)
-        y = self.kernel(x.index_select(0, order // top_k), counts, weights.reshape(-1, 1)[order],
-                        self.gate_proj, self.up_proj, self.down_proj)
+        pairs, pair_weights = x.index_select(0, order // top_k), weights.reshape(-1, 1)[order]
+        if self.dispatch is not None:
+            y = self.dispatch(pairs, counts, pair_weights, self)
+        else:
+            y = self.kernel(pairs, counts, pair_weights, self.gate_proj, self.up_proj, self.down_proj)
         # Back to (token, slot) order, then each token's k outputs summed.
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return y[back].view(num_tokens, top_k, -1).sum(1)

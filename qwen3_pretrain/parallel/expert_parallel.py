@@ -1,0 +1,80 @@
+"""Expert parallelism: each rank of an ``ep`` group holds ``num_experts / ep`` of a MoE layer's experts, and
+the (token, expert) pairs travel to the rank of their expert and back.
+
+The experts' stacked parameters are DTensors sharded on their expert dimension over the ep mesh
+(``Shard(0)``): a checkpoint holds them whole under their usual names, so a run resumes under another ep,
+and ``merge`` writes one HF model from any layout. FSDP shards each rank's experts further over the
+data-parallel ranks the ep group leaves (``ParallelDims.expert_meshes``).
+
+Dispatch, per layer and micro-batch (``ExpertParallel``), dropless:
+
+1. the pairs arrive sorted by expert, with ``counts`` [E] per expert; expert ``e`` lives on ep rank
+   ``e // (E / ep)``, so the pairs for each rank are one contiguous run;
+2. the counts travel first (an all-to-all of ``E`` integers), then the host reads how many rows go to
+   and come from each rank: the one host synchronisation;
+3. the pairs (each token's hidden state with its routing weight as one more column) travel by an
+   all-to-all with those splits; what arrives is grouped by source rank, then by local expert, and is
+   regrouped by local expert (a stable sort: within an expert, source ranks in order);
+4. the local experts compute (the build's expert kernel: grouped matmul or per-expert loop), the rows are
+   put back in arrival order and travel back by the reverse all-to-all, in the order they left.
+
+Autograd runs the same all-to-alls in reverse for the gradients (``all_to_all_single_autograd``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from qwen3_pretrain.models.ops.moe import GroupedExperts
+
+
+class ExpertParallel:
+    """A MoE layer's dispatch over ``ep_mesh`` (``models/ops/moe.py``: ``ExpertsDispatch``)."""
+
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        self.group = ep_mesh.get_group()
+        self.size = ep_mesh.size()
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        ep, num_experts = self.size, counts.numel()
+        local = num_experts // ep
+        send = counts.view(ep, local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the host synchronisation
+        send_splits, recv_splits = sizes
+        payload = torch.cat([tokens, weights], dim=1)
+        arrived = all_to_all_single_autograd(payload, recv_splits, send_splits, self.group)
+        # rows grouped by source rank, then by local expert: regroup by local expert
+        expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(recv.flatten())
+        order = expert_of_row.argsort(stable=True)
+        x, w = arrived[:, :-1].index_select(0, order), arrived[:, -1:].index_select(0, order)
+        y = experts.kernel(x, recv.sum(0), w, _local(experts.gate_proj), _local(experts.up_proj),
+                           _local(experts.down_proj))
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return all_to_all_single_autograd(y.index_select(0, back), send_splits, recv_splits, self.group)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split every MoE layer's experts of ``model`` (a pipeline stage, on the meta device) over ``ep_mesh``
+    in place: each stacked parameter becomes a DTensor sharded on its expert dimension, under its own name,
+    and the layer dispatches its pairs over the mesh."""
+    dispatch, ep = ExpertParallel(ep_mesh), ep_mesh.size()
+    for module in model.modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            local = torch.empty((param.shape[0] // ep, *param.shape[1:]), dtype=param.dtype, device=param.device)
+            module.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
+                                                                            run_check=False)))
+        module.dispatch = dispatch
