@@ -169,10 +169,12 @@ def test_resume_under_another_layout(moe_runs, tmp_path):
 
 
 @pytest.mark.distributed
-def test_merge_of_a_pp2_run_loads_in_transformers(moe_runs, tmp_path):
-    """pp 2's final checkpoint merges into a directory transformers' Qwen3MoeForCausalLM loads with no
-    missing or unexpected key, each expert under its own name, computing the training model's logits."""
-    out = moe_runs.output("pp2")
+@pytest.mark.parametrize("layout", ["pp2", "ep2-pp2"])
+def test_merge_loads_in_transformers(layout, moe_runs, tmp_path):
+    """The final checkpoint of pp 2, and of ep 2 x pp 2 (experts split over ranks), merges into a directory
+    transformers' Qwen3MoeForCausalLM loads with no missing or unexpected key, each expert under its own
+    name, computing the training model's logits."""
+    out = moe_runs.output(layout)
     merged = tmp_path / "merged"
     check_ok(subprocess.run([sys.executable, "-m", "qwen3_pretrain", "merge", "--input_path", str(out),
                              "--output_path", str(merged), "--model_name", "qwen3-0.6b", "--dtype", "fp32"],
@@ -235,3 +237,36 @@ def test_the_quickstart_moe_example_trains(moe_runs, tmp_path):
     records = step_records(out)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0, [r["loss"] for r in records]
     assert all(r["moe_aux_loss"] >= 1.0 and 1.0 <= r["moe_load_max"] <= 4.0 for r in records)
+
+
+@pytest.mark.distributed
+def test_resume_across_expert_parallel_degrees(moe_runs, tmp_path):
+    """ep 2 -> one process -> ep 4: each resume continues as the uninterrupted one-process run does (the
+    experts are saved whole under their names, each rank reads its own)."""
+    total = 6
+    ref, ep2 = tmp_path / "ref", tmp_path / "ep2"
+    check_ok(run_train(moe_runs.config(tmp_path / "r.yaml", ref, total_steps=total), 1, "batch_size=4"))
+    check_ok(run_train(moe_runs.config(tmp_path / "a.yaml", ep2, total_steps=total), 2, "batch_size=2", "ep=2"))
+    want = step_records(ref)
+    assert_same_moe_training(step_records(ep2), want, "ep 2")
+    one = tmp_path / "one"
+    resume_from(ep2, 2, one)
+    check_ok(run_train(moe_runs.config(tmp_path / "b.yaml", one, total_steps=total), 1, "batch_size=4"))
+    assert_same_moe_training(step_records(one), want[2:], "ep 2 -> one process")
+    ep4 = tmp_path / "ep4"
+    resume_from(one, 4, ep4)
+    check_ok(run_train(moe_runs.config(tmp_path / "c.yaml", ep4, total_steps=total), 4, "batch_size=1", "ep=4"))
+    assert_same_moe_training(step_records(ep4), want[4:], "one process -> ep 4")
+
+
+@pytest.mark.distributed
+def test_kill_9_under_expert_parallelism_then_resume_is_bit_exact(moe_runs, tmp_path):
+    total = 8
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    check_ok(run_train(moe_runs.config(tmp_path / "r.yaml", ref, total_steps=total), 2, "batch_size=2", "ep=2"))
+    cfg = moe_runs.config(tmp_path / "c.yaml", out, total_steps=total, batch_size=2, ep=2)
+    proc = kill_then_resume(cfg, out, 3, total, 2)
+    assert "resumed from" in proc.stdout
+    assert [[r[k] for k in KEYS] for r in step_records(out)] == [[r[k] for k in KEYS] for r in step_records(ref)]
+    assert_identical_states(checkpoint_state(step_dir(ref, total), tmp_path),
+                            checkpoint_state(step_dir(out, total), tmp_path))
