@@ -42,6 +42,7 @@ RUNS = {
     "ep2-cp2": (2, ["cp=2", "batch_size=4", "ep=2"]),
     "ep2-tp2": (4, ["tp=2", "batch_size=2", "ep=2"]),
     "ep4": (4, ["batch_size=1", "ep=4"]),
+    "ep2-hsdp": (4, ["batch_size=1", "dp_shard=2", "ep=2"]),  # 2 replicas of 2 shards, ep within a replica
     # dp 2 x pp 2 with two micro-batches per rank: the global micro-batches hold samples (0, 2) and (1, 3),
     # which no single process forms, so ep 2 there is checked against the same layout without ep, and
     # against one process without the balancing loss (whose figures depend on that grouping)
@@ -54,6 +55,9 @@ RUNS = {
     "single-accumulate": (1, ["batch_size=2", "gradient_accumulation_steps=2"]),
     "pp2": (2, ["pp=2", "batch_size=4", "pp_microbatch_size=2"]),
     "pp2-recompute": (2, ["pp=2", "batch_size=4", "pp_microbatch_size=2", "activation_checkpointing=full"]),
+    "ep2-pp2-interleaved-bf16": (4, ["pp=2", "pp_schedule=interleaved", "pp_virtual_stages=2", "batch_size=2",
+                                     "pp_microbatch_size=1", "ep=2", "mixed_precision=bf16",
+                                     "activation_checkpointing=full", "total_steps=8", "save_steps=0"]),
     "bf16-recompute": (1, ["batch_size=2", "gradient_accumulation_steps=2", "mixed_precision=bf16",
                            "activation_checkpointing=full", "total_steps=8", "save_steps=0"]),
 }
@@ -101,7 +105,7 @@ def assert_same_moe_training(got: list[dict], want: list[dict], label: str) -> N
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,reference", [("dp2", "single"), ("dp2-replicated", "single"), ("tp2", "single"),
                                             ("ep2", "single"), ("ep2-cp2", "single"), ("ep2-tp2", "single"),
-                                            ("ep4", "single"), ("ep2-pp2", "dp2-pp2"),
+                                            ("ep4", "single"), ("ep2-hsdp", "single"), ("ep2-pp2", "dp2-pp2"),
                                             ("ep2-pp2-noaux", "single-noaux"),
                                             ("cp2", "single"), ("pp2", "single-accumulate"),
                                             ("pp2-recompute", "single-accumulate")])
@@ -121,8 +125,11 @@ def test_accumulation_counts_earlier_micro_batches(moe_runs):
     assert one[0]["moe_aux_loss"] != pytest.approx(two[0]["moe_aux_loss"], rel=1e-6)
 
 
-def test_bf16_with_recompute_trains(moe_runs):
-    records = moe_runs.records("bf16-recompute")
+@pytest.mark.parametrize("name", ["bf16-recompute", pytest.param("ep2-pp2-interleaved-bf16",
+                                                                  marks=pytest.mark.distributed)])
+def test_bf16_with_recompute_trains(name, moe_runs):
+    """One process; and ep 2 x interleaved pp 2 (the grouped kernel on each rank's experts)."""
+    records = moe_runs.records(name)
     assert all(r["loss"] == r["loss"] and r["grad_norm"] == r["grad_norm"] for r in records)  # no NaN
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(1.0 <= r["moe_load_max"] <= MOE_MODEL["num_experts"] for r in records)
