@@ -354,7 +354,7 @@ def test_plan_reference_layout_table(capsys):
     out = capsys.readouterr().out
     assert "1 layout(s), 1 fit" in out
     row = [line for line in out.splitlines() if line.startswith(" 1 ")][0]
-    assert row.split()[1:8] == ["4", "1", "2", "1", "1", "4", "1"] and "yes" in row  # tp cp pp dp shard mbs gas
+    assert row.split()[1:9] == ["4", "1", "2", "1", "1", "1", "4", "1"] and "yes" in row  # tp cp pp dp shard ep mbs gas
 
 
 def test_plan_json_keys_and_order(capsys):

@@ -185,7 +185,8 @@ def test_the_played_math_kernel_keeps_what_the_planner_counts():
             assert sum(kept.values()) == out.untyped_storage().nbytes() + 4 * 4 * 64
 
 
-@pytest.mark.parametrize("precision, layout", [("bf16", ["tp=2", "pp=2"]), ("fp32", ["tp=1", "pp=1"])])
+@pytest.mark.parametrize("precision, layout", [("bf16", ["tp=2", "pp=2"]), ("fp32", ["tp=1", "pp=1"]),
+                                               ("bf16", ["tp=1", "pp=2", "ep=4"]), ("fp32", ["tp=2", "ep=2"])])
 def test_moe_models_simulate_within_the_planner(precision, layout):
     """A Qwen3-MoE (16 experts of 256, top-4, one dense layer) on 8 ranks: bf16 on CUDA's grouped kernel,
     fp32 on the per-expert loop, played with the tokens split evenly (fake tensors have no counts to read).
@@ -199,5 +200,13 @@ def test_moe_models_simulate_within_the_planner(precision, layout):
                                           "seq_length=1024", "batch_size=2", f"mixed_precision={precision}",
                                           "activation_checkpointing=none", "gradient_checkpointing=false"])
     world = make_world(cfg, 8)
+    step = predict_step(world.source.config, world.layout, get_device("h100"))
+    # Under ep the simulated peak holds more than the block keeps in a real run (measured on two gloo ranks:
+    # within 3% of the planner's bytes per token): -5.5% at tp 2; the issue's bar for ep is 10%.
+    rel = 0.1 if world.dims.ep > 1 else 0.05
     for r in simulate_ranks(world, world.dims.first_rank_of_stages(), steps=1):
-        assert r.predicted.allocated == pytest.approx(r.peak["total"], rel=0.05), (r.coords, r.predicted.moment)
+        assert r.predicted.allocated == pytest.approx(r.peak["total"], rel=rel), (r.coords, r.predicted.moment)
+        # expert parallelism's all-to-alls: the planner's bytes for even routing, which the simulation plays
+        planned = step.comm_bytes_per_stage[r.coords["pp"]]["ep"]
+        assert r.comm.get("ep", {}).get("all_to_all", 0.0) == pytest.approx(planned, rel=1e-6)
+        assert (planned > 0) == (world.dims.ep > 1)  # every stage holds a sparse layer

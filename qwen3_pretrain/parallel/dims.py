@@ -154,12 +154,7 @@ class ParallelDims:
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
         """The checks against the model: tp splits its heads, the stages its layers, ep its experts."""
         check_model_split(cfg, self.tp, num_stages)
-        if self.ep > 1 and not cfg.is_moe:
-            raise UserError(f"ep = {self.ep} splits the experts of a mixture-of-experts model, but this model has "
-                            "none (num_experts 0); set ep: 1")
-        if self.ep > 1 and cfg.num_experts % self.ep:
-            raise UserError(f"ep = {self.ep} does not divide num_experts = {cfg.num_experts}; choose an ep that "
-                            f"divides {cfg.num_experts}")
+        check_expert_split(cfg, self.ep)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
@@ -190,6 +185,16 @@ def valid_tp_degrees(cfg: Qwen3Config) -> list[int]:
     """tp degrees that split query and key/value heads evenly (no KV-head replication)."""
     return [t for t in range(1, cfg.num_key_value_heads + 1)
             if cfg.num_key_value_heads % t == 0 and cfg.num_attention_heads % t == 0]
+
+
+def check_expert_split(cfg: Qwen3Config, ep: int) -> None:
+    """Raise UserError when ``ep`` cannot split the experts of ``cfg`` (the engine and the planner ask)."""
+    if ep > 1 and not cfg.is_moe:
+        raise UserError(f"ep = {ep} splits the experts of a mixture-of-experts model, but this model has none "
+                        "(num_experts 0); set ep: 1")
+    if ep > 1 and cfg.num_experts % ep:
+        raise UserError(f"ep = {ep} does not divide num_experts = {cfg.num_experts}; choose an ep that divides "
+                        f"{cfg.num_experts}")
 
 
 def check_model_split(cfg: Qwen3Config, tp: int, num_stages: int) -> None:

@@ -40,24 +40,34 @@ class ExpertParallel:
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
-        ep, num_experts = self.size, counts.numel()
-        local = num_experts // ep
-        send = counts.view(ep, local)
+    def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(pairs this rank sends to each ep rank per expert of that rank, pairs it receives from each ep
+        rank per expert of its own), as ``[ep][E / ep]`` lists: an all-to-all of the counts, read on the host
+        (the one synchronisation of the dispatch)."""
+        send = counts.view(self.size, -1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the host synchronisation
-        send_splits, recv_splits = sizes
-        payload = torch.cat([tokens, weights], dim=1)
+        both = torch.stack([send, recv]).tolist()
+        return both[0], both[1]
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        ep, local = self.size, counts.numel() // self.size
+        send, recv = self.exchange_counts(counts, tokens.shape[0])
+        send_splits, recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
+        payload = torch.cat([tokens, weights], dim=1)  # each pair's routing weight travels as one more column
         arrived = all_to_all_single_autograd(payload, recv_splits, send_splits, self.group)
-        # rows grouped by source rank, then by local expert: regroup by local expert
-        expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(recv.flatten())
+        # rows grouped by source rank, then by local expert: regroup by local expert, sources in order
+        device = counts.device
+        per_block = torch.tensor([c for row in recv for c in row], device=device)
+        expert_of_row = torch.arange(local, device=device).repeat(ep).repeat_interleave(
+            per_block, output_size=sum(recv_splits))
         order = expert_of_row.argsort(stable=True)
         x, w = arrived[:, :-1].index_select(0, order), arrived[:, -1:].index_select(0, order)
-        y = experts.kernel(x, recv.sum(0), w, _local(experts.gate_proj), _local(experts.up_proj),
+        per_expert = torch.tensor([sum(row[j] for row in recv) for j in range(local)], device=device)
+        y = experts.kernel(x, per_expert, w, _local(experts.gate_proj), _local(experts.up_proj),
                            _local(experts.down_proj))
-        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         return all_to_all_single_autograd(y.index_select(0, back), send_splits, recv_splits, self.group)
 
 

@@ -22,7 +22,7 @@ from qwen3_pretrain.config.loader import coerce, nearest, read_yaml
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.parallel.dims import check_model_split, sequence_split_problem
+from qwen3_pretrain.parallel.dims import check_expert_split, check_model_split, sequence_split_problem
 from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
                                         enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
@@ -49,7 +49,8 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
         return {
-            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep,
+            "micro_batch_size": lay.micro_batch_size,
             "gradient_accumulation_steps": lay.gradient_accumulation_steps,
             "activation_checkpointing": lay.activation_checkpointing,
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.shards,
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         lay.add_argument(f"--{name}", type=int)
     lay.add_argument("--cp", type=int, help="context-parallel degree (default: searched, with chunks of at least "
                                             "512 tokens)")
+    lay.add_argument("--ep", type=int, help="expert-parallel degree of a MoE model, borrowed from dp_shard x cp "
+                                            "(default: searched, powers of two dividing the experts)")
     lay.add_argument("--activation-checkpointing", choices=CHECKPOINTING)
     lay.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
     lay.add_argument("--dp-shard", type=int, help="HSDP: shard over this many dp ranks (e.g. one node's), "
@@ -183,11 +186,12 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     """The base layout (settings that are not searched) and the fixed degrees, flags over config."""
     ac = conf.get("activation_checkpointing") or (
         ("full" if conf["gradient_checkpointing"] else "none") if "gradient_checkpointing" in conf else None)
-    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"),
+    fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"), "ep": conf.get("ep"),
              "micro_batch_size": conf.get("batch_size"),
              "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer"),
              "dp_shard": conf.get("dp_shard")}
     fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp), ("cp", args.cp),
+                                    ("ep", args.ep),
                                     ("micro_batch_size", args.micro_batch_size),
                                     ("activation_checkpointing", args.activation_checkpointing),
                                     ("distributed_optimizer", args.distributed_optimizer),
@@ -226,6 +230,7 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any], seq_l
     if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and needed != cluster.devices:
         raise UserError(f"tp x pp x dp x cp = {needed} but the cluster has {cluster.devices} devices")
     check_model_split(cfg, tp, pp)
+    check_expert_split(cfg, fixed.get("ep", 1))
     if "tp" in fixed or "cp" in fixed:
         problem = sequence_split_problem(seq_length, cp, tp)
         if problem:
@@ -288,7 +293,8 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
 def _describe(c: Candidate) -> str:
     lay = c.layout
     shard = f" dp_shard {lay.shards}" if lay.replicas > 1 and lay.shards > 1 else ""
-    return (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}{shard} micro-batch {lay.micro_batch_size} "
+    ep = f" ep {lay.ep}" if lay.ep > 1 else ""
+    return (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}{shard}{ep} micro-batch {lay.micro_batch_size} "
             f"recompute {lay.activation_checkpointing} at {c.memory.total / GiB:.1f} GiB")
 
 
@@ -303,14 +309,15 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
         f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
         "",
-        " #  tp cp pp dp shard  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
-        "| bubble  step s tok/s/dev   MFU | comm GB tp/cp/pp/dp cross-node",
+        " #  tp cp pp dp shard ep  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
+        "| bubble  step s tok/s/dev   MFU | comm GB tp/cp/pp/ep/dp cross-node",
     ]
     for i, c in enumerate(candidates[:top], 1):
         lay, gib, step = c.layout, c.memory.gib(), c.step
         comm = "/".join(f"{v / 1e9:.1f}" for v in step.comm_bytes_per_axis.values())
         lines.append(
-            f"{i:2d} {lay.tp:3d} {lay.cp:2d} {lay.pp:2d} {lay.dp:2d} {lay.shards:5d} {lay.micro_batch_size:4d} "
+            f"{i:2d} {lay.tp:3d} {lay.cp:2d} {lay.pp:2d} {lay.dp:2d} {lay.shards:5d} {lay.ep:2d} "
+            f"{lay.micro_batch_size:4d} "
             f"{lay.gradient_accumulation_steps:3d} "
             f"{lay.activation_checkpointing:9s} {'yes' if lay.distributed_optimizer else 'no':8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",

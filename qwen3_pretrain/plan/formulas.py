@@ -24,7 +24,7 @@ from typing import Literal
 FP32 = 4
 BF16 = 2
 
-Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 
 
 # --- parameters, gradients, optimizer state ----------------------------------
@@ -284,16 +284,23 @@ def bus_bandwidth_factor(kind: Collective, n: int) -> float:
     """nccl-tests' bus-bandwidth factor: busbw = algbw x factor [nccl-tests].
 
     All-reduce ``2(n-1)/n``; all-gather and reduce-scatter ``(n-1)/n`` (with the
-    size of the whole gathered buffer); point-to-point 1. Bus bandwidth is what
+    size of the whole gathered buffer); all-to-all ``(n-1)/n`` (of a rank's whole
+    buffer, split evenly); point-to-point 1. Bus bandwidth is what
     each link carries, comparable to the hardware's link speed whatever ``n``.
     """
     if kind == "all_reduce":
         return 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if kind == "p2p":
         return 1.0
     raise ValueError(f"unknown collective {kind!r}")
+
+
+def all_to_all_bytes(nbytes: float, n: int) -> float:
+    """Bytes one rank sends in an all-to-all of its ``nbytes`` buffer over ``n`` ranks, split evenly: all but
+    its own ``1 / n``. (nccl-tests' bus bandwidth for all-to-all has the same factor.)"""
+    return nbytes * (n - 1) / n
 
 
 def collective_seconds(kind: Collective, nbytes: float, n: int, bus_bandwidth: float, latency: float) -> float:

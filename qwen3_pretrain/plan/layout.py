@@ -21,8 +21,8 @@ from typing import Iterator, Literal
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.attention_calls import dense_document_mask, kernel_name
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
-from qwen3_pretrain.parallel.dims import (check_model_split, sequence_split_problem, stage_layer_ranges,
-                                          valid_tp_degrees)
+from qwen3_pretrain.parallel.dims import (check_expert_split, check_model_split, sequence_split_problem,
+                                          stage_layer_ranges, valid_tp_degrees)
 
 Checkpointing = Literal[RECOMPUTE]  # models/qwen3/config.py says what each recomputes
 CHECKPOINTING: tuple[str, ...] = RECOMPUTE
@@ -39,6 +39,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     cp: int = 1  # context parallelism: every sequence split over this many ranks
+    ep: int = 1  # expert parallelism: a MoE layer's experts split over this many of the dp_shard x cp ranks
     micro_batch_size: int = 1  # samples per data-parallel rank per forward/backward
     gradient_accumulation_steps: int = 1
     seq_length: int = 4096
@@ -60,7 +61,7 @@ class Layout:
     fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: models/ops/precision.py)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
+        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
                      "virtual_stages", "loss_chunk_tokens", "pp_microbatch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,6 +72,9 @@ class Layout:
             if self.dp_shard > 1 and not self.distributed_optimizer:
                 raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
                                 "distributed optimizer")
+        if self.shards % self.ep:
+            raise UserError(f"layout: ep {self.ep} must divide the ranks that shard with FSDP, dp_shard x cp = "
+                            f"{self.shards}")
         problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
         if problem:
             raise UserError(f"layout: {problem}")
@@ -162,6 +166,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
     """Raise UserError when ``layout`` cannot split ``cfg`` or feed its pipeline."""
     check_model_split(cfg, layout.tp, layout.pp * layout.stages_per_rank)
+    check_expert_split(cfg, layout.ep)
     check_pipeline_feed(layout.pp, layout.pp_schedule, layout.micro_batch_size, layout.gradient_accumulation_steps,
                         layout.pp_microbatch_size)
 
@@ -231,13 +236,14 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     def axis_is_intra_node(self, layout: Layout,
-                           axis: Literal["tp", "cp", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
+                           axis: Literal["tp", "cp", "ep", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
         """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp_replicate,
-        dp_shard, cp, tp; ``dp`` is the two dp axes together, ``dp_shard`` FSDP's shard group with cp)."""
+        dp_shard, cp, tp; ``dp`` is the two dp axes together, ``dp_shard`` FSDP's shard group with cp; ``ep``
+        the innermost ``ep`` of the dp_shard x cp ranks)."""
         dp_span = layout.tp * layout.cp * layout.dp
-        span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": dp_span, "dp_shard": layout.tp * layout.shards,
-                "dp_replicate": dp_span, "pp": layout.world_size}[axis]
-        size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_shard": layout.shards,
+        span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.tp * layout.ep, "dp": dp_span,
+                "dp_shard": layout.tp * layout.shards, "dp_replicate": dp_span, "pp": layout.world_size}[axis]
+        size = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "dp_shard": layout.shards,
                 "dp_replicate": layout.replicas, "pp": layout.pp}[axis]
         if size == 1:
             return True
@@ -260,7 +266,7 @@ def enumerate_layouts(cfg: Qwen3Config, cluster: Cluster, base: Layout, global_b
                       fixed: dict[str, object] | None = None, max_micro_batch: int = 8) -> Iterator[Layout]:
     """Every layout of ``cluster``'s devices for ``cfg``, starting from ``base``'s settings.
 
-    ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``micro_batch_size``,
+    ``fixed`` pins fields (``tp``, ``pp``, ``dp``, ``ep``, ``micro_batch_size``,
     ``gradient_accumulation_steps``, ``activation_checkpointing``,
     ``distributed_optimizer``, ``dp_shard``: layouts whose dp it does not divide are
     skipped; unfixed, a node's worth of dp ranks is tried besides all of them when dp spans nodes). With a
@@ -335,11 +341,22 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
                 if dist_opt is False and layout.dp == 1 and "distributed_optimizer" not in fixed:
                     continue  # identical to True on one data-parallel rank
                 for shard in shard_choices if dist_opt else [fixed.get("dp_shard")]:
-                    try:
-                        candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
-                                                   activation_checkpointing=ac, distributed_optimizer=dist_opt,
-                                                   dp_shard=shard)
-                        check_model_fits_layout(cfg, candidate)
-                    except UserError:
-                        continue
-                    yield candidate
+                    for ep in _ep_choices(cfg, fixed):
+                        try:
+                            candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                                                       activation_checkpointing=ac, distributed_optimizer=dist_opt,
+                                                       dp_shard=shard, ep=ep)
+                            check_model_fits_layout(cfg, candidate)
+                        except UserError:
+                            continue
+                        yield candidate
+
+
+def _ep_choices(cfg: Qwen3Config, fixed: dict[str, object]) -> list[int]:
+    """ep degrees to try: the fixed one; 1 for a dense model; else every power of two dividing the experts
+    (the layout's own check drops those its dp_shard x cp ranks cannot lend)."""
+    if "ep" in fixed:
+        return [int(fixed["ep"])]  # type: ignore[call-overload]
+    if not cfg.is_moe:
+        return [1]
+    return [e for e in _powers_of_two(cfg.num_experts) if cfg.num_experts % e == 0]

@@ -84,7 +84,7 @@ class MemoryBreakdown:
 class StageParams:
     """Parameter counts of one pipeline rank (its tp shard), per FSDP unit."""
 
-    total: float
+    total: float  # every parameter of the stage's tp shard, each expert once: what the ranks shard between them
     layer: float  # its largest decoder layer (a unit each)
     head: float  # the LM head (a unit), 0 off the last stage
     root: float  # the root unit: embedding and/or final norm, whatever the stage holds
@@ -92,16 +92,19 @@ class StageParams:
     tied_head: bool  # the head applies the embedding's weight (tied, one stage): ``head`` is 0
     layers: float = 0.0  # all its decoder layers
     pair: float = 0.0  # its two largest decoder layers (one computing, one prefetched)
+    held: float = 0.0  # what one rank gathers whole: ``total`` with its ``1 / ep`` of the experts
 
 
-def layer_params(cfg: Qwen3Config, layout: Layout, sparse: bool) -> float:
+def layer_params(cfg: Qwen3Config, layout: Layout, sparse: bool, all_experts: bool = False) -> float:
     """Parameters of one decoder layer on a tp rank: attention and a dense MLP split over ``tp``; a MoE block
-    (router and experts) whole on every tp rank."""
+    (router and experts) whole on every tp rank, its experts split over ``ep`` (``all_experts``: counted
+    whole, as the ranks that shard them hold them between them)."""
     t, h = layout.tp, cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     norms = 2 * h + 2 * cfg.head_dim
     if sparse:
-        moe = F.moe_matmul_params(h, cfg.moe_intermediate_size, cfg.num_experts)
+        experts = F.moe_matmul_params(h, cfg.moe_intermediate_size, cfg.num_experts) - h * cfg.num_experts
+        moe = h * cfg.num_experts + experts / (1 if all_experts else layout.ep)
         return F.layer_matmul_params(h, q, kv, 0) / t + moe + norms
     return F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + norms
 
@@ -110,6 +113,7 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     t, h = layout.tp, cfg.hidden_size
     dense, sparse = layer_params(cfg, layout, False), layer_params(cfg, layout, True)
     layers = shape.dense_layers * dense + shape.sparse_layers * sparse
+    every_expert = shape.sparse_layers * (layer_params(cfg, layout, True, all_experts=True) - sparse)
     sizes = sorted([dense] * min(shape.dense_layers, 2) + [sparse] * min(shape.sparse_layers, 2))[-2:]
     layer, pair = (sizes[-1] if sizes else 0.0), sum(sizes)
     vocab = cfg.vocab_size * h / t
@@ -119,9 +123,10 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     head = vocab if shape.has_head and not tied_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
     tensors = [h * cfg.intermediate_size / t] if shape.dense_layers else []
-    tensors += [cfg.num_experts * cfg.moe_intermediate_size * h] if shape.sparse_layers else []  # stacked experts
+    tensors += [cfg.num_experts / layout.ep * cfg.moe_intermediate_size * h] if shape.sparse_layers else []
     largest = max(tensors + ([vocab] if shape.has_head or shape.has_embedding else []) + [0.0])
-    return StageParams(layers + head + root, layer, head, root, largest, tied_head, layers, pair)
+    held = layers + head + root
+    return StageParams(held + every_expert, layer, head, root, largest, tied_head, layers, pair, held)
 
 
 def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
@@ -138,8 +143,11 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str,
 
 
 def _moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
-    return F.qwen3_moe_saved_bytes_per_token(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                             cfg.num_experts_per_tok, cfg.norm_topk_prob, layout.dtype_bytes)
+    saved = F.qwen3_moe_saved_bytes_per_token(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                              cfg.num_experts_per_tok, cfg.norm_topk_prob, layout.dtype_bytes)
+    # expert parallelism's dispatch keeps one more int64 index vector over the pairs that arrive (their
+    # regrouping by expert; measured), as many as leave under balanced routing
+    return saved + (8 * cfg.num_experts_per_tok if layout.ep > 1 else 0)
 
 
 def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
@@ -309,7 +317,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     resident = layout.pp > 1 or not layout.reshard_after_forward
 
     def gathered(*units: float) -> float:
-        return master + d * (sp.total if resident else sum(units))
+        return master + d * (sp.held if resident else sum(units))
 
     # FSDP copies weights into an all-gather input (and gradients into a reduce-scatter
     # input) when it casts them or shards them; fp32 on one shard uses them in place.
@@ -323,7 +331,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         return ((d if cast else 0) + (4 if shard > 1 else 0)) * unit
 
     inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, m, layout.stages_per_rank)
-    accumulated = 4 * sp.total if layout.accumulates_unsharded else 0.0
+    accumulated = 4 * sp.held if layout.accumulates_unsharded else 0.0
     # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists:
     # unsharded, or already reduced to their shards when that happens every micro-batch.
     before = (accumulated or sharded_grads) if m > inflight else 0.0
@@ -396,7 +404,7 @@ def _pipelined(moments: dict[str, dict[str, float]], cfg: Qwen3Config, layout: L
         moments["layer backward"] = max(first, cooldown, key=lambda parts: sum(parts.values()))
     if shard > 1 and layout.accumulates_unsharded:
         big = max(sp.layer if shape.num_layers else 0.0, sp.root, sp.head)
-        moments["end of backward"].update(parameters=master + d * (sp.total - big),
+        moments["end of backward"].update(parameters=master + d * (sp.held - big),
                                           gradients=accumulated + 4 * big * (1 + 1 / shard))
 
 

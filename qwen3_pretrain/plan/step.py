@@ -77,7 +77,7 @@ def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
     intra = _Link(hw.intra_node_gbps * GB, hw.intra_node_latency_us * 1e-6)
     inter = _Link(hw.inter_node_gbps * GB, hw.inter_node_latency_us * 1e-6)
     return {axis: intra if cluster.axis_is_intra_node(layout, axis) else inter
-            for axis in ("tp", "cp", "dp_shard", "dp_replicate", "pp")}
+            for axis in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
 
 
 def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
@@ -146,6 +146,25 @@ def _cp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     return nbytes, seconds
 
 
+def _ep_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
+    """(bytes sent, seconds) of one micro-batch's expert-parallel all-to-alls on this stage, on the critical
+    path. Per MoE layer: the pairs (``top_k`` per token the layer sees: the rank's share of the sequence, whole
+    over tp) go out with their routing weight (``h + 1`` values each) and come back (``h``); backward sends
+    the gradients the same two ways, and recompute repeats the forward's two. With balanced routing a rank
+    keeps ``1 / ep`` of its pairs and sends the rest (``formulas.all_to_all_bytes``). Each forward first
+    exchanges the per-expert counts (``E`` int64)."""
+    if layout.ep == 1 or not shape.sparse_layers:
+        return 0.0, 0.0
+    pairs = layout.microbatch_tokens * cfg.num_experts_per_tok
+    d, h = layout.dtype_bytes, cfg.hidden_size
+    rounds = 2 if layout.activation_checkpointing in ("full", "mlp") else 1
+    buffers = [pairs * (h + 1) * d, pairs * h * d] * (1 + rounds) + [8 * cfg.num_experts] * rounds
+    nbytes = shape.sparse_layers * sum(F.all_to_all_bytes(b, layout.ep) for b in buffers)
+    seconds = shape.sparse_layers * sum(F.collective_seconds("all_to_all", b, layout.ep, link.bandwidth,
+                                                             link.latency) for b in buffers)
+    return nbytes, seconds
+
+
 def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
     """(bytes sent + received, seconds) of one micro-batch's pipeline messages on this pipeline rank.
 
@@ -174,7 +193,7 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> list[tuple
     only the all-reduce of the whole gradients is left."""
     sp = stage_params(cfg, layout, shape)
     m, shards, replicas = layout.num_microbatches, layout.shards, layout.replicas
-    grads = 4.0 * sp.total
+    grads = 4.0 * sp.held
     reductions = 1 if layout.accumulates_unsharded else m
     calls: list[tuple[str, F.Collective, float]] = []
     if shards > 1:
@@ -201,7 +220,7 @@ def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp) -> list[tu
     embedding = cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_embedding and not sp.tied_head else 0.0
     freed = sp.layers + embedding if layout.reshard_after_forward else 0.0
     m = layout.num_microbatches
-    return [(freed, 2 * m if layout.pp == 1 else m + 1), (sp.total - freed, m if layout.pp == 1 else 1)]
+    return [(freed, 2 * m if layout.pp == 1 else m + 1), (sp.held - freed, m if layout.pp == 1 else 1)]
 
 
 def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
@@ -239,20 +258,23 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
         cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
+        ep_bytes, ep_time = _ep_bytes_and_time(cfg, layout, shape, links["ep"])
         dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links)
-        per_stage.append(dict(compute=compute, tp=tp_time, cp=cp_time, pp=pp_time, dp=dp_time, dp_edges=dp_edges,
-                              bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes}, dp_bytes=dp_bytes, shape=shape))
+        per_stage.append(dict(compute=compute, tp=tp_time, cp=cp_time, pp=pp_time, ep=ep_time, dp=dp_time,
+                              dp_edges=dp_edges, bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes,
+                                                        "ep": ep_bytes}, dp_bytes=dp_bytes, shape=shape))
     # The slowest stage paces the pipeline; its numbers describe the step.
-    slowest = max(per_stage, key=lambda x: x["compute"] + x["tp"] + x["cp"] + x["pp"])
+    slowest = max(per_stage, key=lambda x: x["compute"] + x["tp"] + x["cp"] + x["pp"] + x["ep"])
     slots = m + (layout.pp - 1) / v
     busy = m * slowest["compute"]
     dp_exposed = max(0.0, slowest["dp"] - busy) + slowest["dp_edges"]
     total_params = stage_params(cfg, layout, slowest["shape"]).total
     optimizer = ADAMW_BYTES_PER_PARAM * total_params / layout.shards / (hardware.memory_bandwidth_gbps * GB)
-    step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"]) + dp_exposed + optimizer
+    step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"] + slowest["ep"]) \
+        + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
     per_stage_axis = tuple({"tp": m * x["bytes"]["tp"], "cp": m * x["bytes"]["cp"], "pp": m * x["bytes"]["pp"],
-                            "dp": sum(x["dp_bytes"].values())} for x in per_stage)
+                            "ep": m * x["bytes"]["ep"], "dp": sum(x["dp_bytes"].values())} for x in per_stage)
     per_axis = per_stage_axis[per_stage.index(slowest)]
     return StepEstimate(
         step_time_s=step,
@@ -260,11 +282,12 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / peak,
         bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
         compute_time_s=busy,
-        comm_time_s={"tp": m * slowest["tp"], "cp": m * slowest["cp"], "pp": m * slowest["pp"], "dp": dp_exposed},
+        comm_time_s={"tp": m * slowest["tp"], "cp": m * slowest["cp"], "pp": m * slowest["pp"],
+                     "ep": m * slowest["ep"], "dp": dp_exposed},
         comm_bytes_per_axis=per_axis,
         comm_bytes_per_stage=per_stage_axis,
         dp_bytes_per_group=slowest["dp_bytes"],
-        cross_node_bytes=sum(b for axis, b in {**{k: per_axis[k] for k in ("tp", "cp", "pp")},
+        cross_node_bytes=sum(b for axis, b in {**{k: per_axis[k] for k in ("tp", "cp", "pp", "ep")},
                                                **slowest["dp_bytes"]}.items()
                              if not cluster.axis_is_intra_node(layout, axis)),
     )

@@ -90,7 +90,7 @@ def to_json(results: list[RankResult], seconds: float) -> dict:
         for axis, kinds in r.comm.items():
             if sum(kinds.values()) > sum(comm.get(axis, {}).values()):
                 comm[axis] = dict(kinds)
-    return {"ranks": ranks, "comm_bytes_per_step": {a: comm.get(a, {}) for a in ("tp", "pp", "dp", "cp")},
+    return {"ranks": ranks, "comm_bytes_per_step": {a: comm.get(a, {}) for a in ("tp", "pp", "dp", "cp", "ep")},
             "seconds": round(seconds, 1)}
 
 

@@ -1,28 +1,54 @@
-"""The target device's MoE expert kernel, played on fake tensors for the scale simulation.
+"""A MoE layer's experts as the scale simulation runs them on fake tensors.
 
-A fake tensor has shapes, not values, so a kernel that reads how many tokens
-each expert received (the per-expert loop: one matmul per expert) cannot run
-as built. The simulation plays it with the tokens split evenly over the
-experts (the round-robin routing of a benchmark run): the same tensors, of the
-same total size, are kept for backward, which is what memory depends on. The
+A fake tensor has shapes, not values, so whatever reads how many tokens each
+expert received cannot run as built: the per-expert loop (one matmul per
+expert) and expert parallelism's dispatch (the splits of its all-to-all). The
+simulation plays both with the tokens split evenly over the experts (the
+round-robin routing of a benchmark run, and the balance the load-balancing
+loss aims at): the same collectives and the same tensors, of the same total
+sizes, kept for backward, which is what memory and bytes depend on. The
 grouped kernel reads no counts and runs as built.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from qwen3_pretrain.models.ops.moe import ExpertLoop, ExpertsKernel
+from qwen3_pretrain.models.ops.moe import ExpertLoop, GroupedExperts
+from qwen3_pretrain.parallel.expert_parallel import ExpertParallel
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 class EvenExpertLoop(ExpertLoop):
     """``ExpertLoop`` with the tokens split evenly over the experts instead of read from the counts."""
 
     def sizes(self, counts: torch.Tensor, num_tokens: int) -> list[int]:
-        experts = counts.shape[0]
-        return [num_tokens // experts + (e < num_tokens % experts) for e in range(experts)]
+        return _even(num_tokens, counts.shape[0])
 
 
-def play_experts(kernel: ExpertsKernel) -> ExpertsKernel:
-    """The engine's ``play_experts`` for the simulation."""
-    return EvenExpertLoop(kernel.linear) if isinstance(kernel, ExpertLoop) else kernel
+class EvenExpertParallel(ExpertParallel):
+    """``ExpertParallel`` whose counts all-to-all runs (its bytes are counted) but whose splits are even:
+    every rank sends and receives the same number of pairs for every expert."""
+
+    def __init__(self, played: ExpertParallel) -> None:
+        self.group, self.size = played.group, played.size
+
+    def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[list[list[int]], list[list[int]]]:
+        send = counts.view(self.size, -1)
+        dist.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        local = send.shape[1]
+        flat = _even(num_rows, self.size * local)
+        rows = [flat[r * local:(r + 1) * local] for r in range(self.size)]
+        return rows, rows
+
+
+def play_experts(experts: GroupedExperts) -> None:
+    """The engine's ``play_experts`` for the simulation: in place, on each MoE layer's experts."""
+    if isinstance(experts.kernel, ExpertLoop):
+        experts.kernel = EvenExpertLoop(experts.kernel.linear)
+    if isinstance(experts.dispatch, ExpertParallel):
+        experts.dispatch = EvenExpertParallel(experts.dispatch)

@@ -114,6 +114,9 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
                         make_attention=simulated_kernels(kernels), play_experts=play_experts)
         for group in engine.dp_mesh.get_all_groups():  # under cp, FSDP's flattened dp_shard x cp group
             groups.setdefault(group.group_name, "dp")
+        if engine.expert_meshes is not None:  # FSDP of each rank's experts (all-to-alls count as ep by kind)
+            for group in engine.expert_meshes[1].get_all_groups():
+                groups.setdefault(group.group_name, "dp")
         if engine.tied is not None and engine.tied.group is not None:
             groups[engine.tied.group.group_name] = "pp"  # the tied embedding and head, first and last stage
         comm = CommCounter(groups)

@@ -217,11 +217,12 @@ _fn = torch.ops._c10d_functional
 
 def _ring_bytes(kind: str, nbytes: int, n: int) -> float:
     """Bytes one rank sends in a ring implementation of ``kind`` over ``n`` ranks (``nbytes``: the full
-    tensor for all-gather and all-reduce, the input for reduce-scatter)."""
+    tensor for all-gather and all-reduce, the input for reduce-scatter and all-to-all, whose even split
+    keeps ``1 / n`` of it on the rank)."""
     if n <= 1:
         return 0.0
     return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
-            "send": 1.0, "recv": 1.0, "broadcast": 1.0}[kind] * nbytes
+            "all_to_all": (n - 1) / n, "send": 1.0, "recv": 1.0, "broadcast": 1.0}[kind] * nbytes
 
 
 def _nbytes(t) -> int:
@@ -257,7 +258,9 @@ class CommCounter:
             if not isinstance(group, dist.ProcessGroup):  # the boxed form c10d operators take
                 group = dist.ProcessGroup.unbox(group)
             name, n = group.group_name, group.size()
-        axis = self.axis_of_group.get(name, "other")
+        # Only expert parallelism sends all-to-alls; its group may be the very group FSDP shards over (ep equal
+        # to dp_shard x cp), so the kind names the axis.
+        axis = "ep" if kind == "all_to_all" else self.axis_of_group.get(name, "other")
         self.bytes[axis][kind] += _ring_bytes(kind, nbytes, n)
         self.calls[axis][kind] += 1
 
@@ -277,12 +280,14 @@ _KINDS = {
     _c10d._reduce_scatter_base_.default: ("reduce_scatter", 1, 2),
     _c10d.reduce_scatter_.default: ("reduce_scatter", 1, 2),
     _c10d.allreduce_.default: ("all_reduce", 0, 1),
+    _c10d.alltoall_base_.default: ("all_to_all", 1, 2),
     _c10d.broadcast_.default: ("broadcast", 0, 1),
     _c10d.send.default: ("send", 0, 1),
     _c10d.recv_.default: ("recv", 0, 1),
     _fn.all_gather_into_tensor.default: ("all_gather", None, 2),
     _fn.reduce_scatter_tensor.default: ("reduce_scatter", 0, 3),
     _fn.all_reduce.default: ("all_reduce", 0, 2),
+    _fn.all_to_all_single.default: ("all_to_all", 0, 3),
     _fn.all_reduce_.default: ("all_reduce", 0, 2),
 }
 

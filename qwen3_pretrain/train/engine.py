@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
-from qwen3_pretrain.models.ops.moe import ExpertsKernel
+from qwen3_pretrain.models.ops.moe import GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
@@ -102,9 +102,10 @@ class Engine:
                  device: torch.device, fp32_matmul: bool, loss_chunk_tokens: int,
                  allocate: Callable[[nn.Module], None] | None = None, stage_io: StageIO | None = None,
                  target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel,
-                 play_experts: Callable[[ExpertsKernel], ExpertsKernel] | None = None) -> None:
+                 play_experts: Callable[[GroupedExperts], None] | None = None) -> None:
         # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors
-        # (and plays that device's attention and expert kernels there: ``make_attention``, ``play_experts``).
+        # (and plays that device's attention kernels there, ``make_attention``, and each MoE layer's experts,
+        # whose kernel and dispatch read token counts a fake tensor does not have: ``play_experts``).
         self.target_device_type = target_device_type or device.type
         self.make_attention, self.play_experts = make_attention, play_experts
         self.cfg, self.source, self.mesh, self.device = cfg, source, mesh, device
@@ -144,14 +145,16 @@ class Engine:
         cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
         attention = choose_attention(self.target_device_type, self.fp32_matmul, cp_mesh, self.make_attention)
         experts = choose_experts(self.target_device_type, cfg.mixed_precision, self.fp32_matmul)
-        if self.play_experts is not None:
-            experts = self.play_experts(experts)
         part = build_stage(stage_cfg, PartSpec(idx, self.num_stages, ranges[idx]), model_cfg.vocab_size,
                            self.loss_chunk_tokens, attention=attention, fp32_matmul=self.fp32_matmul,
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
                            experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes)
+        if self.play_experts is not None:
+            for module in part.modules():
+                if isinstance(module, GroupedExperts):
+                    self.play_experts(module)
         if allocate is None:
             materialize(part, self.device, self.source.tensor_source(self.padded_vocab, cfg.seed))
         else:
@@ -325,7 +328,7 @@ def engine_layout(cfg: TrainConfig, parallelism: Parallelism, loss_chunk_tokens:
                   fp32_matmul: bool) -> Layout:
     """The planner's description of the engine that ``cfg`` builds on ``device_type``."""
     dims, stages_per_rank = parallelism.dims, parallelism.stages_per_rank
-    return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, micro_batch_size=cfg.batch_size,
+    return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=dims.ep, micro_batch_size=cfg.batch_size,
                   gradient_accumulation_steps=cfg.gradient_accumulation_steps, seq_length=cfg.seq_length,
                   activation_checkpointing=cfg.ac_mode, distributed_optimizer=cfg.distributed_optimizer,
                   dp_shard=cfg.dp_shard,
