@@ -210,3 +210,6 @@ def test_moe_models_simulate_within_the_planner(precision, layout):
         planned = step.comm_bytes_per_stage[r.coords["pp"]]["ep"]
         assert r.comm.get("ep", {}).get("all_to_all", 0.0) == pytest.approx(planned, rel=1e-6)
         assert (planned > 0) == (world.dims.ep > 1)  # every stage holds a sparse layer
+        # FSDP's bytes: each rank's experts sharded over the dp ranks ep leaves
+        planned_dp = step.comm_bytes_per_stage[r.coords["pp"]]["dp"]
+        assert sum(r.comm.get("dp", {}).values()) == pytest.approx(planned_dp, rel=0.02), r.comm.get("dp")

@@ -73,9 +73,16 @@ class _Link:
     latency: float  # s
 
 
+def _intra_link(hw: Hardware) -> _Link:
+    return _Link(hw.intra_node_gbps * GB, hw.intra_node_latency_us * 1e-6)
+
+
+def _inter_link(hw: Hardware) -> _Link:
+    return _Link(hw.inter_node_gbps * GB, hw.inter_node_latency_us * 1e-6)
+
+
 def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
-    intra = _Link(hw.intra_node_gbps * GB, hw.intra_node_latency_us * 1e-6)
-    inter = _Link(hw.inter_node_gbps * GB, hw.inter_node_latency_us * 1e-6)
+    intra, inter = _intra_link(hw), _inter_link(hw)
     return {axis: intra if cluster.axis_is_intra_node(layout, axis) else inter
             for axis in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
 
@@ -146,13 +153,21 @@ def _cp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     return nbytes, seconds
 
 
-def _ep_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
+def _ep_on_node(layout: Layout, cluster: Cluster) -> int:
+    """How many ranks of an ep group share a node (the group is ``ep`` ranks ``tp`` apart)."""
+    return max(1, min(layout.ep, cluster.devices_per_node // layout.tp))
+
+
+def _ep_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, intra: _Link, inter: _Link,
+                       on_node: int) -> tuple[float, float]:
     """(bytes sent, seconds) of one micro-batch's expert-parallel all-to-alls on this stage, on the critical
     path. Per MoE layer: the pairs (``top_k`` per token the layer sees: the rank's share of the sequence, whole
     over tp) go out with their routing weight (``h + 1`` values each) and come back (``h``); backward sends
     the gradients the same two ways, and recompute repeats the forward's two. With balanced routing a rank
     keeps ``1 / ep`` of its pairs and sends the rest (``formulas.all_to_all_bytes``). Each forward first
-    exchanges the per-expert counts (``E`` int64)."""
+    exchanges the per-expert counts (``E`` int64). A group spanning nodes sends ``(on_node - 1) / ep`` of
+    each buffer over the node's links and ``(ep - on_node) / ep`` over the network at once: the slower
+    share sets the time."""
     if layout.ep == 1 or not shape.sparse_layers:
         return 0.0, 0.0
     pairs = layout.microbatch_tokens * cfg.num_experts_per_tok
@@ -160,9 +175,14 @@ def _ep_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     rounds = 2 if layout.activation_checkpointing in ("full", "mlp") else 1
     buffers = [pairs * (h + 1) * d, pairs * h * d] * (1 + rounds) + [8 * cfg.num_experts] * rounds
     nbytes = shape.sparse_layers * sum(F.all_to_all_bytes(b, layout.ep) for b in buffers)
-    seconds = shape.sparse_layers * sum(F.collective_seconds("all_to_all", b, layout.ep, link.bandwidth,
-                                                             link.latency) for b in buffers)
-    return nbytes, seconds
+    ep = layout.ep
+    link = inter if on_node < ep else intra
+
+    def seconds_of(b: float) -> float:
+        return max(b * (on_node - 1) / ep / intra.bandwidth, b * (ep - on_node) / ep / inter.bandwidth) \
+            + link.latency
+
+    return nbytes, shape.sparse_layers * sum(seconds_of(b) for b in buffers)
 
 
 def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
@@ -186,27 +206,37 @@ def _pp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     return neighbours * (forward + backward), seconds
 
 
-def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> list[tuple[str, F.Collective, float]]:
-    """FSDP's collectives of one step as (mesh axis, kind, bytes): weight all-gathers and gradient
+def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
+              ) -> list[tuple[str, F.Collective, float, int]]:
+    """FSDP's collectives of one step as (mesh axis, kind, bytes, ranks): weight all-gathers and gradient
     reduce-scatters inside the shard group, then (HSDP) an all-reduce of the gradient shards across the
     replicas, as FSDP2 runs them per unit. Without the distributed optimizer the shard group is one rank:
-    only the all-reduce of the whole gradients is left."""
+    only the all-reduce of the whole gradients is left. Under expert parallelism a rank's experts are
+    sharded over the ``shards / ep`` ranks ep leaves (none when ep takes them all)."""
     sp = stage_params(cfg, layout, shape)
     m, shards, replicas = layout.num_microbatches, layout.shards, layout.replicas
-    grads = 4.0 * sp.held
+    experts = 0.0
+    if layout.ep > 1:
+        experts = shape.sparse_layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts / layout.ep
     reductions = 1 if layout.accumulates_unsharded else m
-    calls: list[tuple[str, F.Collective, float]] = []
-    if shards > 1:
-        for units, gathers in _gathers(cfg, layout, shape, sp):
-            calls += [("dp_shard", "all_gather", layout.dtype_bytes * units)] * gathers
-        calls += [("dp_shard", "reduce_scatter", grads)] * reductions
-    if replicas > 1:
-        calls += [("dp_replicate", "all_reduce", grads / shards)] * reductions
+    dense_units, expert_units = _gathers(cfg, layout, shape, sp, experts)
+    calls: list[tuple[str, F.Collective, float, int]] = []
+    for held, group, units in ((sp.held - experts, shards, dense_units), (experts, shards // layout.ep, expert_units)):
+        if not held:
+            continue
+        if group > 1:
+            for params, gathers in units:
+                calls += [("dp_shard", "all_gather", layout.dtype_bytes * params, group)] * gathers
+            calls += [("dp_shard", "reduce_scatter", 4.0 * held, group)] * reductions
+        if replicas > 1:
+            calls += [("dp_replicate", "all_reduce", 4.0 * held / group, replicas)] * reductions
     return calls
 
 
-def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp) -> list[tuple[float, int]]:
-    """(parameters, all-gathers per step) of the stage's FSDP units, in two groups.
+def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp, experts: float = 0.0
+             ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """(parameters, all-gathers per step) of the stage's FSDP units, in two groups; and of the ``experts``
+    (parameters, under expert parallelism units of their own, freed after forward like the layers).
 
     Layers and the embedding free their weights after forward (``reshard_after_forward``), so backward
     gathers them again; the LM head and the root (final norm) keep theirs from forward to backward, and a
@@ -218,9 +248,12 @@ def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp) -> list[tu
     the cool-down) too: ``m + 1`` for the units freed after forward, once for the others.
     """
     embedding = cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_embedding and not sp.tied_head else 0.0
-    freed = sp.layers + embedding if layout.reshard_after_forward else 0.0
+    freed = sp.layers - experts + embedding if layout.reshard_after_forward else 0.0
     m = layout.num_microbatches
-    return [(freed, 2 * m if layout.pp == 1 else m + 1), (sp.held - freed, m if layout.pp == 1 else 1)]
+    again = 2 * m if layout.pp == 1 else m + 1
+    kept = m if layout.pp == 1 else 1
+    expert_units = [(experts, again if layout.reshard_after_forward else kept)]
+    return [(freed, again), (sp.held - experts - freed, kept)], expert_units
 
 
 def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
@@ -230,17 +263,16 @@ def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
     nbytes = {"dp_shard": 0.0, "dp_replicate": 0.0}
     if not calls:
         return nbytes, 0.0, 0.0
-    size = {"dp_shard": layout.shards, "dp_replicate": layout.replicas}
     units = shape.num_layers + 2
     seconds = 0.0
-    for axis, kind, b in calls:
-        nbytes[axis] += b * F.bus_bandwidth_factor(kind, size[axis])
+    for axis, kind, b, n in calls:
+        nbytes[axis] += b * F.bus_bandwidth_factor(kind, n)
         # Each of these runs as one collective per FSDP unit: the latency is paid per unit.
-        seconds += F.collective_seconds(kind, b, size[axis], links[axis].bandwidth, links[axis].latency * units)
+        seconds += F.collective_seconds(kind, b, n, links[axis].bandwidth, links[axis].latency * units)
     # Exposed: the first unit's gather before compute starts and the last unit's reduction after it ends.
     exposed = [calls[-1]] if calls[0][1] == calls[-1][1] else [calls[0], calls[-1]]
-    edges = sum(F.collective_seconds(kind, b / units, size[axis], links[axis].bandwidth, links[axis].latency)
-                for axis, kind, b in exposed)
+    edges = sum(F.collective_seconds(kind, b / units, n, links[axis].bandwidth, links[axis].latency)
+                for axis, kind, b, n in exposed)
     return nbytes, seconds, edges
 
 
@@ -258,7 +290,8 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
         cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
-        ep_bytes, ep_time = _ep_bytes_and_time(cfg, layout, shape, links["ep"])
+        ep_bytes, ep_time = _ep_bytes_and_time(cfg, layout, shape, _intra_link(hardware), _inter_link(hardware),
+                                               _ep_on_node(layout, cluster))
         dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links)
         per_stage.append(dict(compute=compute, tp=tp_time, cp=cp_time, pp=pp_time, ep=ep_time, dp=dp_time,
                               dp_edges=dp_edges, bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes,
@@ -287,7 +320,8 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         comm_bytes_per_axis=per_axis,
         comm_bytes_per_stage=per_stage_axis,
         dp_bytes_per_group=slowest["dp_bytes"],
-        cross_node_bytes=sum(b for axis, b in {**{k: per_axis[k] for k in ("tp", "cp", "pp", "ep")},
+        cross_node_bytes=sum(b for axis, b in {**{k: per_axis[k] for k in ("tp", "cp", "pp")},
                                                **slowest["dp_bytes"]}.items()
-                             if not cluster.axis_is_intra_node(layout, axis)),
+                             if not cluster.axis_is_intra_node(layout, axis))
+        + per_axis["ep"] * (layout.ep - _ep_on_node(layout, cluster)) / max(layout.ep - 1, 1),
     )
