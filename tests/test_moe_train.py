@@ -37,10 +37,12 @@ RUNS = {
     "single": (1, ["batch_size=4"]),
     "dp2": (2, ["batch_size=2"]),
     "dp2-replicated": (2, ["batch_size=2", "distributed_optimizer=false"]),
-    # expert parallelism: ep 2 over dp 2, over cp 2, and over dp 2 beside tp 2; ep 4 over dp 4
+    # expert parallelism: ep 2 over dp 2, over cp 2, over tp 2 (the MoE layers on each tp rank's share of
+    # the sequence); ep 4 over dp 2 x tp 2 and over dp 4
     "ep2": (2, ["batch_size=2", "ep=2"]),
     "ep2-cp2": (2, ["cp=2", "batch_size=4", "ep=2"]),
     "ep2-tp2": (4, ["tp=2", "batch_size=2", "ep=2"]),
+    "ep4-tp2": (4, ["tp=2", "batch_size=2", "ep=4"]),
     "ep4": (4, ["batch_size=1", "ep=4"]),
     "ep2-hsdp": (4, ["batch_size=1", "dp_shard=2", "ep=2"]),  # 2 replicas of 2 shards, ep within a replica
     # dp 2 x pp 2 with two micro-batches per rank: the global micro-batches hold samples (0, 2) and (1, 3),
@@ -105,6 +107,7 @@ def assert_same_moe_training(got: list[dict], want: list[dict], label: str) -> N
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,reference", [("dp2", "single"), ("dp2-replicated", "single"), ("tp2", "single"),
                                             ("ep2", "single"), ("ep2-cp2", "single"), ("ep2-tp2", "single"),
+                                            ("ep4-tp2", "single"),
                                             ("ep4", "single"), ("ep2-hsdp", "single"), ("ep2-pp2", "dp2-pp2"),
                                             ("ep2-pp2-noaux", "single-noaux"),
                                             ("cp2", "single"), ("pp2", "single-accumulate"),

@@ -20,12 +20,14 @@ e.g. the dp ranks of one node, keeps the per-layer traffic on the node's links
 and sends only one all-reduce of the gradient shards across nodes.
 
 Expert parallelism (``ep``) is not an axis of its own: it borrows ranks of
-``dp_shard`` x ``cp``, which see different tokens, so the ``ep`` ranks of a
-group can hold different experts and send each other the tokens routed to
-them. That flattened axis unfolds into ``efsdp`` x ``ep`` (``expert_meshes``):
-a MoE layer's experts are split over ``ep`` and each rank's share is sharded by
-FSDP over ``efsdp`` (with ``dp_replicate`` copies under HSDP), while the rest
-of the model shards over the whole of ``dp_shard`` x ``cp`` as before.
+``dp_shard`` x ``cp`` x ``tp``, which see different tokens (under tp a MoE
+layer then runs on each tp rank's share of the sequence instead of all of it),
+so the ``ep`` ranks of a group can hold different experts and send each other
+the tokens routed to them. That flattened axis unfolds into ``efsdp`` x ``ep``
+(``expert_meshes``): a MoE layer's experts are split over ``ep`` and each
+rank's share is sharded by FSDP over ``efsdp`` (with ``dp_replicate`` copies
+under HSDP), while the rest of the model shards over ``dp_shard`` x ``cp``
+and splits over ``tp`` as before.
 """
 
 from __future__ import annotations
@@ -55,14 +57,14 @@ class ParallelDims:
     cp: int = 1
     dp_shard: int = 1  # data-parallel ranks that shard together (FSDP's group, with the cp ranks)
     distributed_optimizer: bool = True
-    ep: int = 1  # expert parallelism, borrowed from dp_shard x cp
+    ep: int = 1  # expert parallelism, borrowed from dp_shard x cp x tp
 
     @classmethod
     def resolve(cls, *, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, distributed_optimizer: bool = True,
                 dp_shard: int | None = None, ep: int = 1) -> ParallelDims:
         """The degrees of a ``world_size``-rank launch: dp is what tp x pp x cp leave; ``dp_shard`` (the
         config's; None: every dp rank with the distributed optimizer, 1 without) must divide it; ``ep`` must
-        divide ``dp_shard`` x cp, the ranks it borrows."""
+        divide ``dp_shard`` x cp x tp, the ranks it borrows."""
         if world_size % (tp * pp * cp):
             raise UserError(f"tp x pp x cp = {tp} x {pp} x {cp} = {tp * pp * cp} does not divide the {world_size} "
                             "launched processes; choose tp, pp and cp whose product divides it")
@@ -73,13 +75,14 @@ class ParallelDims:
                             f"divides {dp}, e.g. the dp ranks of one node")
         if dp_shard is None:
             dp_shard = dp if distributed_optimizer else 1
-        if ep < 1 or (dp_shard * cp) % ep:
-            fix = ("" if distributed_optimizer or cp > 1 else
+        lendable = dp_shard * cp * tp
+        if ep < 1 or lendable % ep:
+            fix = ("" if distributed_optimizer or cp * tp > 1 else
                    "; without the distributed optimizer every dp rank holds a replica (dp_shard 1): turn "
                    "distributed_optimizer on or set dp_shard")
-            raise UserError(f"ep = {ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}, the "
-                            f"ranks expert parallelism borrows (they see different tokens); choose an ep that "
-                            f"divides {dp_shard * cp}{fix}")
+            raise UserError(f"ep = {ep} does not divide dp_shard x cp x tp = {dp_shard} x {cp} x {tp} = {lendable}, "
+                            f"the ranks expert parallelism borrows (they see different tokens); choose an ep that "
+                            f"divides {lendable}{fix}")
         return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard,
                    distributed_optimizer=distributed_optimizer, ep=ep)
 
@@ -134,21 +137,38 @@ class ParallelDims:
         shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicate else shard
 
+    @property
+    def moe_tokens_split_by_tp(self) -> bool:
+        """Whether a MoE layer runs on each tp rank's share of the sequence (ep borrows the tp ranks) rather
+        than on the whole sequence, gathered, the same on every tp rank."""
+        return self.ep > 1 and self.tp > 1
+
     def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
-        """(ep mesh, the mesh FSDP shards each rank's experts over) for ep > 1: ``dp_shard`` x ``cp``
+        """(ep mesh, the mesh FSDP shards each rank's experts over) for ep > 1: ``dp_shard`` x ``cp`` x ``tp``
         flattened and unfolded into ``efsdp`` x ``ep``, ep innermost (an ep group is the nearest ranks);
         under HSDP the experts' shards are replicated over ``dp_replicate`` like the rest."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else mesh["dp_shard"]
-        sparse = shard._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("efsdp", "ep"))
+        axes = [a for a, n in (("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)) if n > 1]
+        if len(axes) > 1:
+            lent = mesh[tuple(axes)]._flatten("_".join(axes))
+        else:
+            lent = mesh[axes[0] if axes else "dp_shard"]
+        sparse = lent._unflatten(0, (self.dp_shard * self.cp * self.tp // self.ep, self.ep), ("efsdp", "ep"))
         replicate = not (self.dp_replicate == 1 and self.distributed_optimizer)
         fsdp = DeviceMesh._concatenate([mesh["dp_replicate"], sparse["efsdp"]]) if replicate else sparse["efsdp"]
         return sparse["ep"], fsdp
 
+    @property
+    def token_ranks(self) -> int:
+        """How many ranks split one micro-batch's tokens between them for a MoE layer: dp x cp, and tp when
+        the layer runs on each tp rank's share (``moe_tokens_split_by_tp``)."""
+        return self.dp * self.cp * (self.tp if self.moe_tokens_split_by_tp else 1)
+
     def token_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The ranks that split one micro-batch's tokens between them (dp x cp), as one axis: a MoE layer
-        counts its experts' tokens over them."""
+        """The ranks of ``token_ranks`` as one axis: a MoE layer counts its experts' tokens over them."""
+        if self.moe_tokens_split_by_tp:
+            return mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:

@@ -161,7 +161,8 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
     """Tensor parallelism, expert parallelism (``expert_meshes``: ParallelDims.expert_meshes, for ep > 1),
     per-layer compilation and FSDP, in that order, on a stage built by ``build_stage``."""
     if mesh["tp"].size() > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        # with expert parallelism a MoE layer takes each tp rank's share of the sequence (ep borrows tp)
+        apply_tensor_parallel(model, mesh["tp"], moe_local_tokens=expert_meshes is not None)
     if expert_meshes is not None:
         apply_expert_parallel(model, expert_meshes[0])
     if compile_layers:

@@ -67,7 +67,7 @@ class VocabParallelEmbedding(nn.Module):
         return partial.redistribute(mesh, [Shard(1)]).to_local()
 
 
-def _layer_plan(sparse: bool) -> dict:
+def _layer_plan(sparse: bool, moe_local_tokens: bool = False) -> dict:
     gather = dict(desired_input_layouts=(Replicate(), None, None, None), input_layouts=(Shard(1), None, None, None))
     common = {
         "attn_norm": SequenceParallel(),
@@ -81,6 +81,14 @@ def _layer_plan(sparse: bool) -> dict:
         "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         "mlp_norm": SequenceParallel(),
     }
+    if sparse and moe_local_tokens:
+        # Under expert parallelism (which borrows the tp ranks) a MoE layer runs on this tp rank's share
+        # of the sequence: no gather. Its router's weight is replicated over tp and sees different tokens
+        # on each rank, so it is a DTensor whose gradient is summed over tp (as a norm's under sequence
+        # parallelism); the experts are split by expert parallelism.
+        return {**common, "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                    use_local_output=True),
+                "mlp.gate": SequenceParallel(sequence_dim=0, use_local_output=True)}
     if sparse:
         # A MoE layer runs whole on every tp rank, on the whole sequence: its router and experts are
         # replicated (each rank computes the same), the sequence gathered in and cut out again. Expert
@@ -97,14 +105,15 @@ def _layer_plan(sparse: bool) -> dict:
     }
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` (one pipeline stage of a Qwen3Model) over ``tp_mesh`` in place."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_tokens: bool = False) -> None:
+    """Shard ``model`` (one pipeline stage of a Qwen3Model) over ``tp_mesh`` in place; ``moe_local_tokens``:
+    MoE layers run on each tp rank's share of the sequence (expert parallelism borrows the tp ranks)."""
     plan: dict = {}
     if model.norm is not None:
         plan["norm"] = SequenceParallel(use_local_output=True)
     for name, layer in model.layers.items():
         sparse = isinstance(layer.mlp, MoE)
-        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse).items()})
+        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens).items()})
     parallelize_module(model, tp_mesh, plan)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_mesh)

@@ -39,7 +39,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     cp: int = 1  # context parallelism: every sequence split over this many ranks
-    ep: int = 1  # expert parallelism: a MoE layer's experts split over this many of the dp_shard x cp ranks
+    ep: int = 1  # expert parallelism: a MoE layer's experts split over this many of the dp_shard x cp x tp ranks
     micro_batch_size: int = 1  # samples per data-parallel rank per forward/backward
     gradient_accumulation_steps: int = 1
     seq_length: int = 4096
@@ -72,9 +72,9 @@ class Layout:
             if self.dp_shard > 1 and not self.distributed_optimizer:
                 raise UserError(f"layout: dp_shard {self.dp_shard} shards the optimizer state: it needs the "
                                 "distributed optimizer")
-        if self.shards % self.ep:
-            raise UserError(f"layout: ep {self.ep} must divide the ranks that shard with FSDP, dp_shard x cp = "
-                            f"{self.shards}")
+        if (self.shards * self.tp) % self.ep:
+            raise UserError(f"layout: ep {self.ep} must divide the ranks it borrows, dp_shard x cp x tp = "
+                            f"{self.shards * self.tp}")
         problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
         if problem:
             raise UserError(f"layout: {problem}")
@@ -117,6 +117,17 @@ class Layout:
     def accumulates_unsharded(self) -> bool:
         """Whether FSDP holds the stage's unsharded fp32 gradients between micro-batches of a step."""
         return self.num_microbatches > 1 and not (self.reduce_grads_every_microbatch and self.pp == 1)
+
+    @property
+    def moe_tokens_split_by_tp(self) -> bool:
+        """Whether a MoE layer runs on each tp rank's share of the sequence (ep borrows the tp ranks)."""
+        return self.ep > 1 and self.tp > 1
+
+    @property
+    def moe_tokens(self) -> int:
+        """Tokens one rank's MoE layers route per micro-batch: the rank's share of the sequence over cp, and
+        over tp when ep borrows the tp ranks (else the whole of it, gathered)."""
+        return self.microbatch_tokens // (self.tp if self.moe_tokens_split_by_tp else 1)
 
     @property
     def world_size(self) -> int:
@@ -239,9 +250,9 @@ class Cluster:
                            axis: Literal["tp", "cp", "ep", "dp", "dp_shard", "dp_replicate", "pp"]) -> bool:
         """Whether every group of mesh axis ``axis`` stays inside one node (mesh order pp, dp_replicate,
         dp_shard, cp, tp; ``dp`` is the two dp axes together, ``dp_shard`` FSDP's shard group with cp; ``ep``
-        the innermost ``ep`` of the dp_shard x cp ranks)."""
+        the innermost ``ep`` of the dp_shard x cp x tp ranks, consecutive)."""
         dp_span = layout.tp * layout.cp * layout.dp
-        span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.tp * layout.ep, "dp": dp_span,
+        span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.ep, "dp": dp_span,
                 "dp_shard": layout.tp * layout.shards, "dp_replicate": dp_span, "pp": layout.world_size}[axis]
         size = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "dp_shard": layout.shards,
                 "dp_replicate": layout.replicas, "pp": layout.pp}[axis]

@@ -138,6 +138,8 @@ def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str,
                                                 0 if sparse else cfg.intermediate_size, t, d, layout.fp32_matmul)
     if sparse:
         saved += _moe_bytes_per_token(cfg, layout)
+        if layout.moe_tokens_split_by_tp:  # its input is the tp rank's share, not the gathered sequence
+            saved -= d * h - d * h / t
     saved += context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
     return saved - recomputed_bytes_per_token(cfg, layout, checkpointing, sparse)
 
@@ -147,7 +149,9 @@ def _moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
                                               cfg.num_experts_per_tok, cfg.norm_topk_prob, layout.dtype_bytes)
     # expert parallelism's dispatch keeps one more int64 index vector over the pairs that arrive (their
     # regrouping by expert; measured), as many as leave under balanced routing
-    return saved + (8 * cfg.num_experts_per_tok if layout.ep > 1 else 0)
+    saved += 8 * cfg.num_experts_per_tok if layout.ep > 1 else 0
+    # per token of the rank's share of the sequence: a tp rank routes 1/tp of it when ep borrows tp
+    return saved / (layout.tp if layout.moe_tokens_split_by_tp else 1)
 
 
 def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
@@ -264,6 +268,7 @@ def _backward_working(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
         if sparse:
             grads = F.qwen3_backward_working_bytes_per_token(
                 cfg.hidden_size, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
+            grads /= layout.tp if layout.moe_tokens_split_by_tp else 1
         else:
             grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
         worst = max(worst, recomputed + grads)

@@ -95,8 +95,9 @@ def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageSh
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     attention = F.layer_matmul_params(h, q, kv, 0)
     per_token = 0.0
+    replicated = 1 if layout.moe_tokens_split_by_tp else layout.tp  # tp ranks computing the same MoE tokens
     for count, mlp in ((shape.dense_layers, 3 * h * cfg.intermediate_size),
-                       (shape.sparse_layers, layout.tp * F.moe_matmul_params(
+                       (shape.sparse_layers, replicated * F.moe_matmul_params(
                            h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok))):
         per_token += count * (6.0 * (attention + mlp) + 12.0 * q * seq)
         per_token += F.recompute_flops_per_token(count, attention, mlp, q, seq, layout.activation_checkpointing)
@@ -123,6 +124,8 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
     # gets its input's gradient whole (no reduce-scatter); its checkpoint keeps the gathered input.
     sparse_gathers = 4 + (2 if ac == "full" else 0)
     sparse_scatters = 2 + (1 if ac == "full" else 0)
+    if layout.moe_tokens_split_by_tp:  # the MoE block takes the rank's share: only attention's collectives
+        sparse_gathers, sparse_scatters = 2 + (1 if ac == "full" else 0), 2 + (1 if ac == "full" else 0)
     calls: list[tuple[F.Collective, float]] = \
         ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.dense_layers \
         + ([("all_gather", act)] * sparse_gathers + [("reduce_scatter", act)] * sparse_scatters) * shape.sparse_layers
@@ -154,15 +157,15 @@ def _cp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
 
 
 def _ep_on_node(layout: Layout, cluster: Cluster) -> int:
-    """How many ranks of an ep group share a node (the group is ``ep`` ranks ``tp`` apart)."""
-    return max(1, min(layout.ep, cluster.devices_per_node // layout.tp))
+    """How many ranks of an ep group share a node (the group is ``ep`` consecutive ranks)."""
+    return max(1, min(layout.ep, cluster.devices_per_node))
 
 
 def _ep_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, intra: _Link, inter: _Link,
                        on_node: int) -> tuple[float, float]:
     """(bytes sent, seconds) of one micro-batch's expert-parallel all-to-alls on this stage, on the critical
-    path. Per MoE layer: the pairs (``top_k`` per token the layer sees: the rank's share of the sequence, whole
-    over tp) go out with their routing weight (``h + 1`` values each) and come back (``h``); backward sends
+    path. Per MoE layer: the pairs (``top_k`` per token the layer routes, ``Layout.moe_tokens``) go out with
+    their routing weight (``h + 1`` values each) and come back (``h``); backward sends
     the gradients the same two ways, and recompute repeats the forward's two. With balanced routing a rank
     keeps ``1 / ep`` of its pairs and sends the rest (``formulas.all_to_all_bytes``). Each forward first
     exchanges the per-expert counts (``E`` int64). A group spanning nodes sends ``(on_node - 1) / ep`` of
@@ -170,7 +173,7 @@ def _ep_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, intr
     share sets the time."""
     if layout.ep == 1 or not shape.sparse_layers:
         return 0.0, 0.0
-    pairs = layout.microbatch_tokens * cfg.num_experts_per_tok
+    pairs = layout.moe_tokens * cfg.num_experts_per_tok
     d, h = layout.dtype_bytes, cfg.hidden_size
     rounds = 2 if layout.activation_checkpointing in ("full", "mlp") else 1
     buffers = [pairs * (h + 1) * d, pairs * h * d] * (1 + rounds) + [8 * cfg.num_experts] * rounds
@@ -221,7 +224,8 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
     reductions = 1 if layout.accumulates_unsharded else m
     dense_units, expert_units = _gathers(cfg, layout, shape, sp, experts)
     calls: list[tuple[str, F.Collective, float, int]] = []
-    for held, group, units in ((sp.held - experts, shards, dense_units), (experts, shards // layout.ep, expert_units)):
+    efsdp = shards * layout.tp // layout.ep if layout.ep > 1 else shards
+    for held, group, units in ((sp.held - experts, shards, dense_units), (experts, efsdp, expert_units)):
         if not held:
             continue
         if group > 1:

@@ -127,7 +127,7 @@ class Engine:
     def _router_balance(self) -> RouterBalance:
         """The MoE layers' observer: balancing losses and expert counts, over the ranks of a micro-batch."""
         cfg, model_cfg = self.cfg, self.source.config
-        group_size = self.dims.dp * self.dims.cp
+        group_size = self.dims.token_ranks
         reduce = None
         if group_size > 1:
             group = self.dims.token_mesh(self.mesh).get_group()
@@ -224,12 +224,14 @@ class Engine:
     def reduce_loss(self, local: torch.Tensor, flag: bool = False, extra: torch.Tensor | None = None
                     ) -> tuple[float, bool, torch.Tensor | None]:
         """The global mean token loss from each rank's scaled token sum (nonzero on the last stage only,
-        replicated over tp), whether any rank raised ``flag``, and the sum over the ranks of ``extra`` (each
-        figure counted once: divided by the tp ranks, which hold the same), in one all-reduce."""
+        replicated over tp), whether any rank raised ``flag``, and the sum over the ranks of ``extra`` (the MoE
+        figures, each counted once: divided by the tp ranks when they hold the same, not when each MoE layer
+        runs on its tp rank's share of the tokens), in one all-reduce."""
         parts = [local.detach().float().reshape(1), torch.tensor([float(flag)], device=self.device)]
         reduced = torch.cat(parts + ([extra.float()] if extra is not None else []))
         dist.all_reduce(reduced)
-        rest = reduced[2:] / self.dims.tp if extra is not None else None
+        copies = 1 if self.dims.moe_tokens_split_by_tp else self.dims.tp
+        rest = reduced[2:] / copies if extra is not None else None
         return reduced[0].item() / self.dims.tp, reduced[1].item() > 0, rest
 
     def evaluate(self, batches: list[Batch]) -> float:
