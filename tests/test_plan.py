@@ -198,6 +198,16 @@ def test_moe_stage_parameters_add_up_to_the_real_model():
     shapes = stage_shapes(mixed, Layout(pp=2))
     assert [s.sparse_layers for s in shapes] == [0, 1]
     assert sum(stage_params(mixed, Layout(pp=2), s).total for s in shapes) == real
+    # expert parallelism: a rank gathers 1/ep of the experts; the ranks hold every expert once between them,
+    # over tp too when ep borrows the tp ranks
+    experts_all = 48 * 3 * 2048 * 768 * 128
+    for lay, held_experts, tp_share in ((Layout(dp=8, ep=8), experts_all / 8, 1),
+                                        (Layout(tp=2, dp=4, ep=8), experts_all / 8, 2)):
+        (shape,) = stage_shapes(cfg, lay)
+        plain = stage_params(cfg, lay.replace(ep=1), shape)
+        sp = stage_params(cfg, lay, shape)
+        assert plain.total - sp.total == pytest.approx(experts_all - experts_all / tp_share)
+        assert plain.held - sp.held == pytest.approx(experts_all - held_experts)
     # one process, no recompute: hardware FLOPs are the model's active FLOPs
     lay = Layout(seq_length=4096, micro_batch_size=1, activation_checkpointing="none")
     from qwen3_pretrain.plan.step import _stage_flops_per_microbatch

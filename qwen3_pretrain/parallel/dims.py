@@ -76,10 +76,16 @@ class ParallelDims:
         if dp_shard is None:
             dp_shard = dp if distributed_optimizer else 1
         lendable = dp_shard * cp * tp
-        if ep < 1 or lendable % ep:
-            fix = ("" if distributed_optimizer or cp * tp > 1 else
-                   "; without the distributed optimizer every dp rank holds a replica (dp_shard 1): turn "
-                   "distributed_optimizer on or set dp_shard")
+        if ep < 1:
+            raise UserError(f"ep must be >= 1 (1: no expert parallelism), got {ep}")
+        if lendable % ep:
+            if not distributed_optimizer:
+                fix = ("; without the distributed optimizer the dp ranks hold replicas and lend nothing: turn "
+                       "distributed_optimizer on")
+            elif dp_shard < dp:
+                fix = f"; under HSDP only the dp_shard {dp_shard} ranks of a replica lend: raise dp_shard"
+            else:
+                fix = ""
             raise UserError(f"ep = {ep} does not divide dp_shard x cp x tp = {dp_shard} x {cp} x {tp} = {lendable}, "
                             f"the ranks expert parallelism borrows (they see different tokens); choose an ep that "
                             f"divides {lendable}{fix}")
@@ -211,7 +217,7 @@ def check_expert_split(cfg: Qwen3Config, ep: int) -> None:
     """Raise UserError when ``ep`` cannot split the experts of ``cfg`` (the engine and the planner ask)."""
     if ep > 1 and not cfg.is_moe:
         raise UserError(f"ep = {ep} splits the experts of a mixture-of-experts model, but this model has none "
-                        "(num_experts 0); set ep: 1")
+                        "(num_experts 0); set ep to 1")
     if ep > 1 and cfg.num_experts % ep:
         raise UserError(f"ep = {ep} does not divide num_experts = {cfg.num_experts}; choose an ep that divides "
                         f"{cfg.num_experts}")

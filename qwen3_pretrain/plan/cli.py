@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         lay.add_argument(f"--{name}", type=int)
     lay.add_argument("--cp", type=int, help="context-parallel degree (default: searched, with chunks of at least "
                                             "512 tokens)")
-    lay.add_argument("--ep", type=int, help="expert-parallel degree of a MoE model, borrowed from dp_shard x cp "
+    lay.add_argument("--ep", type=int, help="expert-parallel degree of a MoE model, borrowed from dp_shard x cp x tp "
                                             "(default: searched, powers of two dividing the experts)")
     lay.add_argument("--activation-checkpointing", choices=CHECKPOINTING)
     lay.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
@@ -230,7 +230,12 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any], seq_l
     if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and needed != cluster.devices:
         raise UserError(f"tp x pp x dp x cp = {needed} but the cluster has {cluster.devices} devices")
     check_model_split(cfg, tp, pp)
+    if fixed.get("ep", 1) < 1:
+        raise UserError(f"--ep must be at least 1, got {fixed['ep']}")
     check_expert_split(cfg, fixed.get("ep", 1))
+    if "ep" in fixed and "dp" in fixed and (dp * cp * tp) % fixed["ep"]:
+        raise UserError(f"--ep {fixed['ep']} does not divide dp x cp x tp = {dp * cp * tp}, the ranks expert "
+                        "parallelism borrows; choose an ep that divides it")
     if "tp" in fixed or "cp" in fixed:
         problem = sequence_split_problem(seq_length, cp, tp)
         if problem:

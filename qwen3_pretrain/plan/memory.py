@@ -97,14 +97,16 @@ class StageParams:
 
 def layer_params(cfg: Qwen3Config, layout: Layout, sparse: bool, all_experts: bool = False) -> float:
     """Parameters of one decoder layer on a tp rank: attention and a dense MLP split over ``tp``; a MoE block
-    (router and experts) whole on every tp rank, its experts split over ``ep`` (``all_experts``: counted
-    whole, as the ranks that shard them hold them between them)."""
+    (router and experts) whole on every tp rank, its experts split over ``ep`` (``all_experts``: the tp
+    rank's share of them as the ranks that shard them hold it between them: all of them, or ``1 / tp`` when
+    ep borrows the tp ranks)."""
     t, h = layout.tp, cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     norms = 2 * h + 2 * cfg.head_dim
     if sparse:
         experts = F.moe_matmul_params(h, cfg.moe_intermediate_size, cfg.num_experts) - h * cfg.num_experts
-        moe = h * cfg.num_experts + experts / (1 if all_experts else layout.ep)
+        share = (layout.tp if layout.moe_tokens_split_by_tp else 1) if all_experts else layout.ep
+        moe = h * cfg.num_experts + experts / share
         return F.layer_matmul_params(h, q, kv, 0) / t + moe + norms
     return F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + norms
 

@@ -46,7 +46,7 @@ class TrainConfig:
                          "must be a multiple of 2 x cp. world = pp x dp x cp x tp.")
     ep: int = field_help(1, "Expert-parallel degree of a mixture-of-experts model: each MoE layer's experts are "
                          "split over this many ranks and the tokens travel to their experts' ranks and back "
-                         "(all-to-all). Borrowed from the dp_shard x cp ranks (not a factor of the world): must "
+                         "(all-to-all). Borrowed from the dp_shard x cp x tp ranks (not a factor of the world): must "
                          "divide them and num_experts. docs/moe.md 'Expert parallelism'.")
     seq_length: int = field_help(4096, "Tokens per sample.")
     batch_size: int = field_help(1, "Micro-batch per data-parallel rank (samples). Global batch = batch_size x dp "
@@ -194,6 +194,12 @@ class TrainConfig:
         if self.compile and self.cp > 1:
             raise ConfigError("compile with cp > 1: the context-parallel attention's collectives run inside the "
                               "layers, which are not compiled with them; set compile false or cp 1")
+        if self.ep < 1:
+            raise ConfigError(f"ep must be >= 1 (1: no expert parallelism), got {self.ep}")
+        if self.compile and self.ep > 1:
+            raise ConfigError("compile with ep > 1: expert parallelism's all-to-alls and their host-read split "
+                              "sizes run inside the layers, which are not compiled with them; set compile false "
+                              "or ep 1")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ConfigError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.dp_shard is not None and self.dp_shard > 1 and not self.distributed_optimizer:

@@ -26,7 +26,7 @@ from qwen3_pretrain.models.ops.moe import GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
-from qwen3_pretrain.parallel.dims import ParallelDims, padded_vocab_size, stage_layer_ranges
+from qwen3_pretrain.parallel.dims import ParallelDims, check_expert_split, padded_vocab_size, stage_layer_ranges
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
     KernelFactory,
@@ -69,6 +69,7 @@ def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -
         raise ConfigError(f"seq_length {cfg.seq_length} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}; lower seq_length to at most that, or raise "
                           "max_position_embeddings (model_overrides for a preset, config.json of model_path)")
+    check_expert_split(model, cfg.ep)  # before the degrees: "this model has no experts" says more
     dims = ParallelDims.resolve(world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                                 distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard, ep=cfg.ep)
     stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1

@@ -62,11 +62,12 @@ class ExpertLoop:
     def __call__(self, tokens, counts, weights, gate, up, down):
         outs = []
         sizes = self.sizes(counts, tokens.shape[0])
+        # Every expert's run, empty ones too: an expert parallel rank that receives no pair must still take
+        # part in backward (its all-to-alls, its experts' zero gradients), so the output keeps the graph.
         for e, (run, w) in enumerate(zip(torch.split(tokens, sizes), torch.split(weights, sizes))):
-            if run.shape[0]:
-                h = F.silu(self.linear(run, gate[e])) * self.linear(run, up[e])
-                outs.append(self.linear(h * w, down[e]))
-        return torch.cat(outs) if outs else tokens.new_zeros(tokens.shape)
+            h = F.silu(self.linear(run, gate[e])) * self.linear(run, up[e])
+            outs.append(self.linear(h * w, down[e]))
+        return torch.cat(outs)
 
     def sizes(self, counts: torch.Tensor, num_tokens: int) -> list[int]:
         """Each expert's run length (of ``num_tokens`` in all), read on the host."""
