@@ -118,6 +118,7 @@ def _ep_worker(rank: int, args: argparse.Namespace, dtype: torch.dtype, port: in
     total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
     if rank == 0:
         out.put((statistics.median(times), comm / total if total else 0.0))
+    dist.barrier()  # neither rank leaves while the other still talks to it
     dist.destroy_process_group()
 
 

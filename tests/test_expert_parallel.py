@@ -61,6 +61,7 @@ def _worker(rank: int, port: int, skewed: bool, dtype: torch.dtype, out_dir: str
     out.float().pow(2).sum().backward()
     grads = {n: getattr(holder.experts, n).grad.to_local().clone() for n in ("gate_proj", "up_proj", "down_proj")}
     torch.save((out.detach(), x.grad, weights.grad, grads), os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # neither rank leaves while the other still talks to it (gloo aborts a rank whose peer left)
     dist.destroy_process_group()
 
 

@@ -116,8 +116,9 @@ def assert_same_moe_training(got: list[dict], want: list[dict], label: str) -> N
 def test_layout_gives_the_same_moe_training(name, reference, moe_runs):
     """Measured: within 1.7e-6 (the gradient norms under tp 2), 1e-6 for the rest. Probes: counting the expert
     frequencies per rank (no all-reduce over dp x cp) moved dp 2's loss by 3.1e-4 over 4 steps; counting the
-    pipeline schedule's own shape-finding forward as a micro-batch moved pp 2's moe_aux_loss by 0.5; under ep,
-    computing each rank's own pairs on its local experts instead of dispatching them fails at once."""
+    pipeline schedule's own shape-finding forward as a micro-batch moved pp 2's moe_aux_loss by 0.5; a dispatch
+    that raises fails every ep case (the path is taken); summing the MoE figures over tp as copies when ep
+    borrows tp halved ep 2 x tp 2's moe_aux_loss."""
     assert_same_moe_training(moe_runs.records(name), moe_runs.records(reference), f"{name} vs {reference}")
 
 
