@@ -63,6 +63,7 @@ def _worker(rank: int, port: int, skewed: bool, dtype: torch.dtype, out_dir: str
     torch.save((out.detach(), x.grad, weights.grad, grads), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # neither rank leaves while the other still talks to it (gloo aborts a rank whose peer left)
     dist.destroy_process_group()
+    os._exit(0)  # no C++ static teardown: a communication thread destroyed at exit can abort the process
 
 
 @pytest.mark.distributed
