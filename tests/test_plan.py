@@ -382,6 +382,30 @@ def test_plan_json_keys_and_order(capsys):
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_plan_rows_carry_the_config_keys_that_realise_them(capsys, tmp_path):
+    """A MoE plan's best row, its ``config`` keys as written into a training config, loads as a TrainConfig
+    and describes the same layout (the engine's own description of it equals the row's)."""
+    from qwen3_pretrain.config.loader import from_dict
+    from qwen3_pretrain.train.config import TrainConfig
+    from qwen3_pretrain.train.engine import engine_layout, resolve_parallelism
+
+    assert plan_main(["--model", "qwen3-30b-a3b", "--nodes", "2", "--devices-per-node", "8", "--seq-length", "4096",
+                      "--global-batch-size", "256", "--json", "--top", "3"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert any(r["ep"] > 1 for r in rows)  # the search tries expert parallelism for a MoE model
+    for row in rows:
+        keys = row["config"]
+        cfg = from_dict(TrainConfig, {"model_name": "qwen3-30b-a3b", "data_path": str(tmp_path),
+                                      "output_path": str(tmp_path / "out"), **keys}, source="plan row")
+        par = resolve_parallelism(cfg, keys["rank_size"], get_preset("qwen3-30b-a3b"))
+        lay = engine_layout(cfg, par, 4096, "cuda", fp32_matmul=False)
+        assert (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.micro_batch_size, lay.gradient_accumulation_steps,
+                lay.activation_checkpointing) == (row["tp"], row["pp"], row["dp"], row["cp"], row["ep"],
+                                                  row["micro_batch_size"], row["gradient_accumulation_steps"],
+                                                  row["activation_checkpointing"])
+        assert lay.global_batch_size == row["global_batch_size"] == 256
+
+
 def test_plan_reads_the_training_config(tmp_path, capsys):
     conf = tmp_path / "pretrain_config.yaml"
     conf.write_text("model_name: qwen3-8b\nmodel_path: /nowhere\nrank_size: 8\ntp: 4\npp: 2\nseq_length: 8192\n"

@@ -63,7 +63,24 @@ class Candidate:
             "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.comm_bytes_per_axis.items()},
             "dp_comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.dp_bytes_per_group.items()},
             "cross_node_gb_per_step": round(self.step.cross_node_bytes / 1e9, 3),
+            "config": self.config_keys(),
         }
+
+    def config_keys(self) -> dict[str, Any]:
+        """The training config keys (pretrain_config.yaml) that realise this layout on its cluster."""
+        lay = self.layout
+        keys: dict[str, Any] = {
+            "rank_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep,
+            "batch_size": lay.micro_batch_size, "gradient_accumulation_steps": lay.gradient_accumulation_steps,
+            "seq_length": lay.seq_length, "mixed_precision": lay.mixed_precision,
+            "activation_checkpointing": lay.activation_checkpointing,
+            "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.dp_shard,
+            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch}
+        if lay.pp > 1:
+            keys.update(pp_schedule=lay.pp_schedule, pp_microbatch_size=lay.pp_microbatch_size)
+            if lay.pp_schedule == "interleaved":
+                keys["pp_virtual_stages"] = lay.virtual_stages
+        return keys
 
 
 def build_parser() -> argparse.ArgumentParser:
