@@ -99,23 +99,28 @@ def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, head
     fused kernel keeps 16 fp32 softmax statistics per head and token instead
     of one, not modelled). With ``d`` the activation dtype's bytes:
 
-    * RMSNorm (attention and MLP): its fp32 input (4) and normalized input (d)
-      per element, on the sequence shard: ``2 (4 + d) h / t``;
+    * RMSNorm (attention and MLP, ``models/ops/norm.py``): its input, on the
+      sequence shard: ``2 d h / t``;
     * the all-gathered norm outputs the q/k/v and gate/up matmuls save: ``2 d h``
       (the whole sequence: DTensor keeps the gathered tensor, unlike
       Megatron's re-gather in backward);
-    * q and k: their norm's fp32 input (4) and normalized value (d), and the
-      rotated value SDPA saves (d): ``(4 + 2d)(q + kv) / t``; v: ``d kv / t``;
+    * q and k: their norm's input and the rotated value SDPA saves:
+      ``2 d (q + kv) / t``; v: ``d kv / t``;
     * SDPA output (o_proj's input): ``d q / t``; its fp32 log-sum-exp: ``4 heads / t``;
-    * SwiGLU: gate, up, SiLU(gate) and the product (down's input): ``4 d f / t``;
-    * fp32 ``rsqrt`` of every norm: ``4 (2 + heads + kv_heads) / t``.
+    * SwiGLU (``models/ops/swiglu.py``): gate and up, and their product (down's
+      input): ``3 d f / t``;
+    * fp32 reciprocal root of every norm: ``4 (2 + heads + kv_heads) / t``.
+
+    Megatron-core's fused layer keeps the same list less the q/k norms (its GPT
+    has none) and the re-gathered norm outputs (34 h per token in bf16,
+    [SP, Table 2]); for Qwen3-8B in bf16 at t = 1 this is 137,512 bytes, 33.6 h.
 
     With ``fp32_matmul`` (bf16 attention run on fp32 copies, on a CPU) SDPA
     saves its q, k, v and output in fp32: ``(4 - d)(q + 2 kv) + 4 q`` more.
     """
     d = dtype_bytes
-    sharded = ((8 + 2 * d) * hidden + (4 + 2 * d) * (q_out + kv_out) + d * kv_out + d * q_out
-               + 4 * heads + 4 * d * intermediate + 4 * (2 + heads + kv_heads))
+    sharded = (2 * d * hidden + 2 * d * (q_out + kv_out) + d * kv_out + d * q_out
+               + 4 * heads + 3 * d * intermediate + 4 * (2 + heads + kv_heads))
     if fp32_matmul and d < 4:
         sharded += (4 - d) * (q_out + 2 * kv_out) + 4 * q_out
     return sharded / t + 2 * d * hidden
@@ -146,12 +151,12 @@ def qwen3_mlp_saved_bytes_per_token(hidden: int, intermediate: int, t: int = 1, 
     """The part of the layer's saved bytes that MLP recompute (``activation_checkpointing: mlp``) drops.
 
     MLP recompute checkpoints each layer's MLP block
-    (gate, up, SiLU, product, down): the four ``f``-wide tensors go, and the
-    all-gathered MLP input is replaced by its sequence shard, which the
+    (gate, up, SiLU, product, down): the three ``f``-wide tensors it keeps go,
+    and the all-gathered MLP input is replaced by its sequence shard, which the
     checkpoint keeps to re-gather in backward.
     """
     d = dtype_bytes
-    return 4 * d * intermediate / t + d * hidden - d * hidden / t
+    return 3 * d * intermediate / t + d * hidden - d * hidden / t
 
 
 def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int, top_k: int,
@@ -168,8 +173,8 @@ def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int
     * dispatch: three int64 index vectors over the pairs (the sort order, the
       pairs' tokens, the way back: ``24 k``), the pairs' weights in ``d``
       (``d k``) and the permuted tokens (``d k h``);
-    * experts: gate, up, SiLU(gate), their product and the weighted product
-      (the down projection's input), ``5 d k I``.
+    * experts: gate and up (SwiGLU keeps only those, ``models/ops/swiglu.py``)
+      and the weighted product (the down projection's input), ``3 d k I``.
 
     The block runs whole on every tensor-parallel rank (``parallel/parallelize.py``),
     so nothing here is divided by ``t``; the expert counts (``E`` integers per
@@ -177,7 +182,7 @@ def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int
     """
     d, k = dtype_bytes, top_k
     router = 4 * experts + 8 * k + (4 * k + 4 if norm_topk_prob else 0)
-    return router + 24 * k + d * k + d * k * hidden + 5 * d * k * intermediate
+    return router + 24 * k + d * k + d * k * hidden + 3 * d * k * intermediate
 
 
 def qwen3_backward_working_bytes_per_token(hidden: int, intermediate: int, t: int = 1,

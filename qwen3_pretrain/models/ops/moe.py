@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen3_pretrain.models.ops.swiglu import swiglu
+
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,8 +67,7 @@ class ExpertLoop:
         # Every expert's run, empty ones too: an expert parallel rank that receives no pair must still take
         # part in backward (its all-to-alls, its experts' zero gradients), so the output keeps the graph.
         for e, (run, w) in enumerate(zip(torch.split(tokens, sizes), torch.split(weights, sizes))):
-            h = F.silu(self.linear(run, gate[e])) * self.linear(run, up[e])
-            outs.append(self.linear(h * w, down[e]))
+            outs.append(self.linear(swiglu(self.linear(run, gate[e]), self.linear(run, up[e]), w), down[e]))
         return torch.cat(outs)
 
     def sizes(self, counts: torch.Tensor, num_tokens: int) -> list[int]:
@@ -82,9 +83,9 @@ class GroupedMM:
 
     def __call__(self, tokens, counts, weights, gate, up, down):
         offsets = counts.cumsum(0).to(torch.int32)
-        h = F.silu(_grouped(tokens, gate, offsets)) * _grouped(tokens, up, offsets)
+        h = swiglu(_grouped(tokens, gate, offsets), _grouped(tokens, up, offsets), weights)
         # Its backward needs a dense gradient (an expanded one has zero strides): hand it one.
-        return _DenseGrad.apply(_grouped(h * weights, down, offsets))
+        return _DenseGrad.apply(_grouped(h, down, offsets))
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

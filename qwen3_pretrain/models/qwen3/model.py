@@ -29,12 +29,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver
+from qwen3_pretrain.models.ops.norm import rms_norm
+from qwen3_pretrain.models.ops.swiglu import swiglu
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 
@@ -102,10 +103,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -168,7 +166,7 @@ class MLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMLP(MoE):
@@ -243,7 +241,7 @@ class Qwen3Model(nn.Module):
 
     def _head(self, cfg: Qwen3Config, options: ModelOptions) -> nn.Module:
         """The LM head: a plain projection to logits, or the fused-loss head; tied to the embedding's weight
-        (``TIED_HEAD``) where the config ties them and this part holds the embedding. A tied head on a
+        (``TIED_ALIASES``) where the config ties them and this part holds the embedding. A tied head on a
         pipeline stage without the embedding has a weight of its own, kept equal to it from outside."""
         tied = cfg.tie_word_embeddings and self.embed_tokens is not None
         loss = options.loss_head
