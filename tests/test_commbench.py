@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_pretrain.cli import run_command
-from qwen3_pretrain.plan.commbench import parse_sizes, summarize
+from qwen3_pretrain.plan.commbench import axis_meshes, parse_sizes, summarize
 from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +41,20 @@ def test_two_gloo_processes_measure_the_tp_axis_and_plan_reads_it(tmp_path, caps
                                                         "--top", "1"]) == 0
     bw = report["summary"]["intra_node_gbps"]
     assert f"links {bw:g} GB/s intra" in capsys.readouterr().out
+
+
+def test_the_timed_groups_are_the_training_meshs():
+    """tp, dp and pp are ParallelDims' groups: tp innermost, then the dp ranks (FSDP's group), pp outermost."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        meshes = axis_meshes(8, tp=2, pp=2, device_type="cpu")
+        assert {a: dist.get_process_group_ranks(m.get_group()) for a, m in meshes.items()} == \
+            {"tp": [4, 5], "dp": [5, 7], "pp": [1, 5]}
+    finally:
+        dist.destroy_process_group()
 
 
 def test_sizes_parse_in_binary_units():

@@ -1,8 +1,9 @@
 """``qwen3-pretrain commbench``: latency and bandwidth of collectives on each axis of the training mesh.
 
-Builds the ``(pp, dp, tp)`` mesh of the training engine from ``--tp`` and
-``--pp`` (``dp`` is what is left of the world) and times, on every axis of
-more than one rank, all-reduce, all-gather, reduce-scatter and a ring of
+Builds the training engine's mesh (``parallel/dims.py::ParallelDims``) from
+``--tp`` and ``--pp`` (``dp`` is what is left of the world, every dp rank in
+one FSDP group) and times, on its ``tp``, ``dp`` and ``pp`` groups of more
+than one rank, all-reduce, all-gather, reduce-scatter and a ring of
 point-to-point send/recv over a range of message sizes. Bandwidths follow
 nccl-tests' conventions: algorithm bandwidth = bytes / time, bus bandwidth =
 algorithm bandwidth x (2(n-1)/n for all-reduce, (n-1)/n for all-gather and
@@ -25,12 +26,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.parallel import env, launch
+from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -81,10 +83,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     return ops
 
 
-def build_mesh(world: int, tp: int, pp: int, device_type: str) -> DeviceMesh:
-    if world % (tp * pp):
-        raise UserError(f"tp x pp = {tp} x {pp} does not divide the world of {world} processes")
-    return init_device_mesh(device_type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+def axis_meshes(world: int, tp: int, pp: int, device_type: str) -> dict[str, DeviceMesh]:
+    """The groups training talks over, as the engine builds them: tp, dp (FSDP's) and pp."""
+    dims = ParallelDims.resolve(world_size=world, tp=tp, pp=pp)
+    mesh = dims.build_mesh(device_type)
+    return {"tp": mesh["tp"], "dp": dims.dp_mesh(mesh), "pp": mesh["pp"]}
 
 
 # --- timing -------------------------------------------------------------------------
@@ -130,14 +133,15 @@ def _time(run: Callable[[], None], iters: int, device: torch.device) -> float:
     return float(elapsed)
 
 
-def _axis_is_intra_node(mesh: DeviceMesh, axis: str, hosts: list[str]) -> bool:
-    ranks = dist.get_process_group_ranks(mesh[axis].get_group())
+def _axis_is_intra_node(mesh: DeviceMesh, hosts: list[str]) -> bool:
+    ranks = dist.get_process_group_ranks(mesh.get_group())
     return len({hosts[r] for r in ranks}) == 1
 
 
-def bench_axis(mesh: DeviceMesh, axis: str, ops: list[str], sizes: list[int], iters: int,
+def bench_axis(mesh: DeviceMesh, ops: list[str], sizes: list[int], iters: int,
                device: torch.device) -> list[dict[str, Any]]:
-    group, rows = mesh[axis].get_group(), []
+    """Every op and size on the group of 1-D ``mesh``."""
+    group, rows = mesh.get_group(), []
     n = dist.get_world_size(group)
     for op in ops:
         for nbytes in sizes:
@@ -172,18 +176,18 @@ def run_bench(args: argparse.Namespace, ops: list[str]) -> dict[str, Any] | None
     """Time every axis; rank 0 returns the report (other ranks None)."""
     device = env.pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
     world = dist.get_world_size()
-    mesh = build_mesh(world, args.tp, args.pp, device.type)
+    meshes = axis_meshes(world, args.tp, args.pp, device.type)
     hosts: list[str] = [""] * world
     dist.all_gather_object(hosts, socket.gethostname())
     axes = {}
-    for axis in ("tp", "dp", "pp"):
-        if mesh[axis].size() > 1:
-            axes[axis] = {"size": mesh[axis].size(), "intra_node": _axis_is_intra_node(mesh, axis, hosts),
-                          "results": bench_axis(mesh, axis, ops, parse_sizes(args.sizes), args.iters, device)}
+    for axis, mesh in meshes.items():
+        if mesh.size() > 1:
+            axes[axis] = {"size": mesh.size(), "intra_node": _axis_is_intra_node(mesh, hosts),
+                          "results": bench_axis(mesh, ops, parse_sizes(args.sizes), args.iters, device)}
     if dist.get_rank() != 0:
         return None
     return {"world_size": world, "backend": dist.get_backend(), "device": device.type,
-            "mesh": {"pp": args.pp, "dp": world // (args.tp * args.pp), "tp": args.tp},
+            "mesh": {axis: meshes[axis].size() for axis in ("pp", "dp", "tp")},
             "nodes": len(set(hosts)), "axes": axes, "summary": summarize(axes)}
 
 

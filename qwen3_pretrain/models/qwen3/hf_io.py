@@ -38,12 +38,11 @@ from safetensors.torch import save_file
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD
-from qwen3_pretrain.models.qwen3.model import Qwen3Model
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
 NAME_TABLE: list[tuple[str, str]] = [
-    ("embed_tokens.weight", "model.embed_tokens.weight"),
+    (EMBEDDING, f"model.{EMBEDDING}"),  # the vocabulary tensors (model.py names them): HF nests the embedding
     ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
     ("layers.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
     ("layers.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
@@ -58,7 +57,7 @@ NAME_TABLE: list[tuple[str, str]] = [
     ("layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),  # a MoE layer's router
     ("layers.{i}.mlp.experts.down_proj", "model.layers.{i}.mlp.experts.down_proj"),  # packed (read only)
     ("norm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
+    (HEAD, HEAD),  # ... under "model.", not the head
 ]
 
 CONFIG_FILE = "config.json"
@@ -143,13 +142,13 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     e, moe_inter = config.num_experts, config.moe_intermediate_size
     sparse = {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj": (e, moe_inter, h),
               "mlp.experts.up_proj": (e, moe_inter, h), "mlp.experts.down_proj": (e, h, moe_inter)}
-    shapes = {"embed_tokens.weight": (config.vocab_size, h)}
+    shapes = {EMBEDDING: (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         mlp = sparse if config.is_sparse_layer(i) else dense
         shapes.update({f"layers.{i}.{name}": shape for name, shape in {**layer, **mlp}.items()})
     shapes["norm.weight"] = (h,)
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes[HEAD] = (config.vocab_size, h)
     return shapes
 
 
@@ -352,7 +351,7 @@ class HFCheckpointReader:
                 raise UserError(f"{self.file_of(name)}: tensor {self.hf_name(name)!r} has shape {list(found)}, "
                                 f"expected {list(shape)} from {CONFIG_FILE}")
         if tied_head in self._stored and not torch.equal(self.read(tied_head), self.read(EMBEDDING)):
-            raise UserError(f"{self.file_of(tied_head)}: 'lm_head.weight' differs from the embedding but "
+            raise UserError(f"{self.file_of(tied_head)}: {self.hf_name(tied_head)!r} differs from the embedding but "
                             f"{CONFIG_FILE} says tie_word_embeddings=true; set it to false to keep a separate head")
 
     def close(self) -> None:
