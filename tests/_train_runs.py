@@ -31,6 +31,10 @@ LAYOUTS = {
     "dp2-reduce-every-microbatch": (2, ["batch_size=1", "gradient_accumulation_steps=2",
                                         "reduce_grads_every_microbatch=true"]),
     "tp2-pp2-dp2": (8, ["tp=2", "pp=2", "batch_size=2"]),
+    # Megatron's accumulation: weights gathered once per step, gradients reduced once
+    "dp2-keep-params-gathered": (2, ["batch_size=1", "gradient_accumulation_steps=2", "keep_params_gathered=true"]),
+    "pp2-dp2-keep-params-gathered": (4, ["pp=2", "batch_size=1", "gradient_accumulation_steps=2",
+                                         "keep_params_gathered=true"]),
     # HSDP: 2 replicas of 2 shards, each micro-batch's gradients reduce-scattered in the shard group and
     # all-reduced across replicas; global batch 8, against the one-process run of the same batch
     "dp4-hsdp2-reduce-every-microbatch": (4, ["batch_size=1", "gradient_accumulation_steps=2", "dp_shard=2",
@@ -50,6 +54,9 @@ LAYOUTS = {
     "single-bf16": (1, ["batch_size=1", "gradient_accumulation_steps=4", "mixed_precision=bf16"]),
     "dp2-bf16": (2, ["batch_size=1", "gradient_accumulation_steps=2", "mixed_precision=bf16"]),
     "pp2-bf16": (2, ["pp=2", "gradient_accumulation_steps=2", "mixed_precision=bf16"]),
+    "dp2-bf16-grads-keep-params-gathered": (2, ["batch_size=1", "gradient_accumulation_steps=2",
+                                                "mixed_precision=bf16", "grad_reduce_dtype=bf16",
+                                                "keep_params_gathered=true"]),
 }
 
 

@@ -25,7 +25,8 @@ def test_single_process_matches_a_plain_transformers_loop(layout_runs):
 
 
 FP32_LAYOUTS = ["tp2", "pp2-1f1b", "pp2-interleaved", "pp2-gpipe", "dp2-distributed-optimizer", "dp2-replicated",
-                "dp2-reduce-every-microbatch", "tp2-pp2-dp2"]
+                "dp2-reduce-every-microbatch", "tp2-pp2-dp2", "dp2-keep-params-gathered",
+                "pp2-dp2-keep-params-gathered"]
 
 
 @pytest.mark.distributed
@@ -62,7 +63,7 @@ BF16_GRAD_RTOL = 2e-2
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["dp2-bf16", "pp2-bf16"])
+@pytest.mark.parametrize("name", ["dp2-bf16", "pp2-bf16", "dp2-bf16-grads-keep-params-gathered"])
 def test_bf16_layout_matches_single_process(name, layout_runs):
     """bf16 (the default precision) under dp 2 and pp 2 against one process in bf16.
 

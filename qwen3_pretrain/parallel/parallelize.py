@@ -120,23 +120,29 @@ class AllReduceScatter:
 
 
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
-               reduce_scatter_device: str | None = None, experts_mesh: DeviceMesh | None = None) -> None:
+               reduce_scatter_device: str | None = None, experts_mesh: DeviceMesh | None = None,
+               keep_params_gathered: bool = False, grad_reduce_dtype: str = "fp32") -> None:
     """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
     the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
     root. The embedding is a unit of its own so that it is gathered only around its own forward and
     backward, not for the whole backward pass as part of the root. Under expert parallelism a MoE layer's
-    experts are a unit of their own, sharded over ``experts_mesh`` (the data-parallel ranks ep leaves)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+    experts are a unit of their own, sharded over ``experts_mesh`` (the data-parallel ranks ep leaves).
+    ``keep_params_gathered``: no unit frees its weights after forward (the engine keeps them gathered
+    after backward too, until the step's last micro-batch: Megatron's accumulation). Under bf16 gradients
+    accumulate and are reduced in ``grad_reduce_dtype``; the reduced shards are fp32 like the weights."""
+    reduce_dtype = torch.bfloat16 if grad_reduce_dtype == "bf16" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     tied_head = isinstance(model.lm_head, TiedLMHead)
+    free = not keep_params_gathered
     if model.embed_tokens is not None:
         # A tied head applies the embedding's weight in the loss: it stays gathered from the
         # embedding's forward to its backward, the end of the step, and both gradients meet there.
-        fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not tied_head)
+        fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free and not tied_head)
     for unit in model.layers.values():
         if experts_mesh is not None and isinstance(unit.mlp, MoE):
-            fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp)
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=free)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free)
     if model.lm_head is not None and not tied_head:
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -157,9 +163,10 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, mixed_precision: str,
                       compile_layers: bool = False, reduce_scatter_device: str | None = None,
-                      expert_meshes: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
+                      expert_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
+                      keep_params_gathered: bool = False, grad_reduce_dtype: str = "fp32") -> None:
     """Tensor parallelism, expert parallelism (``expert_meshes``: ParallelDims.expert_meshes, for ep > 1),
-    per-layer compilation and FSDP, in that order, on a stage built by ``build_stage``."""
+    per-layer compilation and FSDP (``apply_fsdp``), in that order, on a stage built by ``build_stage``."""
     if mesh["tp"].size() > 1:
         # with expert parallelism a MoE layer takes each tp rank's share of the sequence (ep borrows tp)
         apply_tensor_parallel(model, mesh["tp"], moe_local_tokens=expert_meshes is not None)
@@ -170,7 +177,7 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
         for layer in model.layers.values():
             layer.compile()
     apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
-               expert_meshes[1] if expert_meshes is not None else None)
+               expert_meshes[1] if expert_meshes is not None else None, keep_params_gathered, grad_reduce_dtype)
 
 
 @torch.no_grad()

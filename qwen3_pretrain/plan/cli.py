@@ -35,7 +35,8 @@ CONFIG_KEYS: dict[str, Any] = {
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
-    "reduce_grads_every_microbatch": bool, "dp_shard": int | None,
+    "reduce_grads_every_microbatch": bool, "keep_params_gathered": bool, "grad_reduce_dtype": str,
+    "dp_shard": int | None,
 }
 
 
@@ -54,7 +55,9 @@ class Candidate:
             "gradient_accumulation_steps": lay.gradient_accumulation_steps,
             "activation_checkpointing": lay.activation_checkpointing,
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.shards,
-            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch, "memory_gib": self.memory.gib(),
+            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch,
+            "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype,
+            "memory_gib": self.memory.gib(),
             "bubble_fraction": round(self.step.bubble_fraction, 4), "step_time_s": round(self.step.step_time_s, 4),
             "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
             "mfu": round(self.step.mfu, 4), "fits": self.fits,
@@ -75,7 +78,8 @@ class Candidate:
             "seq_length": lay.seq_length, "mixed_precision": lay.mixed_precision,
             "activation_checkpointing": lay.activation_checkpointing,
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.dp_shard,
-            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch}
+            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch,
+            "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype}
         if lay.pp > 1:
             keys.update(pp_schedule=lay.pp_schedule, pp_microbatch_size=lay.pp_microbatch_size)
             if lay.pp_schedule == "interleaved":
@@ -115,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "replicate across them; must divide dp (default: all dp ranks)")
     lay.add_argument("--reduce-grads-every-microbatch", action=argparse.BooleanOptionalAction, default=None,
                      help="with gradient accumulation and pp 1: keep only sharded gradients between micro-batches")
+    lay.add_argument("--keep-params-gathered", action=argparse.BooleanOptionalAction, default=None,
+                     help="Megatron's accumulation: weights gathered once per step and kept through its "
+                          "micro-batches, gradients reduced once (default: both searched)")
+    lay.add_argument("--grad-reduce-dtype", choices=PRECISIONS,
+                     help="what gradients accumulate and are reduced in under bf16 (default fp32)")
     lay.add_argument("--mixed-precision", choices=PRECISIONS)
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
@@ -206,13 +215,14 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"), "ep": conf.get("ep"),
              "micro_batch_size": conf.get("batch_size"),
              "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer"),
-             "dp_shard": conf.get("dp_shard")}
+             "dp_shard": conf.get("dp_shard"), "keep_params_gathered": conf.get("keep_params_gathered")}
     fixed.update({k: v for k, v in (("tp", args.tp), ("pp", args.pp), ("dp", args.dp), ("cp", args.cp),
                                     ("ep", args.ep),
                                     ("micro_batch_size", args.micro_batch_size),
                                     ("activation_checkpointing", args.activation_checkpointing),
                                     ("distributed_optimizer", args.distributed_optimizer),
-                                    ("dp_shard", args.dp_shard)) if v is not None})
+                                    ("dp_shard", args.dp_shard),
+                                    ("keep_params_gathered", args.keep_params_gathered)) if v is not None})
     fixed = {k: v for k, v in fixed.items() if v is not None}
     def pick(flag: Any, key: str, default: Any) -> Any:
         return flag if flag is not None else conf.get(key, default)
@@ -229,6 +239,7 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         device_type=get_device(args.device).device_type,
         reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
                                            False),
+        grad_reduce_dtype=pick(args.grad_reduce_dtype, "grad_reduce_dtype", "fp32"),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 
@@ -265,13 +276,17 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any], seq_l
 
 
 def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Cluster) -> list[Candidate]:
-    """Predictions for every layout, fitting ones first, then by throughput (then by memory)."""
+    """Predictions for every layout, fitting ones first, then by throughput to three digits (the model's
+    precision), then by the bytes moved per step (what an overlap that falls short costs), those crossing
+    nodes, then memory."""
     limit = hw.memory_gib * GiB
     out = []
     for layout in layouts:
         memory = predict_memory(cfg, layout, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB)
         out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), memory.total <= limit))
-    return sorted(out, key=lambda c: (not c.fits, -c.step.tokens_per_sec_per_device, c.memory.total))
+    return sorted(out, key=lambda c: (not c.fits, -float(f"{c.step.tokens_per_sec_per_device:.3g}"),
+                                      sum(c.step.comm_bytes_per_axis.values()), c.step.cross_node_bytes,
+                                      c.memory.total))
 
 
 def search(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
@@ -289,6 +304,12 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
         fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
         if fitting:
             return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
+                    + _describe(fitting[0]))
+    if base.grad_bytes == 4 and base.mixed_precision == "bf16":
+        fitting = [c for c in search(cfg, cluster, base.replace(grad_reduce_dtype="bf16"), fixed, hw,
+                                     global_batch_size) if c.fits]
+        if fitting:
+            return ("with gradients accumulated and reduced in bf16 (--grad-reduce-dtype bf16) it fits, e.g. "
                     + _describe(fitting[0]))
     relaxations = [("activation_checkpointing", "recompute (drop --activation-checkpointing)"),
                    ("micro_batch_size", "a smaller micro-batch (drop --micro-batch-size)"),
@@ -312,11 +333,20 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
     return "no layout fits even on 64x the nodes; choose a smaller model or a device with more memory"
 
 
+def _dp_mode(lay: Layout) -> str:
+    """How the data-parallel ranks hold the weights and reduce the gradients: ``replica`` (no distributed
+    optimizer), ``fsdp`` (gathered per unit and micro-batch), ``gathered`` (once per step, Megatron's); ``/mb``
+    where gradients are reduced every micro-batch."""
+    mode = "replica" if not lay.distributed_optimizer else "gathered" if lay.keep_params_gathered else "fsdp"
+    return mode + ("/mb" if lay.reduce_grads_every_microbatch and lay.pp == 1 else "")
+
+
 def _describe(c: Candidate) -> str:
     lay = c.layout
     shard = f" dp_shard {lay.shards}" if lay.replicas > 1 and lay.shards > 1 else ""
     ep = f" ep {lay.ep}" if lay.ep > 1 else ""
-    return (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}{shard}{ep} micro-batch {lay.micro_batch_size} "
+    kept = " weights kept gathered" if lay.keep_params_gathered else ""
+    return (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}{shard}{ep}{kept} micro-batch {lay.micro_batch_size} "
             f"recompute {lay.activation_checkpointing} at {c.memory.total / GiB:.1f} GiB")
 
 
@@ -331,7 +361,7 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
         f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
         "",
-        " #  tp cp pp dp shard ep  mbs gas recompute dist-opt | params  grads  optim    act logits    ovh |  total fits "
+        " #  tp cp pp dp shard ep  mbs gas recompute dp-mode  | params  grads  optim    act logits    ovh |  total fits "
         "| bubble  step s tok/s/dev   MFU | comm GB tp/cp/pp/ep/dp cross-node",
     ]
     for i, c in enumerate(candidates[:top], 1):
@@ -341,7 +371,7 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
             f"{i:2d} {lay.tp:3d} {lay.cp:2d} {lay.pp:2d} {lay.dp:2d} {lay.shards:5d} {lay.ep:2d} "
             f"{lay.micro_batch_size:4d} "
             f"{lay.gradient_accumulation_steps:3d} "
-            f"{lay.activation_checkpointing:9s} {'yes' if lay.distributed_optimizer else 'no':8s} |"
+            f"{lay.activation_checkpointing:9s} {_dp_mode(lay):8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))
             + f" | {gib['total']:6.2f} {'yes' if c.fits else 'NO':4s} | {step.bubble_fraction:6.1%} "

@@ -15,6 +15,7 @@ samples is cut into pipeline micro-batches of ``pp_microbatch_size``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -51,7 +52,12 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (used by the interleaved schedule only)
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM head + cross-entropy
     pp_microbatch_size: int = 1  # samples per pipeline micro-batch
-    reshard_after_forward: bool = True  # FSDP frees gathered weights after each layer's forward
+    # Megatron's accumulation: weights gathered once per step and kept through its micro-batches (FSDP frees
+    # them after each unit's forward and backward otherwise)
+    keep_params_gathered: bool = False
+    # what gradients accumulate across micro-batches and are reduced in under bf16 (fp32: FSDP's and Megatron's
+    # --accumulate-allreduce-grads-in-fp32; bf16: half the bytes, rounded sums)
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
     document_mask: bool = False  # attention kept within each packed document
     # The device type the engine runs on: its attention kernel (models/qwen3/attention_calls.py) and what
@@ -82,6 +88,7 @@ class Layout:
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, PRECISIONS)
 
     @property
     def attention_kernel(self) -> str:
@@ -112,6 +119,11 @@ class Layout:
     def replicas(self) -> int:
         """Copies of each shard, all-reduced once per gradient reduction (1: plain FSDP)."""
         return self.dp * self.cp // self.shards
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the gradients FSDP accumulates unsharded and reduces."""
+        return 2 if self.grad_reduce_dtype == "bf16" and self.mixed_precision == "bf16" else 4
 
     @property
     def accumulates_unsharded(self) -> bool:
@@ -352,15 +364,24 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
                 if dist_opt is False and layout.dp == 1 and "distributed_optimizer" not in fixed:
                     continue  # identical to True on one data-parallel rank
                 for shard in shard_choices if dist_opt else [fixed.get("dp_shard")]:
-                    for ep in _ep_choices(cfg, fixed):
+                    for ep, keep in itertools.product(_ep_choices(cfg, fixed), _keep_choices(dist_opt, fixed)):
                         try:
                             candidate = layout.replace(micro_batch_size=mbs, gradient_accumulation_steps=gas,
                                                        activation_checkpointing=ac, distributed_optimizer=dist_opt,
-                                                       dp_shard=shard, ep=ep)
+                                                       dp_shard=shard, ep=ep, keep_params_gathered=keep)
                             check_model_fits_layout(cfg, candidate)
                         except UserError:
                             continue
+                        if keep and candidate.shards == 1 and "keep_params_gathered" not in fixed:
+                            continue  # nothing is sharded: the same layout as without
                         yield candidate
+
+
+def _keep_choices(distributed_optimizer: bool, fixed: dict[str, object]) -> list[bool]:
+    """Whether weights stay gathered through a step: the fixed choice; else both where they are sharded."""
+    if "keep_params_gathered" in fixed:
+        return [bool(fixed["keep_params_gathered"])]
+    return [False, True] if distributed_optimizer else [False]
 
 
 def _ep_choices(cfg: Qwen3Config, fixed: dict[str, object]) -> list[int]:

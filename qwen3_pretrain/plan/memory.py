@@ -321,7 +321,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     d, m = layout.dtype_bytes, layout.num_microbatches
     shard = layout.shards
     master, sharded_grads, adam = 4 * sp.total / shard, 4 * sp.total / shard, 8 * sp.total / shard
-    resident = layout.pp > 1 or not layout.reshard_after_forward
+    resident = layout.pp > 1 or layout.keep_params_gathered
 
     def gathered(*units: float) -> float:
         return master + d * (sp.held if resident else sum(units))
@@ -334,11 +334,13 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     def gathering(unit: float) -> float:
         return 0.0 if resident else d * unit * (1 + (1 / shard if copies else 0))
 
+    g = layout.grad_bytes
+
     def unit_grad(unit: float) -> float:
-        return ((d if cast else 0) + (4 if shard > 1 else 0)) * unit
+        return ((d if cast else 0) + (g if shard > 1 else 0)) * unit
 
     inflight = F.inflight_microbatches(layout.pp_schedule, layout.pp, shape.stage, m, layout.stages_per_rank)
-    accumulated = 4 * sp.held if layout.accumulates_unsharded else 0.0
+    accumulated = g * sp.held if layout.accumulates_unsharded else 0.0
     # Earlier micro-batches' gradients coexist with the peak activations once a steady state exists:
     # unsharded, or already reduced to their shards when that happens every micro-batch.
     before = (accumulated or sharded_grads) if m > inflight else 0.0
@@ -348,7 +350,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         head_weight, head_grad, head_copy, root_gathering = sp.root, d * sp.root, 0.0, 0.0
     else:
         head_weight, root_gathering = sp.head, gathering(sp.root)
-        head_grad = 0.0 if accumulated and before else 4 * sp.head * (1 if accumulated else 1 / shard)
+        head_grad = 0.0 if accumulated and before else sp.head * (g if accumulated else 4 / shard)
         head_copy = d * sp.head if copies else 0.0
     held = _held_activations(cfg, layout, shape)
     step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
@@ -375,7 +377,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     }
     if layout.pp > 1:
         del moments["last layer backward"]  # the schedule reduces after the last backward (``_pipelined``)
-    if layout.pp > 1 and layout.reshard_after_forward:
+    if layout.pp > 1 and not layout.keep_params_gathered:
         _pipelined(moments, cfg, layout, shape, head_weight, head_grad, accumulated or sharded_grads)
     return moments
 
@@ -412,7 +414,7 @@ def _pipelined(moments: dict[str, dict[str, float]], cfg: Qwen3Config, layout: L
     if shard > 1 and layout.accumulates_unsharded:
         big = max(sp.layer if shape.num_layers else 0.0, sp.root, sp.head)
         moments["end of backward"].update(parameters=master + d * (sp.held - big),
-                                          gradients=accumulated + 4 * big * (1 + 1 / shard))
+                                          gradients=accumulated + layout.grad_bytes * big * (1 + 1 / shard))
 
 
 def _stage_breakdown(cfg: Qwen3Config, layout: Layout, shape: StageShape, overhead_fraction: float,

@@ -231,9 +231,9 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
         if group > 1:
             for params, gathers in units:
                 calls += [("dp_shard", "all_gather", layout.dtype_bytes * params, group)] * gathers
-            calls += [("dp_shard", "reduce_scatter", 4.0 * held, group)] * reductions
+            calls += [("dp_shard", "reduce_scatter", layout.grad_bytes * held, group)] * reductions
         if replicas > 1:
-            calls += [("dp_replicate", "all_reduce", 4.0 * held / group, replicas)] * reductions
+            calls += [("dp_replicate", "all_reduce", layout.grad_bytes * held / group, replicas)] * reductions
     return calls
 
 
@@ -249,14 +249,17 @@ def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp, experts: f
     gathered after its backward until the step ends, so a forward right after a backward finds it
     gathered: of a stage's ``m`` forwards and ``m`` backwards, each forward after a forward gathers (the
     warm-up), each backward after a forward (one per micro-batch in the steady state, plus the first of
-    the cool-down) too: ``m + 1`` for the units freed after forward, once for the others.
+    the cool-down) too: ``m + 1`` for the units freed after forward, once for the others. With
+    ``keep_params_gathered`` every unit is gathered once per step.
     """
+    if layout.keep_params_gathered:  # every unit gathered at the step's first forward, freed at its end
+        return [(sp.held - experts, 1)], [(experts, 1)]
     embedding = cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_embedding and not sp.tied_head else 0.0
-    freed = sp.layers - experts + embedding if layout.reshard_after_forward else 0.0
+    freed = sp.layers - experts + embedding
     m = layout.num_microbatches
     again = 2 * m if layout.pp == 1 else m + 1
     kept = m if layout.pp == 1 else 1
-    expert_units = [(experts, again if layout.reshard_after_forward else kept)]
+    expert_units = [(experts, again)]
     return [(freed, again), (sp.held - experts - freed, kept)], expert_units
 
 

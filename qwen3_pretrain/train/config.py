@@ -90,6 +90,16 @@ class TrainConfig:
                "so each rank keeps only its fp32 gradient shard (4 bytes/parameter / dp instead of 4 bytes/"
                "parameter), at the cost of one reduce-scatter per micro-batch. False: accumulate unsharded, reduce "
                "once per step (the pipeline schedule always does).")
+    keep_params_gathered: bool = field_help(
+        False, "Megatron's accumulation (distributed optimizer): each step gathers the weights once and keeps "
+               "them through its micro-batches (2 bytes/parameter in bf16 held all step), gradients accumulate "
+               "unsharded, and are reduced once: one all-gather and one reduce-scatter per step instead of two "
+               "all-gathers per micro-batch. For gradient accumulation without recompute, where the bytes "
+               "moved per step bound the speed.")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = field_help(
+        "fp32", "With mixed_precision bf16: the dtype gradients accumulate in across micro-batches and are "
+                "reduced over the data-parallel ranks in. fp32 (Megatron's --accumulate-allreduce-grads-in-fp32); "
+                "bf16 halves the gradients held between micro-batches and the bytes reduced, with rounded sums.")
     pp_microbatch_size: int = field_help(1, "Samples per pipeline micro-batch; each rank's batch of batch_size x "
                                          "gradient_accumulation_steps samples is split into micro-batches of this.")
     activation_checkpointing: Literal[RECOMPUTE] | None = field_help(
@@ -206,6 +216,9 @@ class TrainConfig:
             raise ConfigError(f"dp_shard {self.dp_shard} shards weights, gradients and optimizer state, but "
                               "distributed_optimizer is false (full replicas); set distributed_optimizer true, or "
                               "drop dp_shard")
+        if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16":
+            raise ConfigError(f"grad_reduce_dtype bf16 needs mixed_precision bf16 (it is {self.mixed_precision}): "
+                              "set mixed_precision bf16, or grad_reduce_dtype fp32")
         if self.reduce_grads_every_microbatch and self.pp > 1:
             raise ConfigError("reduce_grads_every_microbatch needs pp 1: the pipeline schedule accumulates "
                               "gradients unsharded and reduces them once per step; set it to False")

@@ -151,7 +151,8 @@ class Engine:
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
                            experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
-                          reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes)
+                          reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes,
+                          keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype)
         if self.play_experts is not None:
             for module in part.modules():
                 if isinstance(module, GroupedExperts):
@@ -269,7 +270,11 @@ class Engine:
         total = torch.zeros((), device=self.device)
         part = self.parts[0]
         for i, mb in enumerate(batches):
-            part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or i == len(batches) - 1)
+            last = i == len(batches) - 1
+            part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or last)
+            # Megatron's accumulation: gathered once at the first forward, freed after the last backward
+            # (the pipeline schedule does the same for its stages)
+            part.set_reshard_after_backward(last or not self.cfg.keep_params_gathered)
             loss = self.loss_fn(part(self.tokens(mb, "input_ids"), self.positions(mb)), self.tokens(mb, "labels"))
             loss.backward()
             total += loss.detach()
@@ -340,4 +345,5 @@ def engine_layout(cfg: TrainConfig, parallelism: Parallelism, loss_chunk_tokens:
                   pp_microbatch_size=cfg.pp_microbatch_size, document_mask=cfg.document_mask,
                   device_type=device_type,
                   reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
+                  keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype,
                   optimizer_impl=optimizer_impl(device_type), fp32_matmul=fp32_matmul)
