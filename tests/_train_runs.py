@@ -31,6 +31,12 @@ LAYOUTS = {
     "dp2-reduce-every-microbatch": (2, ["batch_size=1", "gradient_accumulation_steps=2",
                                         "reduce_grads_every_microbatch=true"]),
     "tp2-pp2-dp2": (8, ["tp=2", "pp=2", "batch_size=2"]),
+    # compiled layers under tensor parallelism: alone, with FSDP and full recompute, with pp and MLP recompute
+    "tp2-compiled": (2, ["tp=2", "gradient_accumulation_steps=2", "compile=true"]),
+    "tp2-dp2-compiled-full": (4, ["tp=2", "batch_size=1", "gradient_accumulation_steps=2", "compile=true",
+                                  "activation_checkpointing=full"]),
+    "tp2-pp2-compiled-mlp": (4, ["tp=2", "pp=2", "gradient_accumulation_steps=2", "compile=true",
+                                 "activation_checkpointing=mlp"]),
     # Megatron's accumulation: weights gathered once per step, gradients reduced once
     "dp2-keep-params-gathered": (2, ["batch_size=1", "gradient_accumulation_steps=2", "keep_params_gathered=true"]),
     "pp2-dp2-keep-params-gathered": (4, ["pp=2", "batch_size=1", "gradient_accumulation_steps=2",

@@ -173,11 +173,23 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
     if expert_meshes is not None:
         apply_expert_parallel(model, expert_meshes[0])
     if compile_layers:
-        # Each decoder layer on its own (they share one graph); in place, so parameter names stay.
         for layer in model.layers.values():
-            layer.compile()
+            compile_layer(layer, tensor_parallel=mesh["tp"].size() > 1)
     apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
                expert_meshes[1] if expert_meshes is not None else None, keep_params_gathered, grad_reduce_dtype)
+
+
+def compile_layer(layer: nn.Module, tensor_parallel: bool) -> None:
+    """``torch.compile`` a decoder layer in place (parameter names stay; the layers share one graph). A layer
+    recomputed whole under tensor parallelism compiles its attention and MLP instead, the recompute around
+    them staying eager: torch 2.13's AOTAutograd fails on a recompute region inside a compiled graph with
+    tensor-parallel DTensors ("expected all tensors_saved_with_vc_check to be Tensors": a DeviceMesh among
+    the saved values; docs/training.md)."""
+    if tensor_parallel and layer.recompute:
+        layer.attn.compile()
+        layer.mlp.compile()
+    else:
+        layer.compile()
 
 
 @torch.no_grad()

@@ -142,7 +142,9 @@ class TrainConfig:
                "cannot differ between runs). CPU steps are deterministic either way.")
     compile: bool = field_help(False, "torch.compile each decoder layer (after activation checkpointing, before "
                                       "FSDP): faster on GPUs once compiled; the first step pays the compilation "
-                                      "(tens of seconds). Not with tp > 1 (its gradients differed from eager).")
+                                      "(tens of seconds). Under tp > 1 with full recompute each layer's attention "
+                                      "and MLP are compiled instead (the recompute around them stays eager); not "
+                                      "with tp > 1 and selective recompute (docs/training.md).")
     # --- mixture of experts (Qwen3-MoE models; docs/moe.md) ------------------------------------------------
     moe_aux_loss: Literal["global_batch", "micro_batch", "none"] = field_help(
         "global_batch", "The load-balancing loss of a MoE model. global_batch: each layer's expert frequencies "
@@ -195,12 +197,13 @@ class TrainConfig:
             raise ConfigError(f"rank_size must be >= 1, got {self.rank_size}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ConfigError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
-        if self.compile and self.tp > 1:
-            raise ConfigError("compile with tp > 1: the compiled tensor-parallel layers gave gradients that differ "
-                              "from eager ones (torch 2.13, measured); set compile false or tp 1")
         problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
         if problem:
             raise ConfigError(problem)
+        if self.compile and self.tp > 1 and self.ac_mode == "selective":
+            raise ConfigError("compile with tp > 1 and activation_checkpointing selective: torch 2.13 cannot compile "
+                              "the attention kernel's recompute beside tensor-parallel tensors (docs/training.md"
+                              "); use activation_checkpointing full, mlp or none, or compile false")
         if self.compile and self.cp > 1:
             raise ConfigError("compile with cp > 1: the context-parallel attention's collectives run inside the "
                               "layers, which are not compiled with them; set compile false or cp 1")
