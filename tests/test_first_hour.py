@@ -53,6 +53,9 @@ def test_a_run_says_what_it_does(tp2_runs):
     assert re.search(r"step 1/4 \| loss", out) and re.search(r"step 3/4 \| loss", out)
     assert "building the model (qwen3-0.6b preset with model_overrides head_dim=16" in out and "done in" in out
     assert "MFU against a peak of" in out
+    # the test corpus was converted for seq_length 8192: said, and why it is fine
+    assert re.search(r"INFO \S+ was converted for seq_length 8192; training at 64 \(fine: samples are packed at any "
+                     r"length\)", out), out[-3000:]
     # a save says when it starts, then what it wrote; the checkpoint keep_last_n drops is named
     saving, saved = out.index("saving checkpoint"), out.index("saved checkpoint")
     assert saving < saved
@@ -71,10 +74,30 @@ def test_nothing_to_train_and_a_reshaped_schedule_are_said(tp2_runs):
     assert re.search(r"resuming with another learning-rate schedule \(total_steps 4 -> 6\): the lr of step 5 is "
                      r"\S+ \(the checkpoint's schedule: \S+\)", longer.stdout)
     assert "weights from step_0000004 (resumed)" in longer.stdout
+    # a resumed run's model is built, then given the checkpoint's weights: its first line says so, not "random init"
+    for run in (again, longer):
+        building = next(line for line in run.stdout.splitlines() if "building the model (" in line)
+        assert building.endswith("; weights from step_0000004, loaded next) ..."), building
     # parse-log: two runs that logged steps are one restart, not two (a start and a resume event)
     summary = cli("parse-log", "--log_path", str(root / "out" / "metrics.jsonl"), "--output_path",
                   str(root / "m.csv"))
     assert summary.returncode == 0 and "restarts: 1" in summary.stdout, summary.stdout
+
+
+def test_the_first_compile_is_a_start_up_phase(tmp_path):
+    """With compile: true the first step compiles the layers: said before it starts, with its time after."""
+    config = write_config(tmp_path / "c.yaml", make_corpus(tmp_path / "data"), tmp_path / "out", total_steps=2,
+                          compile=True)
+    proc = cli("train", "--config", str(config), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+
+    def at(pattern: str) -> int:
+        return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+    start = at(r"INFO compiling the model \(torch\.compile, during step 1\) \.\.\.$")
+    assert at(r"INFO MFU against") < start < at(r"INFO done in [\d.]+ s: compiling the model$") < at(r"step 1/2 \|")
+    assert sum("compiling the model" in line for line in lines) == 2, proc.stdout
 
 
 def test_every_mistake_ends_in_one_line(tmp_path):

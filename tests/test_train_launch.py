@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,10 +18,14 @@ import pytest
 import torch.distributed as dist
 import yaml
 
+from tests._checkpoint_helpers import wait_for_step
 from tests._train_helpers import (TINY_MODEL, assert_same_training, check_ok, child_env, free_port, make_corpus,
-                                  run_train, step_records, write_config)
+                                  run_train, step_records, train_command, write_config)
 
 REPO = Path(__file__).resolve().parent.parent
+# What a CPU rank's share of its node is made of, whatever the launcher bound each rank to: the cores this test
+# (and so the launcher it starts) may use, over the 2 processes of every launch here.
+NODE_SHARE = f"x {len(os.sched_getaffinity(0))} cores / 2 process(es) on this node"
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +73,8 @@ def test_two_node_torchrun_on_loopback(corpus, one_process, tmp_path):
                                stderr=subprocess.STDOUT, text=True, env=child_env()) for n in (0, 1)]
     outs = [a.communicate(timeout=300)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outs
+    # two torchrun "nodes" of one process each on one host: the host's cores are shared by both
+    assert NODE_SHARE in outs[0] + outs[1], outs
     assert_same_training(step_records(tmp_path / "out"), one_process, label="two nodes, pp 2")
 
 
@@ -84,6 +92,9 @@ def test_mpirun_with_hostfile(corpus, one_process, tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     check_ok(proc)
     assert "launcher mpirun" in proc.stdout
+    # mpirun binds each rank to a core of its own; the MFU peak is still the node's cores over its processes,
+    # as under torchrun (which binds nothing)
+    assert NODE_SHARE in proc.stdout, proc.stdout
     assert_same_training(step_records(tmp_path / "out"), one_process, label="mpirun, tp 2")
 
 
@@ -147,7 +158,7 @@ BAD = {
     "data_blend": (1, ["data_path=0.7 /data/wiki 0.3"], "data_path '0.7 /data/wiki 0.3': the flat form is pairs"),
     "seq": (1, ["seq_length=999999"], "max_position_embeddings"),
     "number": (1, ["learning_rate=fast"], "learning_rate"),
-    "compile_tp": (2, ["tp=2", "compile=true"], "compile with tp > 1"),
+    "compile_tp": (2, ["tp=2", "compile=true", "activation_checkpointing=selective"], "compile with tp > 1 and"),
     "reduce_pp": (2, ["pp=2", "gradient_accumulation_steps=2", "reduce_grads_every_microbatch=true"],
                   "reduce_grads_every_microbatch needs pp 1"),
     "unknown_key": (1, ["learning_rat=1e-5"], "did you mean 'learning_rate'"),
@@ -191,6 +202,64 @@ def test_bad_input_under_torchrun_stops_every_rank(corpus, tmp_path):
     root_cause = text[text.index("Root Cause"):]
     assert f"traceback : {message}" in root_cause and "error_file: <N/A>" not in root_cause, root_cause
     assert text.count("Traceback") == text.count("elastic.multiprocessing.errors.ChildFailedError: "), text
+    # The rest is torchrun's own, and no worker can shorten it: any non-zero exit of a worker makes torchrun raise
+    # ChildFailedError out of its main (its traceback, then the failure summary). Before that traceback, the
+    # only line that is not one of torchrun's log lines is the error; after it, nothing but the summary.
+    lines = proc.stderr.splitlines()
+    before = lines[:lines.index("Traceback (most recent call last):")]
+    assert [line for line in before if not re.match(r"[IWE]\d{4} ", line)] == [line for line in lines
+                                                                             if line.startswith(message)], text
+    assert lines[-1].startswith("=====") and proc.stdout.strip() == "", text
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-a-worker"])
+def test_stopping_a_torchrun_launch(how, corpus, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) reaches torchrun alone, its workers running in sessions of
+    their own: torchrun forwards SIGINT to them, they finish the step, save a checkpoint and exit 0, and torchrun
+    then raises its own SignalException out of its main (a traceback, status 1), whatever they did: torchrun's
+    doing, which no worker can prevent (docs/checkpoints.md). SIGTERM to one worker stops the run without it:
+    status 0, no traceback."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=10_000, save_steps=0)
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen(train_command(cfg, 2), stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)  # its own process group, as a terminal's job
+        try:
+            wait_for_step(out / "metrics.jsonl", 2, proc, timeout=300)
+            if how == "ctrl-c":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                os.kill(_children(proc.pid)[0], signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.seek(0)
+        text = log.read()
+    stopped = re.search(r"stopped on request after step (\d+); checkpoint saved", text)
+    assert stopped and (out / "latest").read_text().strip() == f"step_{int(stopped.group(1)):07d}", text
+    if how == "ctrl-c":
+        assert proc.returncode == 1, text
+        assert "received SIGINT: finishing step" in text and "death signal, shutting down workers" in text
+        assert text.count("Traceback") == 1 and text.rstrip().splitlines()[-1].startswith(
+            "torch.distributed.elastic.multiprocessing.api.SignalException: Process "), text
+    else:
+        assert proc.returncode == 0, text
+        assert "received SIGTERM: finishing step" in text and "Traceback" not in text, text
 
 
 def test_unreachable_master_is_a_clear_error_not_a_hang(corpus, tmp_path):
@@ -297,6 +366,19 @@ def test_srun_across_nodes_resolves_a_loopback_master_addr_or_refuses(launch_env
     with pytest.raises(UserError, match="master_addr is 127.0.0.1, a loopback address, but this srun launch spans "
                                         "several nodes .SLURM_STEP_NUM_NODES 2"):
         detect(launch_env, "127.0.0.1")
+
+
+def test_a_cpu_ranks_share_of_its_node_ignores_how_the_launcher_bound_it(launch_env):
+    """A launched rank counts its launcher's cores with its own (mpirun binds each rank to a core of its own,
+    torchrun binds none); a process started by hand counts only its own (taskset on it means it)."""
+    from qwen3_pretrain.parallel.env import node_cpu_share, share_of_node
+
+    launch_env.setattr(os, "sched_getaffinity", lambda pid: {1} if pid == 0 else {0, 1, 2, 3})
+    assert node_cpu_share(launched=True) == (4, 1)
+    assert node_cpu_share(launched=False) == (1, 1)
+    # every rank's (host, cores): the cores of a node's ranks together, over how many they are
+    ranks = [("a", [0]), ("a", [1]), ("b", [0, 1, 2, 3]), ("b", [0, 1, 2, 3]), ("b", [4, 5])]
+    assert share_of_node(ranks, "a") == (2, 2) and share_of_node(ranks, "b") == (6, 3)
 
 
 def test_slurm_tasks_on_this_node():

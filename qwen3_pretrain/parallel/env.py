@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,44 @@ def init_process_group(info: LaunchInfo, device: torch.device, timeout_s: int,
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout, device_id=bound_device(device))
     return store
+
+
+def node_cpu_share(launched: bool) -> tuple[int, int]:
+    """The CPU cores that this launch's processes on this node may use between them, and how many processes
+    that is (collective: every rank calls it). The node of a rank is its host name.
+
+    A rank's cores are its affinity mask and, when a launcher started it (``launched``), its parent's: the
+    launcher's own process (torchrun's agent, mpirun or orted, slurmstepd) is not bound to one rank's cores.
+    So a launcher that binds each rank to a core of its own (mpirun) and one that lets every rank run
+    anywhere (torchrun) give the same pair, and a rank's share of the node (cores / processes) does not
+    depend on the launcher; a launch restricted as a whole (``taskset -c 0-7 torchrun ...``, a container's
+    or a job's CPU set) counts only the cores it was given."""
+    cores = _affinity(0)
+    parent = os.getppid()
+    if launched and parent > 1:
+        cores |= _affinity(parent)
+    mine = (socket.gethostname(), sorted(cores))
+    everyone: list = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return share_of_node(everyone, mine[0])
+
+
+def share_of_node(ranks: list[tuple[str, list[int]]], host: str) -> tuple[int, int]:
+    """(cores, processes) of ``host``, from every rank's (host name, cores)."""
+    here = [set(cores) for name, cores in ranks if name == host]
+    return max(len(set().union(*here)), 1), max(len(here), 1)
+
+
+def _affinity(pid: int) -> set[int]:
+    """The cores process ``pid`` (0: this one) may run on; empty when that cannot be read."""
+    try:
+        return set(os.sched_getaffinity(pid))
+    except AttributeError:  # not on Linux: every core
+        return set(range(os.cpu_count() or 1))
+    except OSError:  # the process is gone
+        return set()
 
 
 def destroy() -> None:

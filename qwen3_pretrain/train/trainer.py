@@ -25,7 +25,6 @@ from qwen3_pretrain.checkpoint.manager import Checkpointer
 from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
 from qwen3_pretrain.data.blend import BlendedDataset, validate_sources
-from qwen3_pretrain.data.pool import available_cores
 from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
@@ -71,8 +70,11 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
         # Start-up phases that can take minutes (weights read from a HF directory, a checkpoint) are said
-        # when they start and when they end.
-        with self._phase(f"building the model ({self.source.name}; {self.source.description})"):
+        # when they start and when they end. A run that resumes builds the model, then loads its weights.
+        self.latest = find_latest(cfg.output_path)
+        weights = (f"weights from {self.latest.name}, loaded next" if self.latest is not None
+                   else self.source.description)
+        with self._phase(f"building the model ({self.source.name}; {weights})"):
             self._create_engine()
         self._create_data()
         self.step = 0
@@ -141,8 +143,9 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------
 
     def _maybe_resume(self) -> Path | None:
-        """Continue from ``output_path``'s newest complete checkpoint, whatever layout wrote it."""
-        path = find_latest(self.cfg.output_path)
+        """Continue from ``output_path``'s newest complete checkpoint (found before the model was built),
+        whatever layout wrote it."""
+        path = self.latest
         # Every rank must see the same checkpoint (checkpoints live on a filesystem all nodes share).
         found = torch.tensor([int(path.name.split("_")[1]) if path else -1] * 2, device=self.device)
         found[1].neg_()
@@ -242,7 +245,10 @@ class Trainer:
         avg_step = None
         saved_at = started_at = self.step
         while self.step < cfg.total_steps:
-            rec = self.train_step()
+            # torch.compile compiles the layers when the first step runs them: a start-up phase of its own.
+            with (self._phase(f"compiling the model (torch.compile, during step {self.step + 1})")
+                  if cfg.compile and self.step == started_at else contextlib.nullcontext()):
+                rec = self.train_step()
             history.append(rec)
             self._check_finite(rec)
             if avg_step is None or rec["step"] > 1:  # the first step pays for warm-up
@@ -277,13 +283,14 @@ class Trainer:
     def _peak_tflops(self) -> float:
         """The peak per device that MFU divides by (on the logging rank; nan elsewhere), logged with its
         origin. On a CPU: one core's matmul peak, measured while the other ranks wait (collective), times
-        the node's cores over its processes, whatever the launcher set the threads to."""
+        the cores this node's processes may run on between them over their number, whatever the launcher
+        bound each process to and set its threads to."""
         cfg, dtype = self.cfg, matmul_dtype(self.cfg.mixed_precision, self.fp32_matmul)
         if self.device.type == "cpu" and not cfg.peak_tflops:
+            cores, processes = env.node_cpu_share(self.launch.launcher != "none")
             dist.barrier()
             per_core = measure_cpu_tflops(dtype=dtype, threads=1) if self.is_log_rank else float("nan")
             dist.barrier()
-            cores, processes = available_cores(), self.launch.local_world_size or 1
             peak = cpu_peak_per_process(per_core, cores, processes)
             origin = (f"{per_core:.3g} TFLOP/s measured on one core in {str(dtype).removeprefix('torch.')} x "
                       f"{cores} cores / {processes} process(es) on this node")
