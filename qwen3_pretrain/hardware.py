@@ -95,6 +95,13 @@ class Hardware:
     device_type: str = "cuda"  # torch's device type: "cuda", "npu" or "cpu"
     reported_names: tuple[str, ...] = ()  # exactly as torch.<device_type>.get_device_name reports it
     source: str = ""
+    # how much slower than the measured host (HOST_MS_PER_LAYER) this device's host issues the same operators:
+    # 1.0 (unmeasured) for all; an NPU's eager dispatch through torch_npu may cost more
+    host_slowdown: float = 1.0
+
+    def host_seconds_per_layer(self, tensor_parallel: bool, compiled: bool) -> float:
+        """Host time to issue one decoder layer's forward and backward for one micro-batch."""
+        return HOST_MS_PER_LAYER[(tensor_parallel, compiled)] * self.host_slowdown / 1e3
 
     @property
     def optimizer_impl(self) -> str:
@@ -104,6 +111,14 @@ class Hardware:
     def compute_flops(self, mixed_precision: str) -> float:
         """The dense peak, FLOP/s, of the precision the matmuls run in."""
         return (self.peak_tflops if mixed_precision == "bf16" else self.fp32_peak_tflops) * 1e12
+
+
+# Host milliseconds per decoder layer per micro-batch (forward and backward, the engine's FSDP and, under tp,
+# DTensor sequence parallelism), by (tp > 1, compiled): bench/host_overhead.py at tiny shapes, where compute
+# is negligible, on a 2-core AMD EPYC host (torch 2.13, tp 2 played on the fake process group so that no
+# collective waits are counted). A device computes asynchronously, so this bounds a micro-batch's time
+# from below rather than adding to it.
+HOST_MS_PER_LAYER = {(False, False): 2.0, (True, False): 12.1, (False, True): 1.3, (True, True): 3.3}
 
 
 def _cpu_memory_gib() -> float:

@@ -582,3 +582,21 @@ def test_the_search_skips_layouts_the_sequence_does_not_split_over(capsys):
     assert cli_main(["plan", "--model", "qwen3-8b", "--nodes", "1", "--devices-per-node", "8", "--device", "h100",
                      "--seq-length", "6001", "--tp", "2"]) == 2
     assert "seq_length 6001 is not a multiple of tp = 2" in capsys.readouterr().err
+
+
+def test_the_host_bounds_a_micro_batch_from_below():
+    """A micro-batch takes at least the host's time to issue its layers (bench/host_overhead.py's figures):
+    a small model on an H100 under tp 2 is host-bound in eager mode, less so compiled; Qwen3-8B at seq 4096
+    without tp is compute-bound either way."""
+    from qwen3_pretrain.hardware import HOST_MS_PER_LAYER
+
+    hw = get_device("h100")
+    small, big = get_preset("qwen3-0.6b"), get_preset("qwen3-8b")
+    layout = Layout(tp=2, seq_length=256, activation_checkpointing="none")
+    eager, compiled = predict_step(small, layout, hw), predict_step(small, layout.replace(compile=True), hw)
+    layers = small.num_hidden_layers
+    assert eager.compute_time_s == pytest.approx(layers * HOST_MS_PER_LAYER[(True, False)] / 1e3)
+    assert compiled.compute_time_s == pytest.approx(layers * HOST_MS_PER_LAYER[(True, True)] / 1e3)
+    assert compiled.tokens_per_sec_per_device > 3 * eager.tokens_per_sec_per_device
+    layout = Layout(tp=1, seq_length=4096, activation_checkpointing="none")
+    assert predict_step(big, layout, hw).step_time_s == predict_step(big, layout.replace(compile=True), hw).step_time_s

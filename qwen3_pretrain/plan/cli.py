@@ -35,7 +35,7 @@ CONFIG_KEYS: dict[str, Any] = {
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
-    "reduce_grads_every_microbatch": bool, "keep_params_gathered": bool, "grad_reduce_dtype": str,
+    "reduce_grads_every_microbatch": bool, "keep_params_gathered": bool, "grad_reduce_dtype": str, "compile": bool,
     "dp_shard": int | None,
 }
 
@@ -79,7 +79,8 @@ class Candidate:
             "activation_checkpointing": lay.activation_checkpointing,
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.dp_shard,
             "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch,
-            "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype}
+            "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype,
+            "compile": lay.compile}
         if lay.pp > 1:
             keys.update(pp_schedule=lay.pp_schedule, pp_microbatch_size=lay.pp_microbatch_size)
             if lay.pp_schedule == "interleaved":
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--keep-params-gathered", action=argparse.BooleanOptionalAction, default=None,
                      help="Megatron's accumulation: weights gathered once per step and kept through its "
                           "micro-batches, gradients reduced once (default: both searched)")
+    lay.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="decoder layers compiled (compile: true): the host issues fewer operators")
     lay.add_argument("--grad-reduce-dtype", choices=PRECISIONS,
                      help="what gradients accumulate and are reduced in under bf16 (default fp32)")
     lay.add_argument("--mixed-precision", choices=PRECISIONS)
@@ -240,6 +243,7 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
                                            False),
         grad_reduce_dtype=pick(args.grad_reduce_dtype, "grad_reduce_dtype", "fp32"),
+        compile=pick(args.compile, "compile", False),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 

@@ -58,6 +58,7 @@ class Layout:
     # what gradients accumulate across micro-batches and are reduced in under bf16 (fp32: FSDP's and Megatron's
     # --accumulate-allreduce-grads-in-fp32; bf16: half the bytes, rounded sums)
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    compile: bool = False  # decoder layers compiled (torch.compile): fewer operators for the host to issue
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
     document_mask: bool = False  # attention kept within each packed document
     # The device type the engine runs on: its attention kernel (models/qwen3/attention_calls.py) and what

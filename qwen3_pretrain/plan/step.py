@@ -5,7 +5,10 @@ Per micro-batch on the slowest pipeline stage:
 * compute = hardware FLOPs (model FLOPs + recomputation) / (tp x peak x
   efficiency), with the peak of the precision the matmuls run in (bf16, or
   fp32 for ``mixed_precision: fp32``, against which MFU is then reported too);
-  the FLOPs are the PaLM count of ``formulas``;
+  the FLOPs are the PaLM count of ``formulas``; or, when longer, the host's
+  time to issue the stage's layers (``Hardware.host_seconds_per_layer``: eager
+  or compiled, with or without tensor parallelism's DTensors; a third more
+  with full recompute), which the device cannot run ahead of;
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
   layer 2 + 2 in forward, 2 + 2 in backward, 2 + 1 more for full recompute (it
@@ -292,8 +295,11 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     speed = peak * hardware.compute_efficiency * layout.tp
     m, v = layout.num_microbatches, layout.stages_per_rank
     per_stage = []
+    host_layer = hardware.host_seconds_per_layer(layout.tp > 1, layout.compile)
+    host_layer *= 4 / 3 if layout.activation_checkpointing == "full" else 1.0  # the forward issued twice
     for shape in stage_shapes(cfg, layout):
-        compute = _stage_flops_per_microbatch(cfg, layout, shape) / speed
+        # the device computes while the host issues ahead: a micro-batch takes the longer of the two
+        compute = max(_stage_flops_per_microbatch(cfg, layout, shape) / speed, shape.num_layers * host_layer)
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
         cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])

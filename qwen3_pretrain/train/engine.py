@@ -346,4 +346,5 @@ def engine_layout(cfg: TrainConfig, parallelism: Parallelism, loss_chunk_tokens:
                   device_type=device_type,
                   reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
                   keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype,
+                  compile=cfg.compile,
                   optimizer_impl=optimizer_impl(device_type), fp32_matmul=fp32_matmul)
