@@ -118,7 +118,7 @@ class Hardware:
 # is negligible, on a 2-core AMD EPYC host (torch 2.13, tp 2 played on the fake process group so that no
 # collective waits are counted). A device computes asynchronously, so this bounds a micro-batch's time
 # from below rather than adding to it.
-HOST_MS_PER_LAYER = {(False, False): 2.0, (True, False): 12.1, (False, True): 1.3, (True, True): 3.3}
+HOST_MS_PER_LAYER = {(False, False): 2.4, (True, False): 9.6, (False, True): 1.4, (True, True): 3.3}
 
 
 def _cpu_memory_gib() -> float:
