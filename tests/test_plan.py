@@ -597,6 +597,6 @@ def test_the_host_bounds_a_micro_batch_from_below():
     layers = small.num_hidden_layers
     assert eager.compute_time_s == pytest.approx(layers * HOST_MS_PER_LAYER[(True, False)] / 1e3)
     assert compiled.compute_time_s == pytest.approx(layers * HOST_MS_PER_LAYER[(True, True)] / 1e3)
-    assert compiled.tokens_per_sec_per_device > 3 * eager.tokens_per_sec_per_device
+    assert compiled.tokens_per_sec_per_device > 2 * eager.tokens_per_sec_per_device
     layout = Layout(tp=1, seq_length=4096, activation_checkpointing="none")
     assert predict_step(big, layout, hw).step_time_s == predict_step(big, layout.replace(compile=True), hw).step_time_s
