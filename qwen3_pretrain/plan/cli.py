@@ -57,7 +57,7 @@ class Candidate:
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.shards,
             "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch,
             "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype,
-            "memory_gib": self.memory.gib(),
+            "compile": lay.compile, "host_bound": self.step.host_bound, "memory_gib": self.memory.gib(),
             "bubble_fraction": round(self.step.bubble_fraction, 4), "step_time_s": round(self.step.step_time_s, 4),
             "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
             "mfu": round(self.step.mfu, 4), "fits": self.fits,
@@ -78,7 +78,7 @@ class Candidate:
             "seq_length": lay.seq_length, "mixed_precision": lay.mixed_precision,
             "activation_checkpointing": lay.activation_checkpointing,
             "distributed_optimizer": lay.distributed_optimizer, "dp_shard": lay.dp_shard,
-            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch,
+            "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch and lay.pp == 1,
             "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype,
             "compile": lay.compile}
         if lay.pp > 1:
@@ -288,9 +288,12 @@ def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Clu
     for layout in layouts:
         memory = predict_memory(cfg, layout, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB)
         out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), memory.total <= limit))
-    return sorted(out, key=lambda c: (not c.fits, -float(f"{c.step.tokens_per_sec_per_device:.3g}"),
-                                      sum(c.step.comm_bytes_per_axis.values()), c.step.cross_node_bytes,
-                                      c.memory.total))
+    return sorted(out, key=_rank)
+
+
+def _rank(c: Candidate) -> tuple:
+    return (not c.fits, -float(f"{c.step.tokens_per_sec_per_device:.3g}"), sum(c.step.comm_bytes_per_axis.values()),
+            c.step.cross_node_bytes, c.memory.total)
 
 
 def search(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
@@ -303,18 +306,19 @@ def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, A
             global_batch_size: int | None) -> str:
     """The smallest change that makes some layout fit, cheapest first: gradients kept sharded between
     micro-batches (no extra compute, the same fp32 sums), then relaxing one fixed setting, then more nodes."""
+    options = []
     if not base.reduce_grads_every_microbatch:
-        per_microbatch = base.replace(reduce_grads_every_microbatch=True)
-        fitting = [c for c in search(cfg, cluster, per_microbatch, fixed, hw, global_batch_size) if c.fits]
-        if fitting:
-            return ("with gradients reduced every micro-batch (--reduce-grads-every-microbatch) it fits, e.g. "
-                    + _describe(fitting[0]))
+        options.append((base.replace(reduce_grads_every_microbatch=True),
+                        "with gradients reduced every micro-batch (--reduce-grads-every-microbatch)"))
     if base.grad_bytes == 4 and base.mixed_precision == "bf16":
-        fitting = [c for c in search(cfg, cluster, base.replace(grad_reduce_dtype="bf16"), fixed, hw,
-                                     global_batch_size) if c.fits]
-        if fitting:
-            return ("with gradients accumulated and reduced in bf16 (--grad-reduce-dtype bf16) it fits, e.g. "
-                    + _describe(fitting[0]))
+        options.append((base.replace(grad_reduce_dtype="bf16"),
+                        "with gradients accumulated and reduced in bf16 (--grad-reduce-dtype bf16)"))
+    # each setting's best fitting layout; the better of them by the search's own order
+    found = [(c, words) for layout, words in options
+             for c in search(cfg, cluster, layout, fixed, hw, global_batch_size)[:1] if c.fits]
+    if found:
+        best, words = min(found, key=lambda cw: _rank(cw[0]))
+        return f"{words} it fits, e.g. {_describe(best)}"
     relaxations = [("activation_checkpointing", "recompute (drop --activation-checkpointing)"),
                    ("micro_batch_size", "a smaller micro-batch (drop --micro-batch-size)"),
                    ("distributed_optimizer", "the distributed optimizer (--distributed-optimizer)"),
@@ -379,8 +383,11 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))
             + f" | {gib['total']:6.2f} {'yes' if c.fits else 'NO':4s} | {step.bubble_fraction:6.1%} "
-            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} | {comm} "
-            f"{step.cross_node_bytes / 1e9:.1f}")
+            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%}"
+            f"{'+' if step.host_bound else ' '}| {comm} {step.cross_node_bytes / 1e9:.1f}")
+    if any(c.step.host_bound for c in candidates[:top]):
+        lines.append("+ host-bound: the host issues the layers' operators slower than the device computes them "
+                     "(eager DTensor under tp; --compile)")
     return "\n".join(lines)
 
 

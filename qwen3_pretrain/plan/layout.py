@@ -90,6 +90,8 @@ class Layout:
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, PRECISIONS)
+        if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16":
+            raise UserError("layout: grad_reduce_dtype bf16 needs mixed_precision bf16")
 
     @property
     def attention_kernel(self) -> str:
@@ -375,7 +377,22 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
                             continue
                         if keep and candidate.shards == 1 and "keep_params_gathered" not in fixed:
                             continue  # nothing is sharded: the same layout as without
+                        if trainable_problem(candidate):
+                            continue
                         yield candidate
+
+
+def trainable_problem(layout: Layout) -> str | None:
+    """Why the training config refuses ``layout`` (train/config.py's combinations), or None."""
+    if layout.compile and layout.cp > 1:
+        return "compile with cp > 1"
+    if layout.compile and layout.ep > 1:
+        return "compile with ep > 1"
+    if layout.compile and layout.tp > 1 and layout.activation_checkpointing == "selective":
+        return "compile with tp > 1 and selective recompute"
+    if layout.keep_params_gathered and not layout.distributed_optimizer:
+        return "keep_params_gathered without the distributed optimizer"
+    return None
 
 
 def _keep_choices(distributed_optimizer: bool, fixed: dict[str, object]) -> list[bool]:

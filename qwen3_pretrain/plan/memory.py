@@ -249,9 +249,9 @@ def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape)
         # once per micro-batch and kept for backward by every layer's attention.
         per_mb += tokens * layout.seq_length * (4 if layout.fp32_matmul else d)
     if shape.has_head:
-        # Final norm (fp32 input + normalized value, sequence-sharded) and the gradient of the
+        # Final norm (its input and fp32 reciprocal root, sequence-sharded) and the gradient of the
         # gathered hidden states that the fused loss computes in forward and keeps for backward.
-        per_mb += tokens * ((4 + d) * h / layout.tp + d * h)
+        per_mb += tokens * ((d * h + 4) / layout.tp + d * h)
     return per_mb
 
 

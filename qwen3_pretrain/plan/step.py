@@ -68,6 +68,7 @@ class StepEstimate:
     comm_bytes_per_stage: tuple[dict[str, float], ...]
     dp_bytes_per_group: dict[str, float]  # the dp axis's bytes split by group: dp_shard, dp_replicate
     cross_node_bytes: float  # the bytes above on groups that span nodes (each device's share of its NIC's load)
+    host_bound: bool = False  # some stage's micro-batch waits on the host issuing its operators
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,15 @@ def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
     return nbytes, seconds, edges
 
 
+def _host_seconds_per_layer(layout: Layout, hardware: Hardware) -> float:
+    """The host's time to issue one layer's forward and backward for a micro-batch. Under tp a layer
+    recomputed whole is compiled only in parts (its norms stay eager DTensor code: parallel/parallelize.py
+    compile_layer), so it is counted as eager; full recompute issues the forward twice."""
+    compiled = layout.compile and not (layout.tp > 1 and layout.activation_checkpointing == "full")
+    seconds = hardware.host_seconds_per_layer(layout.tp > 1, compiled)
+    return seconds * (4 / 3 if layout.activation_checkpointing == "full" else 1.0)
+
+
 def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: Cluster | None = None) -> StepEstimate:
     """Step time, tokens/s per device and MFU of ``layout`` on ``hardware`` (see the module docstring)."""
     check_model_fits_layout(cfg, layout)
@@ -295,11 +305,15 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     speed = peak * hardware.compute_efficiency * layout.tp
     m, v = layout.num_microbatches, layout.stages_per_rank
     per_stage = []
-    host_layer = hardware.host_seconds_per_layer(layout.tp > 1, layout.compile)
-    host_layer *= 4 / 3 if layout.activation_checkpointing == "full" else 1.0  # the forward issued twice
+    host_layer = _host_seconds_per_layer(layout, hardware)
+    host_bound = False
     for shape in stage_shapes(cfg, layout):
-        # the device computes while the host issues ahead: a micro-batch takes the longer of the two
-        compute = max(_stage_flops_per_microbatch(cfg, layout, shape) / speed, shape.num_layers * host_layer)
+        device = _stage_flops_per_microbatch(cfg, layout, shape) / speed
+        host = shape.num_layers * host_layer
+        # an accelerator computes while its host issues ahead: a micro-batch takes the longer of the two; a
+        # CPU is its own host and does both
+        compute = device + host if hardware.device_type == "cpu" else max(device, host)
+        host_bound |= hardware.device_type != "cpu" and host > device
         tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
         cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
@@ -328,6 +342,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / peak,
         bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
         compute_time_s=busy,
+        host_bound=host_bound,
         comm_time_s={"tp": m * slowest["tp"], "cp": m * slowest["cp"], "pp": m * slowest["pp"],
                      "ep": m * slowest["ep"], "dp": dp_exposed},
         comm_bytes_per_axis=per_axis,

@@ -95,7 +95,8 @@ class TrainConfig:
                "them through its micro-batches (2 bytes/parameter in bf16 held all step), gradients accumulate "
                "unsharded, and are reduced once: one all-gather and one reduce-scatter per step instead of two "
                "all-gathers per micro-batch. For gradient accumulation without recompute, where the bytes "
-               "moved per step bound the speed.")
+               "moved per step bound the speed. With reduce_grads_every_microbatch the gradients are reduced "
+               "after every micro-batch instead (ZeRO-2's traffic). Needs distributed_optimizer.")
     grad_reduce_dtype: Literal["fp32", "bf16"] = field_help(
         "fp32", "With mixed_precision bf16: the dtype gradients accumulate in across micro-batches and are "
                 "reduced over the data-parallel ranks in. fp32 (Megatron's --accumulate-allreduce-grads-in-fp32); "
@@ -219,6 +220,10 @@ class TrainConfig:
             raise ConfigError(f"dp_shard {self.dp_shard} shards weights, gradients and optimizer state, but "
                               "distributed_optimizer is false (full replicas); set distributed_optimizer true, or "
                               "drop dp_shard")
+        if self.keep_params_gathered and not self.distributed_optimizer:
+            raise ConfigError("keep_params_gathered keeps the sharded weights gathered through a step, but "
+                              "distributed_optimizer is false (the weights are whole replicas): set "
+                              "distributed_optimizer true, or drop keep_params_gathered")
         if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16":
             raise ConfigError(f"grad_reduce_dtype bf16 needs mixed_precision bf16 (it is {self.mixed_precision}): "
                               "set mixed_precision bf16, or grad_reduce_dtype fp32")

@@ -308,8 +308,9 @@ class Engine:
         return local
 
     def reshard(self) -> None:
-        """Without a backward pass, units kept gathered after forward (the embedding of a tied head)
-        stay gathered: give the memory back, and let checkpoints see the sharded parameters."""
+        """Without a backward pass, units kept gathered after forward (the embedding of a tied head, every
+        unit with keep_params_gathered) stay gathered: give the memory back, and let checkpoints see the
+        sharded parameters."""
         for part in self.parts:
             for module in part.modules():
                 if isinstance(module, FSDPModule):

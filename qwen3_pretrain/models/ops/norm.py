@@ -34,7 +34,7 @@ class _RMSNorm(torch.autograd.Function):
         normed = (xf * rstd).to(x.dtype)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).to(weight.dtype).sum_to_size(weight.shape)
+            grad_weight = (grad * normed).sum_to_size(weight.shape).to(weight.dtype)
         if not ctx.needs_input_grad[0]:
             return None, grad_weight, None
         # autograd's chain for the unfused norm: the weight's product, the casts, xf * rstd, rsqrt, mean, pow

@@ -31,7 +31,7 @@ class _SwiGLU(torch.autograd.Function):
         grad_gate = grad_up = grad_scale = None
         if scale is not None:
             if ctx.needs_input_grad[2]:
-                grad_scale = (grad * (F.silu(gate) * up)).to(scale.dtype).sum_to_size(scale.shape)
+                grad_scale = (grad * (F.silu(gate) * up)).sum_to_size(scale.shape).to(scale.dtype)
             grad = (grad * scale).to(up.dtype)
         # one intermediate-wide temporary at a time beside the gradients
         if ctx.needs_input_grad[0]:
