@@ -173,6 +173,11 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
     if expert_meshes is not None:
         apply_expert_parallel(model, expert_meshes[0])
     if compile_layers:
+        if mesh["tp"].size() > 1:
+            # torch 2.13's AOTAutograd cache can hand a tensor-parallel graph compiled by another run (another
+            # layout) to this one, with that run's process-group names: "Could not resolve the process group
+            # registered under the name N" (seen with dp x tp after a tp-only run). Compiled here each time.
+            torch._functorch.config.enable_autograd_cache = False
         for layer in model.layers.values():
             compile_layer(layer, tensor_parallel=mesh["tp"].size() > 1)
     apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
