@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from qwen3_pretrain.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -165,12 +166,6 @@ def write_data(path: Path) -> str:
     docs = [rng.integers(1, MODEL["vocab_size"] // 2, size=500).astype(np.int32) for _ in range(40)]
     write_synthetic_dataset(path, docs, eod_id=0, vocab_size=MODEL["vocab_size"], seq_length=SEQ)
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> dict | str:

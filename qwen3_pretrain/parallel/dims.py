@@ -202,6 +202,27 @@ def sequence_split_problem(seq_length: int, cp: int, tp: int) -> str | None:
     return None
 
 
+def unsupported_combination(*, compile: bool, tp: int, cp: int, ep: int, recompute: str,
+                            keep_params_gathered: bool, distributed_optimizer: bool) -> str | None:
+    """Why the engine refuses these settings together (None when it takes them): the training config raises
+    it, the planner leaves such layouts out of its search."""
+    if compile and tp > 1 and recompute == "selective":
+        return ("compile with tp > 1 and activation_checkpointing selective: torch 2.13 cannot compile the "
+                "attention kernel's recompute beside tensor-parallel tensors (docs/training.md); use "
+                "activation_checkpointing full, mlp or none, or compile false")
+    if compile and cp > 1:
+        return ("compile with cp > 1: the context-parallel attention's collectives run inside the layers, which "
+                "are not compiled with them; set compile false or cp 1")
+    if compile and ep > 1:
+        return ("compile with ep > 1: expert parallelism's all-to-alls and their host-read split sizes run inside "
+                "the layers, which are not compiled with them; set compile false or ep 1")
+    if keep_params_gathered and not distributed_optimizer:
+        return ("keep_params_gathered keeps the sharded weights gathered through a step, but distributed_optimizer "
+                "is false (the weights are whole replicas): set distributed_optimizer true, or drop "
+                "keep_params_gathered")
+    return None
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """The vocabulary padded to a multiple of tp (the padding rows are masked in the loss and stripped on export)."""
     return -(-vocab_size // tp) * tp

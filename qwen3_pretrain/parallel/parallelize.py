@@ -167,19 +167,20 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
                       keep_params_gathered: bool = False, grad_reduce_dtype: str = "fp32") -> None:
     """Tensor parallelism, expert parallelism (``expert_meshes``: ParallelDims.expert_meshes, for ep > 1),
     per-layer compilation and FSDP (``apply_fsdp``), in that order, on a stage built by ``build_stage``."""
-    if mesh["tp"].size() > 1:
+    tensor_parallel = mesh["tp"].size() > 1
+    if tensor_parallel:
         # with expert parallelism a MoE layer takes each tp rank's share of the sequence (ep borrows tp)
         apply_tensor_parallel(model, mesh["tp"], moe_local_tokens=expert_meshes is not None)
     if expert_meshes is not None:
         apply_expert_parallel(model, expert_meshes[0])
     if compile_layers:
-        if mesh["tp"].size() > 1:
+        if tensor_parallel:
             # torch 2.13's AOTAutograd cache can hand a tensor-parallel graph compiled by another run (another
             # layout) to this one, with that run's process-group names: "Could not resolve the process group
             # registered under the name N" (seen with dp x tp after a tp-only run). Compiled here each time.
             torch._functorch.config.enable_autograd_cache = False
         for layer in model.layers.values():
-            compile_layer(layer, tensor_parallel=mesh["tp"].size() > 1)
+            compile_layer(layer, tensor_parallel)
     apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
                expert_meshes[1] if expert_meshes is not None else None, keep_params_gathered, grad_reduce_dtype)
 

@@ -23,7 +23,7 @@ from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.qwen3.attention_calls import dense_document_mask, kernel_name
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 from qwen3_pretrain.parallel.dims import (check_expert_split, check_model_split, sequence_split_problem,
-                                          stage_layer_ranges, valid_tp_degrees)
+                                          stage_layer_ranges, unsupported_combination, valid_tp_degrees)
 
 Checkpointing = Literal[RECOMPUTE]  # models/qwen3/config.py says what each recomputes
 CHECKPOINTING: tuple[str, ...] = RECOMPUTE
@@ -377,22 +377,13 @@ def _batch_variants(cfg: Qwen3Config, layout: Layout, global_batch_size: int | N
                             continue
                         if keep and candidate.shards == 1 and "keep_params_gathered" not in fixed:
                             continue  # nothing is sharded: the same layout as without
-                        if trainable_problem(candidate):
-                            continue
+                        if unsupported_combination(
+                                compile=candidate.compile, tp=candidate.tp, cp=candidate.cp, ep=candidate.ep,
+                                recompute=candidate.activation_checkpointing,
+                                keep_params_gathered=candidate.keep_params_gathered,
+                                distributed_optimizer=candidate.distributed_optimizer):
+                            continue  # the training config refuses it
                         yield candidate
-
-
-def trainable_problem(layout: Layout) -> str | None:
-    """Why the training config refuses ``layout`` (train/config.py's combinations), or None."""
-    if layout.compile and layout.cp > 1:
-        return "compile with cp > 1"
-    if layout.compile and layout.ep > 1:
-        return "compile with ep > 1"
-    if layout.compile and layout.tp > 1 and layout.activation_checkpointing == "selective":
-        return "compile with tp > 1 and selective recompute"
-    if layout.keep_params_gathered and not layout.distributed_optimizer:
-        return "keep_params_gathered without the distributed optimizer"
-    return None
 
 
 def _keep_choices(distributed_optimizer: bool, fixed: dict[str, object]) -> list[bool]:

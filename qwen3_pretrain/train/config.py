@@ -13,7 +13,7 @@ from qwen3_pretrain.config.loader import field_help
 from qwen3_pretrain.data.sources import DataSource, parse_data_path
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE
-from qwen3_pretrain.parallel.dims import sequence_split_problem
+from qwen3_pretrain.parallel.dims import sequence_split_problem, unsupported_combination
 
 
 @dataclass
@@ -201,29 +201,19 @@ class TrainConfig:
         problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
         if problem:
             raise ConfigError(problem)
-        if self.compile and self.tp > 1 and self.ac_mode == "selective":
-            raise ConfigError("compile with tp > 1 and activation_checkpointing selective: torch 2.13 cannot compile "
-                              "the attention kernel's recompute beside tensor-parallel tensors (docs/training.md"
-                              "); use activation_checkpointing full, mlp or none, or compile false")
-        if self.compile and self.cp > 1:
-            raise ConfigError("compile with cp > 1: the context-parallel attention's collectives run inside the "
-                              "layers, which are not compiled with them; set compile false or cp 1")
         if self.ep < 1:
             raise ConfigError(f"ep must be >= 1 (1: no expert parallelism), got {self.ep}")
-        if self.compile and self.ep > 1:
-            raise ConfigError("compile with ep > 1: expert parallelism's all-to-alls and their host-read split "
-                              "sizes run inside the layers, which are not compiled with them; set compile false "
-                              "or ep 1")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ConfigError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.dp_shard is not None and self.dp_shard > 1 and not self.distributed_optimizer:
             raise ConfigError(f"dp_shard {self.dp_shard} shards weights, gradients and optimizer state, but "
                               "distributed_optimizer is false (full replicas); set distributed_optimizer true, or "
                               "drop dp_shard")
-        if self.keep_params_gathered and not self.distributed_optimizer:
-            raise ConfigError("keep_params_gathered keeps the sharded weights gathered through a step, but "
-                              "distributed_optimizer is false (the weights are whole replicas): set "
-                              "distributed_optimizer true, or drop keep_params_gathered")
+        problem = unsupported_combination(compile=self.compile, tp=self.tp, cp=self.cp, ep=self.ep,
+                                          recompute=self.ac_mode, keep_params_gathered=self.keep_params_gathered,
+                                          distributed_optimizer=self.distributed_optimizer)
+        if problem:
+            raise ConfigError(problem)
         if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16":
             raise ConfigError(f"grad_reduce_dtype bf16 needs mixed_precision bf16 (it is {self.mixed_precision}): "
                               "set mixed_precision bf16, or grad_reduce_dtype fp32")

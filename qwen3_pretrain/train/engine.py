@@ -272,9 +272,10 @@ class Engine:
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
             part.set_requires_gradient_sync(self.cfg.reduce_grads_every_microbatch or last)
-            # Megatron's accumulation: gathered once at the first forward, freed after the last backward
-            # (the pipeline schedule does the same for its stages)
-            part.set_reshard_after_backward(last or not self.cfg.keep_params_gathered)
+            if self.cfg.keep_params_gathered:
+                # Megatron's accumulation: gathered once at the first forward, freed after the last backward
+                # (the pipeline schedule does the same for its stages)
+                part.set_reshard_after_backward(last)
             loss = self.loss_fn(part(self.tokens(mb, "input_ids"), self.positions(mb)), self.tokens(mb, "labels"))
             loss.backward()
             total += loss.detach()
