@@ -98,16 +98,22 @@ def write_transformers_init(path: Path, model: dict, seed: int) -> Path:
     return path
 
 
+# Parameters AdamW does not decay: norms, the embedding, Gated DeltaNet's decay parameters.
+NO_DECAY = ("norm.weight", "A_log", "dt_bias")
+
+
 def train_with_transformers(hf_dir: Path, data_path: Path, cfg: dict, steps: int, global_batch: int) -> list[dict]:
-    """``steps`` AdamW steps of the HF model in ``hf_dir`` on full-vocabulary logits; ``cfg`` holds the
-    training config's keys. Returns per-step ``{"step", "loss", "grad_norm", "lr"}`` like metrics.jsonl."""
+    """``steps`` AdamW steps of the HF model in ``hf_dir`` (whichever causal LM its config.json names) on
+    full-vocabulary logits; ``cfg`` holds the training config's keys. Returns per-step ``{"step", "loss",
+    "grad_norm", "lr"}`` like metrics.jsonl."""
     import transformers
 
-    model = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              attn_implementation="eager")
     model.train()
     params = dict(model.named_parameters())  # a tied head is the embedding, listed once
-    no_decay = [p for n, p in params.items() if n.endswith("norm.weight") or "embed_tokens" in n]
-    decay = [p for n, p in params.items() if not (n.endswith("norm.weight") or "embed_tokens" in n)]
+    no_decay = [p for n, p in params.items() if n.endswith(NO_DECAY) or "embed_tokens" in n]
+    decay = [p for n, p in params.items() if not (n.endswith(NO_DECAY) or "embed_tokens" in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=0.0, betas=(cfg["adam_beta1"], cfg["adam_beta2"]), eps=cfg["adam_eps"])

@@ -130,3 +130,25 @@ class ContextParallelAttention(AttentionKernel):
             end = (index + 1) * chunk  # keys up to the end of this query chunk
             outs.append(self.inner(half, k_all[:, :, :end], v_all[:, :, :end], mask))
         return torch.cat(outs, dim=2)
+
+
+class ContextParallelSequence:
+    """The cp split for a layer that needs the whole sequence (``models/qwen3/model.py``: ``SequenceSplit``):
+    a hybrid's Gated DeltaNet, whose recurrence and convolution run over every earlier token. It gathers its
+    input over the cp ranks, runs on the whole sequence and keeps this rank's part of the output: exact,
+    with the layer's work repeated on every cp rank (the attention layers are what cp splits)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.group = mesh.get_group()
+        self.cp, self.rank = mesh.size(), mesh.get_local_rank()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x, self.group, dim=1)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, self.cp, self.rank, dim=1)
+
+    def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(positions) for _ in range(self.cp)]
+        dist.all_gather(parts, positions.contiguous(), group=self.group)
+        return unshard_sequence(parts, dim=1)

@@ -67,10 +67,23 @@ class VocabParallelEmbedding(nn.Module):
         return partial.redistribute(mesh, [Shard(1)]).to_local()
 
 
-def _layer_plan(sparse: bool, moe_local_tokens: bool = False) -> dict:
+def _replicated(num_inputs: int, sequence_dim: int = 1) -> PrepareModuleInputOutput:
+    """A module run whole on every tp rank: its first input's sequence gathered in, its output cut out again
+    (its weights replicated; each rank computes the same, with the same gradients)."""
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(sequence_dim), *rest), desired_input_layouts=(Replicate(), *rest),
+        use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(sequence_dim),),
+        use_local_output=True)
+
+
+def _mixer_plan(linear: bool) -> dict:
+    """The token mixer's plan: attention split by heads; a hybrid's Gated DeltaNet (``linear_attn``) run whole
+    on every tp rank (its heads are not split yet), as a MoE layer's experts are."""
+    if linear:
+        return {"linear_attn": _replicated(num_inputs=2)}
     gather = dict(desired_input_layouts=(Replicate(), None, None, None), input_layouts=(Shard(1), None, None, None))
-    common = {
-        "attn_norm": SequenceParallel(),
+    return {
         "attn": PrepareModuleInput(**gather),
         "attn.q_proj": ColwiseParallel(),
         "attn.k_proj": ColwiseParallel(),
@@ -79,8 +92,11 @@ def _layer_plan(sparse: bool, moe_local_tokens: bool = False) -> dict:
         "attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "mlp_norm": SequenceParallel(),
     }
+
+
+def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: bool = False) -> dict:
+    common = {"attn_norm": SequenceParallel(), **_mixer_plan(linear), "mlp_norm": SequenceParallel()}
     if sparse and moe_local_tokens:
         # Under expert parallelism (which borrows the tp ranks) a MoE layer runs on this tp rank's share
         # of the sequence: no gather. Its router's weight is replicated over tp and sees different tokens
@@ -93,9 +109,7 @@ def _layer_plan(sparse: bool, moe_local_tokens: bool = False) -> dict:
         # A MoE layer runs whole on every tp rank, on the whole sequence: its router and experts are
         # replicated (each rank computes the same), the sequence gathered in and cut out again. Expert
         # parallelism is what splits the experts.
-        return {**common, "mlp": PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+        return {**common, "mlp": _replicated(num_inputs=1)}
     return {
         **common,
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -113,7 +127,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_token
         plan["norm"] = SequenceParallel(use_local_output=True)
     for name, layer in model.layers.items():
         sparse = isinstance(layer.mlp, MoE)
-        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens).items()})
+        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens, layer.linear).items()})
     parallelize_module(model, tp_mesh, plan)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_mesh)

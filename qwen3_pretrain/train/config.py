@@ -72,6 +72,10 @@ class TrainConfig:
     gradient_checkpointing: bool = field_help(False, "Recompute each layer's activations in the backward pass "
                                               "(same as activation_checkpointing: full).")
     weight_decay: float = field_help(0.01, "AdamW weight decay of matrices (not of norms and embeddings).")
+    apply_wd_to_qk_layernorm: bool = field_help(
+        False, "Also decay the attention's q/k norm weights (Megatron's flag of that name, on in its Qwen3-Next "
+               "recipe). The hybrids' norms are zero-centred (scale 1 + weight), so decay pulls the scale "
+               "towards 1, not 0.")
     log_steps: int = field_help(10, "Log a line and a metrics.jsonl record every this many steps.")
     # --- extras --------------------------------------------------------------
     gradient_accumulation_steps: int = field_help(1, "Micro-batches per optimizer step on each data-parallel rank.")

@@ -14,8 +14,10 @@ from qwen3_pretrain.models.qwen3.model import TIED_ALIASES, init_param
 from qwen3_pretrain.train.config import TrainConfig
 
 # Keys a preset and a checkpoint's config.json must agree on for model_name to describe model_path.
-ARCHITECTURE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "layer_types",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim")
 
 
 @dataclass
@@ -71,7 +73,12 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
             if key not in fields:
                 hint = nearest(key, fields)
                 raise ConfigError(f"model_overrides: unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else ""))
-        model_cfg = dataclasses.replace(model_cfg, **cfg.model_overrides)
+        overrides = dict(cfg.model_overrides)
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            # a hybrid's pattern (3 Gated DeltaNet layers, then full attention) continues over the new depth
+            pattern = model_cfg.layer_types[:model_cfg.layer_types.index("full_attention") + 1]
+            overrides["layer_types"] = [pattern[i % len(pattern)] for i in range(overrides["num_hidden_layers"])]
+        model_cfg = dataclasses.replace(model_cfg, **overrides)
     overrides = f" with model_overrides {', '.join(f'{k}={v}' for k, v in cfg.model_overrides.items())}" \
         if cfg.model_overrides else ""
     return ModelSource(model_cfg, None, f"random init (seed {cfg.seed})", name=f"{cfg.model_name} preset{overrides}")

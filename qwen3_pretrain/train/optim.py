@@ -19,15 +19,23 @@ from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD
 from qwen3_pretrain.train.config import TrainConfig
 
 
-def _no_decay(name: str, tied: bool) -> bool:
-    return name.endswith("norm.weight") or name == EMBEDDING or (tied and name == HEAD)
+# Gated DeltaNet's per-head decay parameters (the log of the decay rate and the time step's bias) are not
+# weights of a projection: like norms, decaying them would pull the decay towards a constant, not regularise.
+_NO_DECAY_SUFFIXES = ("norm.weight", "linear_attn.A_log", "linear_attn.dt_bias")
+
+
+def _no_decay(name: str, tied: bool, qk_norm_decay: bool = False) -> bool:
+    """``qk_norm_decay``: the attention's q/k norms are decayed (``apply_wd_to_qk_layernorm``)."""
+    if qk_norm_decay and name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+        return False
+    return name.endswith(_NO_DECAY_SUFFIXES) or name == EMBEDDING or (tied and name == HEAD)
 
 
 def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for part in parts:
         for name, param in part.named_parameters():
-            (no_decay if _no_decay(name, tied) else decay).append(param)
+            (no_decay if _no_decay(name, tied, cfg.apply_wd_to_qk_layernorm) else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = optimizer_impl((decay or no_decay)[0].device.type) == "fused"
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, cfg),

@@ -60,7 +60,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
 def stop_ids(model: Qwen3Model, tokenizer: Tokenizer) -> set[int]:
     """Token ids that end a continuation: the model's eos and the document separator."""
-    ids = {model.config.eos_token_id}
+    ids = {model.config.eos_token_id} - {None}
     endoftext = tokenizer.token_to_id(ENDOFTEXT)
     if endoftext is not None:
         ids.add(endoftext)

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, Qwen3Model
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, ModelOptions, Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
 NAME_TABLE: list[tuple[str, str]] = [
@@ -56,6 +56,14 @@ NAME_TABLE: list[tuple[str, str]] = [
     ("layers.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
     ("layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),  # a MoE layer's router
     ("layers.{i}.mlp.experts.down_proj", "model.layers.{i}.mlp.experts.down_proj"),  # packed (read only)
+    ("layers.{i}.mlp.shared_expert_gate.weight", "model.layers.{i}.mlp.shared_expert_gate.weight"),
+    *[(f"layers.{{i}}.mlp.shared_expert.{p}.weight", f"model.layers.{{i}}.mlp.shared_expert.{p}.weight")
+      for p in ("gate_proj", "up_proj", "down_proj")],
+    # a hybrid's Gated DeltaNet layers (Qwen3.5's four input projections or Qwen3-Next's two fused ones)
+    *[(f"layers.{{i}}.linear_attn.{p}", f"model.layers.{{i}}.linear_attn.{p}")
+      for p in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                "out_proj.weight")],
     ("norm.weight", "model.norm.weight"),
     (HEAD, HEAD),  # ... under "model.", not the head
 ]
@@ -128,28 +136,47 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """
     h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    layer = {  # nn.Linear weights are [out_features, in_features]
-        "attn_norm.weight": (h,),
-        "attn.q_proj.weight": (q_out, h),
+    attn = {  # nn.Linear weights are [out_features, in_features]
+        "attn.q_proj.weight": (q_out * (2 if config.is_hybrid else 1), h),  # a hybrid's [query | gate] per head
         "attn.k_proj.weight": (kv_out, h),
         "attn.v_proj.weight": (kv_out, h),
         "attn.o_proj.weight": (h, q_out),
         "attn.q_norm.weight": (hd,),
         "attn.k_norm.weight": (hd,),
-        "mlp_norm.weight": (h,),
     }
+    norms = {"attn_norm.weight": (h,), "mlp_norm.weight": (h,)}
     dense = {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    e, moe_inter = config.num_experts, config.moe_intermediate_size
+    e, moe_inter, shared = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
     sparse = {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj": (e, moe_inter, h),
               "mlp.experts.up_proj": (e, moe_inter, h), "mlp.experts.down_proj": (e, h, moe_inter)}
+    if shared:
+        sparse.update({"mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight":
+                       (shared, h), "mlp.shared_expert.down_proj.weight": (h, shared),
+                       "mlp.shared_expert_gate.weight": (1, h)})
     shapes = {EMBEDDING: (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
+        mixer = _linear_attention_shapes(config) if config.is_linear_layer(i) else attn
         mlp = sparse if config.is_sparse_layer(i) else dense
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in {**layer, **mlp}.items()})
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in {**norms, **mixer, **mlp}.items()})
     shapes["norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes[HEAD] = (config.vocab_size, h)
     return shapes
+
+
+def _linear_attention_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (gated_deltanet.py), in the layout of the config's family."""
+    h, heads = config.hidden_size, config.linear_num_value_heads
+    key_dim, value_dim = config.linear_key_dim, config.linear_value_dim
+    conv = 2 * key_dim + value_dim
+    if config.fused_linear_projections:
+        projections = {"in_proj_qkvz.weight": (conv + value_dim, h), "in_proj_ba.weight": (2 * heads, h)}
+    else:
+        projections = {"in_proj_qkv.weight": (conv, h), "in_proj_z.weight": (value_dim, h),
+                       "in_proj_b.weight": (heads, h), "in_proj_a.weight": (heads, h)}
+    shapes = {**projections, "conv1d.weight": (conv, 1, config.linear_conv_kernel_dim), "dt_bias": (heads,),
+              "A_log": (heads,), "norm.weight": (config.linear_value_head_dim,), "out_proj.weight": (h, value_dim)}
+    return {f"linear_attn.{name}": shape for name, shape in shapes.items()}
 
 
 def parse_size(size: int | str) -> int:
@@ -365,12 +392,13 @@ class HFCheckpointReader:
 
 
 def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu") -> Qwen3Model:
-    """Build a ``Qwen3Model`` from a HF directory, holding the model plus at most one tensor in memory."""
+                  device: str | torch.device = "cpu", document_mask: bool = False) -> Qwen3Model:
+    """Build a ``Qwen3Model`` from a HF directory, holding the model plus at most one tensor in memory.
+    ``document_mask``: each packed document of a row (positions restarting at 0) computed as if alone."""
     with HFCheckpointReader(path) as reader:
         reader.validate()
         with torch.device("meta"):
-            model = Qwen3Model(reader.config).to(dtype)
+            model = Qwen3Model(reader.config, ModelOptions(document_mask=document_mask)).to(dtype)
         model.to_empty(device=device)
         if reader.config.tie_word_embeddings:
             # to_empty gives each module its own new tensor, which unties the head; tie it again.

@@ -21,23 +21,35 @@ that runs.
 
 Numerics follow HuggingFace's ``Qwen3ForCausalLM``: RMSNorm in fp32 then cast
 back, q/k RMSNorm per head before RoPE, RoPE tables computed in fp32.
+
+The hybrids (Qwen3.5, Qwen3-Next; ``Qwen3Config.is_hybrid``) are the same model
+with three changes, each chosen when a module is built: a layer whose
+``layer_types`` entry is ``linear_attention`` mixes tokens with Gated DeltaNet
+(gated_deltanet.py) instead of attention; attention gates its output with
+``sigmoid`` of a second half of ``q_proj`` and rotates only the first
+``rotary_dim`` dims of each head; norms are zero-centred (``1 + weight``,
+computed in fp32 as transformers' ``Qwen3_5RMSNorm``). Their MoE layers add a
+shared expert whose output a sigmoid gate scales.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qwen3_pretrain.models.ops.gated_delta import document_starts
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver
 from qwen3_pretrain.models.ops.norm import rms_norm
 from qwen3_pretrain.models.ops.swiglu import swiglu
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
+from qwen3_pretrain.models.qwen3.gated_deltanet import GatedDeltaNet, conv_init_bound
 
 
 # The parameters the vocabulary indexes (training pads them to a multiple of tp rows), and the tied head's
@@ -56,6 +68,19 @@ class LossHead:
     chunk_tokens: int = 4096  # tokens per chunk of the head's matmul and the loss
     valid_vocab: int | None = None  # the real vocabulary when the head is padded to a multiple of tp
     fp32_matmul: bool = False  # bf16 operands multiplied in fp32 (models/ops/precision.py)
+
+
+class SequenceSplit(Protocol):
+    """A sequence split over ranks, for a layer that needs it whole (parallel/context_parallel.py)."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, local seq, ...] -> [batch, seq, ...] in order; backward sums each rank's gradient of its part."""
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, ...] -> this rank's part [batch, local seq, ...]."""
+
+    def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's positions [batch, seq] (no autograd)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,9 @@ class ModelOptions:
     router_observer: RouterObserver | None = None
     # Benchmark mode: MoE layers route round-robin (perfectly balanced) instead of by the router's choice.
     moe_force_balance: bool = False
+    # Where the sequence is split over ranks (context parallelism), how a Gated DeltaNet layer, whose
+    # recurrence needs the whole sequence, sees it; None: each row is whole here.
+    sequence_split: SequenceSplit | None = None
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -97,16 +125,22 @@ class ModelPart:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        # zero-centred (the hybrids): the scale is 1 + weight, applied in fp32 before the cast back
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
+                    ).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -122,42 +156,61 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head of ``x`` [batch, heads, seq, head_dim]; the
+    rest pass through (partial RoPE)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: type[nn.Linear] = nn.Linear,
                  recompute: bool = False) -> None:
         super().__init__()
         self.recompute = recompute  # the kernel call keeps only q, k, v and runs again in backward
         self.head_dim = cfg.head_dim
+        # The hybrids' output gate: q_proj's rows per head are [query | gate], so a shard of heads keeps its gates.
+        self.output_gate = cfg.is_hybrid
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = linear(h, cfg.num_attention_heads * hd, bias=False)
+        self.q_proj = linear(h, cfg.num_attention_heads * hd * (2 if self.output_gate else 1), bias=False)
         self.k_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = linear(cfg.num_attention_heads * hd, h, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=cfg.is_hybrid)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=cfg.is_hybrid)
         self.kernel = kernel  # attention.py, chosen for the device the model runs on
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Head counts come from the shapes, so a tensor-parallel shard runs unchanged.
-        q = self.q_norm(self.q_proj(x).view(bsz, seq, -1, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x)
+        if self.output_gate:
+            q, gate = q.view(bsz, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(bsz, seq, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(bsz, seq, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute:
             out = checkpoint(self.kernel, q, k, v, mask, use_reentrant=False)
         else:
             out = self.kernel(q, k, v, mask)  # [batch, heads, seq, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        out = out.transpose(1, 2).reshape(bsz, seq, -1)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(bsz, seq, -1))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, recompute: bool = False) -> None:
+    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, recompute: bool = False,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = linear(inter, cfg.hidden_size, bias=False)
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +223,8 @@ class MLP(nn.Module):
 
 
 class SparseMLP(MoE):
-    """A Qwen3-MoE layer's mixture of experts, recomputed in backward like the MLP it replaces."""
+    """A Qwen3-MoE layer's mixture of experts, recomputed in backward like the MLP it replaces; a hybrid's
+    adds a shared expert, an MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``."""
 
     def __init__(self, cfg: Qwen3Config, index: int, options: ModelOptions) -> None:
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
@@ -178,30 +232,53 @@ class SparseMLP(MoE):
                          linear=options.linear, observer=options.router_observer,
                          balanced=options.moe_force_balance)
         self.recompute = options.recompute == "mlp"
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, options.linear, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = options.linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute:
-            return checkpoint(super().forward, x, use_reentrant=False)
-        return super().forward(x)
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class DecoderLayer(nn.Module):
+    """Norm, token mixer (``attn``, or a hybrid's Gated DeltaNet ``linear_attn``), norm, MLP; residuals."""
+
     def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel, index: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        zero_centered = cfg.is_hybrid
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
+        self.linear = cfg.is_linear_layer(index)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.sequence_split)
+        else:
+            self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
         self.mlp = SparseMLP(cfg, index, options) if cfg.is_sparse_layer(index) \
             else MLP(cfg, options.linear, recompute=options.recompute == "mlp")
         self.recompute = options.recompute == "full"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
+        """``starts`` [batch, seq] (bool): where packed documents begin, for a Gated DeltaNet layer."""
         if self.recompute:  # only the input is kept for backward; the layer runs again there
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
-        return self._forward(x, cos, sin, mask)
+            return checkpoint(self._forward, x, cos, sin, mask, starts, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, starts)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                 starts: torch.Tensor | None = None) -> torch.Tensor:
+        if self.linear:
+            x = x + self.linear_attn(self.attn_norm(x), starts)
+        else:
+            x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -223,6 +300,7 @@ class Qwen3Model(nn.Module):
         options, part = options or ModelOptions(), part or ModelPart()
         self.config = cfg
         self.document_mask = options.document_mask
+        self.sequence_split = options.sequence_split
         # One kernel object for all layers: the model prepares the document mask once with it.
         self.attention = options.attention if options.attention is not None else SdpaAttention()
         # Passing the weight skips nn.Embedding's random init, which on the meta device costs seconds
@@ -232,7 +310,7 @@ class Qwen3Model(nn.Module):
             if part.embedding else None
         layers = part.layers if part.layers is not None else range(cfg.num_hidden_layers)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention, i) for i in layers})
-        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if part.head else None
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_hybrid) if part.head else None
         self.lm_head: nn.Module | None = self._head(cfg, options) if part.head else None
         # A loss head is applied by the loss (to the final hidden states, which the model returns).
         self.returns_hidden = options.loss_head is not None
@@ -276,10 +354,15 @@ class Qwen3Model(nn.Module):
             h = x
             if positions is None:  # the hidden states may hold a shard of the sequence: its length is unknown
                 raise ValueError("a model part without the embedding needs the positions the part before returned")
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, h.dtype)
         mask = self.attention.prepare(positions, h.dtype) if self.document_mask else None  # shared by all layers
+        # Gated DeltaNet layers restart their state and convolution where a document starts
+        starts = None
+        if self.document_mask and any(layer.linear for layer in self.layers.values()):
+            split = self.sequence_split
+            starts = document_starts(split.gather_positions(positions) if split is not None else positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask, starts)
         if self.norm is not None:
             h = self.norm(h)
         return h, positions
@@ -308,11 +391,19 @@ def init_param(name: str, shape: tuple[int, ...], cfg: Qwen3Config, seed: int) -
     down_proj) scaled down by
     sqrt(2 * num_layers) so the residual's variance does not grow with depth.
     """
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight"):  # zero-centred norms (1 + weight) start at 0; the gated norm at 1
+        zero = cfg.is_hybrid and not name.endswith("linear_attn.norm.weight")
+        return torch.zeros(shape) if zero else torch.ones(shape)
+    if name.endswith("dt_bias"):
         return torch.ones(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(name)) % (2**63))
+    if name.endswith("A_log"):
+        return GatedDeltaNet.init_a_log(shape[0], gen)
+    if name.endswith("conv1d.weight"):
+        bound = conv_init_bound(shape[-1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     std = cfg.initializer_range
-    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "out_proj.weight")):
         std /= math.sqrt(2 * cfg.num_hidden_layers)
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

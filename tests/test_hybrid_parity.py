@@ -1,0 +1,136 @@
+"""The hybrids (Qwen3.5 dense and MoE, Qwen3-Next) compute what transformers' models compute, through the HF
+weight format, and stay exact on packed documents where transformers' own kernels do not.
+
+Both directions go through files, as in test_model_parity.py: transformers -> ``save_pretrained`` ->
+``load_hf_model``, and ours -> ``save_hf_model`` -> transformers, which must load the file as the class of its
+family with no key missing or left over. Packed rows are compared document by document with transformers
+running each document alone. Run with ``-s`` to see the max abs differences.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from qwen3_pretrain.models.qwen3.hf_io import load_hf_model, save_hf_model
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
+from tests.test_model_parity import max_diff, randomize
+
+TOL = 1e-4
+
+# Small widths with every quirk of the releases: GQA, head_dim != hidden / heads, partial RoPE (a quarter of
+# each head), grouped value heads (2 per key head), a full-attention layer every second layer.
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=256,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+CASES = {
+    "qwen3.5-untied": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+                       dict(COMMON, intermediate_size=48, tie_word_embeddings=False)),
+    "qwen3.5-tied": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+                     dict(COMMON, intermediate_size=48, tie_word_embeddings=True)),
+    "qwen3.5-moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, dict(COMMON, **MOE)),
+    "qwen3-next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                   dict(COMMON, **MOE, intermediate_size=40, mlp_only_layers=[2], norm_topk_prob=True)),
+}
+
+
+def reference_model(case: str, seed: int):
+    config_class, model_class, fields = CASES[case]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**fields, attn_implementation="eager")).eval()
+    randomize(model, seed=seed + 1)
+    return model
+
+
+def ids_for(vocab: int, seed: int, length: int = 23) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_transformers_to_ours(case, tmp_path):
+    reference = reference_model(case, seed=0)
+    reference.save_pretrained(tmp_path / "hf")
+    model = load_hf_model(tmp_path / "hf", dtype=torch.float32)
+    assert model.config.model_type == reference.config.model_type
+    assert model.config.num_params() == sum(p.numel() for p in reference.parameters())
+    ids = ids_for(CASES[case][2]["vocab_size"], 1)
+    with torch.no_grad():
+        diff = max_diff(model(ids), reference(ids).logits)
+    print(f"\n[hybrid parity transformers->ours {case}] max abs diff {diff:.3g}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ours_to_transformers(case, tmp_path):
+    reference = reference_model(case, seed=3)
+    reference.save_pretrained(tmp_path / "ref")
+    config = load_hf_model(tmp_path / "ref").config
+    model = Qwen3Model(config)
+    randomize(model, seed=4)
+    save_hf_model(model, tmp_path / "hf", dtype=torch.float32)
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["architectures"] == [type(reference).__name__]
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert type(loaded) is type(reference)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = ids_for(config.vocab_size, 5)
+    with torch.no_grad():
+        diff = max_diff(model(ids), loaded(ids).logits)
+    print(f"\n[hybrid parity ours->transformers {case}] max abs diff {diff:.3g}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-untied", "qwen3-next"])
+def test_packed_documents_equal_each_document_alone(case, tmp_path):
+    reference = reference_model(case, seed=6)
+    reference.save_pretrained(tmp_path / "hf")
+    model = load_hf_model(tmp_path / "hf", dtype=torch.float32, document_mask=True)
+    lengths = [13, 1, 18]  # a one-token document between two others
+    docs = [ids_for(model.config.vocab_size, 7 + k, n)[:1] for k, n in enumerate(lengths)]
+    packed = torch.cat(docs, dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        logits = model(packed, positions)
+        offset = 0
+        for doc, n in zip(docs, lengths):
+            diff = max_diff(logits[:, offset:offset + n], reference(doc).logits)
+            print(f"\n[hybrid packed {case}] document of {n}: max abs diff {diff:.3g}")
+            assert diff <= TOL
+            offset += n
+        # transformers on the packed row leaks the first document into the next: the test can tell
+        assert max_diff(reference(packed).logits[:, lengths[0] + 1:], logits[:, lengths[0] + 1:]) > 1e-2
+
+
+HYBRID_PRESETS = ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
+                  "qwen3.5-122b-a10b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"]
+REFERENCE_CLASSES = {"qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+                     "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+                     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}
+
+
+@pytest.mark.parametrize("name", HYBRID_PRESETS)
+def test_preset_parameter_counts_equal_transformers(name):
+    """Each preset's count (total and, for MoE, active) equals transformers' model of the same config, built
+    on the meta device; and the config transformers reads from our config.json is the same model."""
+    from qwen3_pretrain.models.qwen3.config import get_preset
+
+    cfg = get_preset(name)
+    config_class, model_class = REFERENCE_CLASSES[cfg.model_type]
+    data = cfg.to_hf_dict()
+    data.pop("model_type"), data.pop("architectures")
+    with torch.device("meta"):
+        reference = model_class(config_class(**data))
+    assert cfg.num_params() == sum(p.numel() for p in reference.parameters())
+    assert reference.config.layer_types == cfg.layer_types
+    if cfg.is_moe:
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        idle = (cfg.num_experts - cfg.num_experts_per_tok) * per_expert * cfg.num_sparse_layers
+        assert cfg.num_params(active=True) == cfg.num_params() - idle
