@@ -92,3 +92,54 @@ def test_document_mask_changes_the_hybrid(hybrid_runs):
 @pytest.mark.parametrize("name", ["dp2", "pp2", "tp2", "cp2", "cp2-tp2"])
 def test_hybrid_layout_matches_single_process(name, hybrid_runs):
     assert_same_training(hybrid_runs.records(name), hybrid_runs.records("single"), label=f"hybrid {name}")
+
+
+def _multimodal_checkpoint(path):
+    """A tiny ``Qwen3_5ForConditionalGeneration`` as transformers saves it, plus an MTP layer's tensors in the
+    file as the released checkpoints ship them (transformers neither makes nor loads those)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    torch.manual_seed(1)
+    config = transformers.Qwen3_5Config(text_config=dict(TINY_HYBRID), vision_config=vision,
+                                        tie_word_embeddings=True)
+    transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(2)
+    tensors.update({"mtp.fc.weight": torch.randn(64, 128, generator=gen).to(torch.bfloat16),
+                    "mtp.norm.weight": torch.randn(64, generator=gen)})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_continuing_a_multimodal_checkpoint_keeps_what_it_does_not_train(tmp_path):
+    """Trained from a Qwen3.5 multimodal checkpoint (text under model.language_model., a vision tower, an MTP
+    layer), then merged: transformers loads the result as the same class; the vision and MTP tensors are
+    bit-identical (dtypes too), the text model's weights are the trained ones."""
+    import transformers
+    from safetensors import safe_open
+
+    from qwen3_pretrain.checkpoint.merge import merge_checkpoint
+
+    source = _multimodal_checkpoint(tmp_path / "source")
+    config = write_config(tmp_path / "c.yaml", make_corpus(tmp_path / "corpus", num_docs=40), tmp_path / "out",
+                          model_name="tiny-qwen3.5-vl", model_path=str(source), model_overrides={}, total_steps=2,
+                          document_mask=True)
+    proc = run_train(config, 1)
+    check_ok(proc)
+    assert "carried unchanged, not trained: 23 tensors" in proc.stdout and "(model.visual.* 21, mtp.* 2)" in proc.stdout
+    merged = merge_checkpoint(tmp_path / "out", tmp_path / "merged", "tiny-qwen3.5-vl", dtype=torch.float32,
+                              progress=False).output_path
+    model = transformers.AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32)
+    assert type(model) is transformers.Qwen3_5ForConditionalGeneration
+    with safe_open(str(source / "model.safetensors"), "pt") as before, \
+            safe_open(str(merged / "model.safetensors"), "pt") as after:
+        assert set(after.keys()) == set(before.keys())
+        for name in before.keys():
+            a, b = before.get_tensor(name), after.get_tensor(name)
+            if name.startswith(("model.visual.", "mtp.")):
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+        embed = "model.language_model.embed_tokens.weight"
+        assert not torch.equal(before.get_tensor(embed), after.get_tensor(embed))

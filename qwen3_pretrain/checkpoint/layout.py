@@ -5,6 +5,7 @@ of a folder of them (which exist, which is complete, which is newest, what a che
     step_0000100/          .metadata + __<rank>_<n>.distcp (torch.distributed.checkpoint),
                            meta.json (step, model, layout, data position, config), rng/rank_<r>.pt
     .tmp-step_0000200-save a checkpoint being written (ignored; removed by the next save)
+    carried/               tensors of the starting HF checkpoint that are not trained (vision, MTP), as stored
 
 ``manager.py`` writes and reads them; ``merge.py`` reads them into a HuggingFace model.
 """
@@ -27,6 +28,9 @@ FORMAT = "qwen3-pretrain-checkpoint"
 LATEST = "latest"
 DCP_METADATA = ".metadata"
 META_FILE = "meta.json"
+# What the checkpoint training started from holds beyond the text model (a vision tower, an MTP layer), kept
+# once per output_path for merge to write back unchanged.
+CARRIED_DIR = "carried"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")

@@ -193,7 +193,8 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
     extra_files = tokenizer_files(tokenizer_path, meta, checkpoint)
     reader = DCPTensorReader(checkpoint, metadata)
     num_bytes = 0
-    with _open_writer(output_path, config, dtype, max_shard_size) as writer:
+    carried = checkpoint.parent / meta["carried"] if meta.get("carried") else None
+    with _open_writer(output_path, config, dtype, max_shard_size, carried) as writer:
         for name in tqdm(shapes, desc="merge", unit="tensor", file=sys.stderr, disable=not progress):
             tensor = reader.read(_MODEL_PREFIX + name, rows=shapes[name][0], dtype=dtype)
             writer.add(name, tensor)
@@ -206,9 +207,10 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
 
 
 def _open_writer(output_path: str | os.PathLike, config: Qwen3Config, dtype: torch.dtype,
-                 max_shard_size: int | str) -> HFCheckpointWriter:
+                 max_shard_size: int | str, carried: Path | None = None) -> HFCheckpointWriter:
+    """The HF writer; ``carried``: the tensors the run kept from its starting checkpoint, written back."""
     try:
-        return HFCheckpointWriter(output_path, config, dtype, max_shard_size)
+        return HFCheckpointWriter(output_path, config, dtype, max_shard_size, carried)
     except OSError as exc:
         raise UserError(f"cannot write the merged model to output_path {output_path}: "
                         f"{exc.strerror or exc} ({exc.filename}); choose a writable --output_path") from None

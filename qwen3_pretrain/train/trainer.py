@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwen3_pretrain.checkpoint.layout import find_latest, read_meta
+from qwen3_pretrain.checkpoint.layout import CARRIED_DIR, find_latest, read_meta
 from qwen3_pretrain.checkpoint.manager import Checkpointer
 from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.config.loader import load_config, save_config, to_dict
@@ -31,6 +31,7 @@ from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
+from qwen3_pretrain.models.qwen3.hf_io import write_carried
 from qwen3_pretrain.models.qwen3.model import TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.plan.layout import Layout
@@ -196,6 +197,8 @@ class Trainer:
                        "pp_schedule": cfg.pp_schedule},
             "data": self.loader.state_dict(), "config": to_dict(cfg), "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
+        if (Path(cfg.output_path) / CARRIED_DIR).is_dir():
+            meta["carried"] = CARRIED_DIR  # relative to output_path
         self.checkpointer.save(self.step, meta)
 
     def _request_stop(self, signum, frame) -> None:
@@ -340,8 +343,25 @@ class Trainer:
             log.info("eval at step %d | loss %.4f | ppl %.2f", self.step, loss, ppl)
             self.metrics.write({"event": "eval", "step": self.step, "eval_loss": loss, "eval_ppl": ppl})
 
+    def _carry_untrained(self) -> None:
+        """Keep what the starting checkpoint holds beyond the text model (a vision tower, an MTP layer) in
+        ``output_path/carried`` for merge to write back unchanged; said in the log."""
+        reader = self.source.reader
+        if reader is None or self.launch.rank != 0:
+            return
+        carried = Path(self.cfg.output_path) / CARRIED_DIR
+        if self.resumed_from is None and write_carried(reader, carried) is not None:
+            groups: dict[str, int] = {}
+            for name in reader.carried:
+                prefix = ".".join(name.split(".")[:2]) if name.startswith("model.") else name.split(".")[0]
+                groups[prefix] = groups.get(prefix, 0) + 1
+            log.info("carried unchanged, not trained: %d tensors of %s (%s) -> %s; merge writes them back",
+                     len(reader.carried), reader.path,
+                     ", ".join(f"{k}.* {n}" for k, n in groups.items()) or "none", carried)
+
     def _log_start(self) -> None:
         cfg, dims, m = self.cfg, self.dims, self.source.config
+        self._carry_untrained()
         if self.launch.rank == 0:
             save_config(cfg, Path(cfg.output_path) / "config.yaml")
         if self.is_log_rank:

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
-from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.config import MULTIMODAL_TYPES, Qwen3Config
 from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, ModelOptions, Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
@@ -67,6 +67,14 @@ NAME_TABLE: list[tuple[str, str]] = [
     ("norm.weight", "model.norm.weight"),
     (HEAD, HEAD),  # ... under "model.", not the head
 ]
+
+# Tensors of a checkpoint that are not the text model's: Qwen3.5's vision tower and the multi-token-prediction
+# layer the releases ship. Training carries them unchanged into its output (``write_carried``); the merged
+# model holds them again, bit for bit.
+CARRIED_PREFIXES = ("model.visual.", "mtp.")
+# Where a multimodal checkpoint (Qwen3_5ForConditionalGeneration) nests the text model.
+MULTIMODAL_TEXT_PREFIX = "model.language_model."
+CARRIED_FILE = "carried.safetensors"
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -231,18 +239,27 @@ class HFCheckpointReader:
                                    f"with {CONFIG_FILE} and {SINGLE_FILE} (or {INDEX_FILE})")
         check_not_training_output(self.path)
         self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
+        self.hf_config = json.loads((self.path / CONFIG_FILE).read_text(encoding="utf-8"))
         self._handles: dict[str, safe_open] = {}
         self._stored: dict[str, _Stored] = {}
+        self.carried: dict[str, str] = {}  # HF name -> file name of the tensors not of the text model
+        self.multimodal = False  # the text model's names are nested under model.language_model.
         experts: dict[str, dict[int, tuple[str, str]]] = {}  # stacked name -> expert -> (file, HF name)
         for hf_name, file_name in self._weight_map().items():
-            if _PER_EXPERT.match(hf_name):
-                experts.setdefault(hf_to_internal(hf_name), {})[int(_PER_EXPERT.match(hf_name)["e"])] = \
+            if hf_name.startswith(CARRIED_PREFIXES):
+                self.carried[hf_name] = file_name
+                continue
+            text_name = hf_name
+            if hf_name.startswith(MULTIMODAL_TEXT_PREFIX):
+                self.multimodal, text_name = True, "model." + hf_name[len(MULTIMODAL_TEXT_PREFIX):]
+            if _PER_EXPERT.match(text_name):
+                experts.setdefault(hf_to_internal(text_name), {})[int(_PER_EXPERT.match(text_name)["e"])] = \
                     (file_name, hf_name)
-            elif (packed := _PACKED.match(hf_name)) and packed["proj"] == "gate_up_proj":
+            elif (packed := _PACKED.match(text_name)) and packed["proj"] == "gate_up_proj":
                 self._add_packed_gate_up(packed["i"], file_name, hf_name)
             else:
                 try:
-                    name = hf_to_internal(hf_name)
+                    name = hf_to_internal(text_name)
                 except UserError as exc:
                     raise UserError(f"{self.path / file_name}: {exc}") from None
                 self._stored[name] = _Stored([(file_name, hf_name)])
@@ -298,6 +315,10 @@ class HFCheckpointReader:
     def _slice(self, piece: tuple[str, str]):
         file_name, hf_name = piece
         return self._handle(file_name).get_slice(hf_name)
+
+    def read_carried(self, hf_name: str) -> torch.Tensor:
+        """A carried tensor (``carried``) as stored: same name, dtype and bytes."""
+        return self._handle(self.carried[hf_name]).get_tensor(hf_name)
 
     def names(self) -> list[str]:
         """Internal names of the tensors present, in the checkpoint's order."""
@@ -421,14 +442,21 @@ class HFCheckpointWriter:
     ``finalize`` everything lives in a sibling temp directory, so ``path``
     holds either the previous model or the complete new one. Used as a
     context manager, an exception before ``finalize`` removes the temp files.
+
+    ``carried``: a directory ``write_carried`` made from the checkpoint training started from; its tensors
+    (a vision tower, an MTP layer) are written back as they were, and a multimodal source's layout and
+    config.json are kept (the text model nested under ``model.language_model.``, the vision config).
     """
 
     def __init__(self, path: str | os.PathLike, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
-                 max_shard_size: int | str = "5GB") -> None:
+                 max_shard_size: int | str = "5GB", carried: str | os.PathLike | None = None) -> None:
         if dtype not in _SAVE_DTYPES:
             raise UserError(f"cannot save weights as {dtype}; use one of {', '.join(map(str, _SAVE_DTYPES))}")
         self.path = Path(path)
         self.config = config
+        self.carried = Path(carried) if carried is not None else None
+        self.source_config = _read_carried_config(self.carried) if self.carried is not None else None
+        self.multimodal = bool(self.source_config) and self.source_config.get("model_type") in MULTIMODAL_TYPES
         self.dtype = dtype
         self.max_shard_bytes = parse_size(max_shard_size)
         self._expected = expected_shapes(config)
@@ -460,12 +488,24 @@ class HFCheckpointWriter:
         tensor = tensor.detach()
         if _STACKED.match(name):  # one tensor per expert, as the released checkpoints hold them
             for expert in range(tensor.shape[0]):
-                self._queue(expert_hf_name(name, expert), tensor[expert])
+                self._queue(self._nested(expert_hf_name(name, expert)), tensor[expert])
         else:
-            self._queue(internal_to_hf(name), tensor)
+            self._queue(self._nested(internal_to_hf(name)), tensor)
 
-    def _queue(self, hf_name: str, tensor: torch.Tensor) -> None:
-        tensor = tensor.to("cpu", self.dtype).contiguous()
+    def _nested(self, hf_name: str) -> str:
+        """A text model's HF name, nested under ``model.language_model.`` in a multimodal checkpoint."""
+        if self.multimodal and hf_name.startswith("model."):
+            return MULTIMODAL_TEXT_PREFIX + hf_name[len("model."):]
+        return hf_name
+
+    def _add_carried(self) -> None:
+        """The carried tensors, as they were (names, dtypes, values)."""
+        with safe_open(str(self.carried / CARRIED_FILE), framework="pt") as f:
+            for hf_name in f.keys():
+                self._queue(hf_name, f.get_tensor(hf_name), keep_dtype=True)
+
+    def _queue(self, hf_name: str, tensor: torch.Tensor, keep_dtype: bool = False) -> None:
+        tensor = tensor.to("cpu", None if keep_dtype else self.dtype).contiguous()
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
             tensor = tensor.clone()  # safetensors refuses views that share a storage
         if self._shard and self._shard_bytes + tensor.nbytes > self.max_shard_bytes:
@@ -494,6 +534,8 @@ class HFCheckpointWriter:
         if missing:
             raise UserError(f"{self.path}: cannot finalize, {len(missing)} tensor(s) never added, "
                             f"first {missing[0]!r}")
+        if self.carried is not None:
+            self._add_carried()
         if self._shard or not self._shards:
             self._flush()
         weight_map = self._name_shards()
@@ -523,7 +565,17 @@ class HFCheckpointWriter:
     def _hf_config(self) -> dict:
         out = dataclasses.replace(self.config, torch_dtype=str(self.dtype).removeprefix("torch.")).to_hf_dict()
         out["dtype"] = out["torch_dtype"]  # transformers >= 5 reads "dtype", older versions "torch_dtype"
-        return out
+        if not self.multimodal:
+            return out
+        # The source's config.json with the trained text model's keys in text_config; what this project does
+        # not model (the vision config, the multimodal RoPE's sections) stays as it was.
+        source = dict(self.source_config)
+        text = dict(source["text_config"])
+        rope = {**text.get("rope_parameters", {}), **out.pop("rope_parameters", {})}
+        out.pop("architectures"), out.pop("model_type")
+        text.update(out, rope_parameters=rope) if rope else text.update(out)
+        source.update(text_config=text, dtype=out["dtype"])
+        return source
 
     def abort(self) -> None:
         """Drop everything written so far; ``path`` is left untouched."""
@@ -535,6 +587,31 @@ class HFCheckpointWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is not None:
             self.abort()
+
+
+def write_carried(reader: HFCheckpointReader, directory: str | os.PathLike) -> Path | None:
+    """Keep what ``reader``'s checkpoint holds beyond the text model (``CARRIED_PREFIXES``) in ``directory``:
+    its tensors, as stored, and its config.json, for the merged model to hold them again. None when there are
+    none and the layout is the text model's own."""
+    if not reader.carried and not reader.multimodal:
+        return None
+    directory = Path(directory)
+    tmp = directory.parent / f"{directory.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({name: reader.read_carried(name) for name in reader.carried}, str(tmp / CARRIED_FILE),
+              metadata={"format": "pt"})
+    write_json_atomic(tmp / CONFIG_FILE, reader.hf_config)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
+def _read_carried_config(directory: Path) -> dict:
+    if not (directory / CARRIED_FILE).is_file() or not (directory / CONFIG_FILE).is_file():
+        raise MissingFileError(f"{directory}: no {CARRIED_FILE} and {CONFIG_FILE}; the tensors carried from the "
+                               "checkpoint training started from are missing (it was written at the run's start)")
+    return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
 
 
 def _check_replaceable(target: Path) -> None:
