@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from qwen3_pretrain.models.qwen3.attention import AttentionCall, AttentionKernel, document_ids
@@ -132,23 +133,29 @@ class ContextParallelAttention(AttentionKernel):
         return torch.cat(outs, dim=2)
 
 
-class ContextParallelSequence:
-    """The cp split for a layer that needs the whole sequence (``models/qwen3/model.py``: ``SequenceSplit``):
-    a hybrid's Gated DeltaNet, whose recurrence and convolution run over every earlier token. It gathers its
-    input over the cp ranks, runs on the whole sequence and keeps this rank's part of the output: exact,
-    with the layer's work repeated on every cp rank (the attention layers are what cp splits)."""
+class ContextParallelHeads:
+    """The cp split as a hybrid's Gated DeltaNet layer sees it (``models/qwen3/model.py``: ``HeadSplit``): its
+    recurrence and convolution run over every earlier token, so, as Megatron does, a rank trades its tokens
+    of all heads for the whole sequence of ``1 / cp`` of the heads (one all-to-all), runs the layer's core on
+    those, and trades the outputs back. Each rank does ``1 / cp`` of the work; the heads must divide by cp."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.group = mesh.get_group()
-        self.cp, self.rank = mesh.size(), mesh.get_local_rank()
+        self.size, self.rank = mesh.size(), mesh.get_local_rank()
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(x, self.group, dim=1)
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, heads, dim = x.shape
+        send = x.reshape(batch, seq, self.size, heads // self.size, dim).movedim(2, 0)  # [cp, ...] by destination
+        recv = all_to_all_single_autograd(send.contiguous().flatten(0, 1), None, None, self.group)
+        return unshard_sequence(list(recv.view(self.size, batch, seq, heads // self.size, dim)), dim=1)
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(x, self.cp, self.rank, dim=1)
+    def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        send = torch.stack([shard_sequence(x, self.size, r, dim=1) for r in range(self.size)])
+        recv = all_to_all_single_autograd(send.flatten(0, 1), None, None, self.group)
+        recv = recv.view(self.size, *send.shape[1:])  # [cp (the source's heads), batch, seq, heads / cp, dim]
+        return recv.movedim(0, 2).flatten(2, 3)
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(positions) for _ in range(self.cp)]
+        parts = [torch.empty_like(positions) for _ in range(self.size)]
         dist.all_gather(parts, positions.contiguous(), group=self.group)
         return unshard_sequence(parts, dim=1)

@@ -179,7 +179,7 @@ class ParallelDims:
 
     def validate(self, cfg: Qwen3Config, num_stages: int) -> None:
         """The checks against the model: tp splits its heads, the stages its layers, ep its experts."""
-        check_model_split(cfg, self.tp, num_stages)
+        check_model_split(cfg, self.tp, num_stages, self.cp)
         check_expert_split(cfg, self.ep)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -244,9 +244,13 @@ def check_expert_split(cfg: Qwen3Config, ep: int) -> None:
                         f"{cfg.num_experts}")
 
 
-def check_model_split(cfg: Qwen3Config, tp: int, num_stages: int) -> None:
-    """Raise UserError when ``tp`` cannot split the heads or ``num_stages`` pipeline stages the layers of
-    ``cfg`` (the engine and the planner ask the same question)."""
+def check_model_split(cfg: Qwen3Config, tp: int, num_stages: int, cp: int = 1) -> None:
+    """Raise UserError when ``tp`` cannot split the heads, ``num_stages`` pipeline stages the layers of
+    ``cfg``, or ``cp`` a hybrid's Gated DeltaNet heads (the engine and the planner ask the same question)."""
+    if cfg.num_linear_layers and cfg.linear_num_key_heads % cp:
+        raise UserError(f"cp = {cp} does not divide linear_num_key_heads = {cfg.linear_num_key_heads} (under context "
+                        "parallelism each rank runs the Gated DeltaNet layers' share of the heads over the whole "
+                        f"sequence); choose a cp that divides {cfg.linear_num_key_heads}")
     for name in ("num_attention_heads", "num_key_value_heads"):
         if getattr(cfg, name) % tp:
             raise UserError(f"tp = {tp} does not divide {name} = {getattr(cfg, name)}; choose tp among "

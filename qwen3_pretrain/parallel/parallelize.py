@@ -29,7 +29,7 @@ from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
-from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, ContextParallelSequence
+from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, ContextParallelHeads
 from qwen3_pretrain.parallel.expert_parallel import apply_expert_parallel
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -95,7 +95,7 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                            recompute=ac_mode, document_mask=document_mask, loss_head=loss_head,
                            experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
                            router_observer=router_observer, moe_force_balance=moe_force_balance,
-                           sequence_split=ContextParallelSequence(cp_mesh) if cp_mesh is not None else None)
+                           head_split=ContextParallelHeads(cp_mesh) if cp_mesh is not None else None)
     part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last)
     with torch.device("meta"):
         return Qwen3Model(cfg, options, part)

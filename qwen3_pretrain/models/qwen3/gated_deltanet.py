@@ -8,6 +8,11 @@ decayed by ``exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)`` and
 written with strength ``beta = sigmoid(b)``; its read-out goes through a gated
 RMSNorm (``weight * norm(o) * silu(z)``) and ``out_proj``.
 
+Under context parallelism (``split``, model.py: ``HeadSplit``) a rank holds a share of the sequence: the
+layer projects its own tokens, then trades them (one all-to-all) for the whole sequence of its share of the
+heads, runs the convolution and the delta rule on those, and trades the outputs back (Megatron's scheme):
+exact, each rank doing 1 / cp of the work.
+
 Exact on packed documents: ``starts`` (where positions restart at 0) restarts
 the state at zero and hides the previous document from the convolution, so a
 packed row computes each document as if it ran alone.
@@ -51,7 +56,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, split=None) -> None:
         super().__init__()
-        # context parallelism (model.py: SequenceSplit): the layer runs on the whole sequence, gathered
+        # context parallelism (model.py: HeadSplit): the sequence's tokens traded for heads and back
         self.split = split
         h = cfg.hidden_size
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -76,22 +81,46 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [batch, seq, hidden]; ``starts`` [batch, whole seq] (bool): where packed documents begin."""
-        if self.split is not None:
-            x = self.split.gather(x)
         bsz, seq, _ = x.shape
         q, k, v, z, b, a = self.project(x)
-        # q, k and v share one convolution, channel-concatenated as the weight is laid out: [q | k | v].
-        qkv = causal_conv1d(torch.cat([q, k, v], dim=-1), self.conv1d.weight.squeeze(1), starts=starts)
-        q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
         q, k = q.view(bsz, seq, -1, self.dk), k.view(bsz, seq, -1, self.dk)
-        v = v.view(bsz, seq, -1, self.dv)  # [batch, seq, value heads, dv]
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, starts=starts, use_qk_l2norm=True)
-        out = self.norm(out, z.view(bsz, seq, -1, self.dv)).reshape(bsz, seq, -1)
+        v, b, a = v.view(bsz, seq, -1, self.dv), b.unsqueeze(-1), a.unsqueeze(-1)  # [batch, seq, heads, ...]
+        conv, a_log, dt_bias = self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias
+        if self.split is not None:  # context parallelism: this rank's heads over the whole sequence
+            q, k, v, b, a = (self.split.to_heads(t) for t in (q, k, v, b, a))
+            conv, a_log, dt_bias = self._rank_parameters(q.shape[2], v.shape[2])
+        out = self.mix(q, k, v, b.squeeze(-1), a.squeeze(-1), conv, a_log, dt_bias, starts)
         if self.split is not None:
-            out = self.split.local(out)
-        return self.out_proj(out)
+            out = self.split.to_sequence(out)
+        out = self.norm(out, z.view(bsz, seq, -1, self.dv))
+        return self.out_proj(out.reshape(bsz, seq, -1))
+
+    def mix(self, q, k, v, b, a, conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+            starts: torch.Tensor | None) -> torch.Tensor:
+        """The convolution and the gated delta rule over heads ``q``, ``k`` [batch, seq, key heads, dk], ``v``
+        [batch, seq, value heads, dv], ``b``, ``a`` [batch, seq, value heads] with those heads' ``conv`` rows
+        ([q | k | v] channels) and decay parameters -> [batch, seq, value heads, dv]."""
+        shapes = [t.shape for t in (q, k, v)]
+        # q, k and v share one convolution, channel-concatenated as the weight is laid out: [q | k | v].
+        qkv = causal_conv1d(torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1), conv, starts=starts)
+        q, k, v = (t.view(shape) for t, shape in zip(qkv.split([s[2] * s[3] for s in shapes], dim=-1), shapes))
+        beta = b.sigmoid()
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # log decay, <= 0
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, starts=starts, use_qk_l2norm=True)
+        return out
+
+    def _rank_parameters(self, key_heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
+        """The convolution rows and decay parameters of this cp rank's ``key_heads`` and ``value_heads`` (the
+        rank's contiguous share of each)."""
+        rank, size = self.split.rank, self.split.size
+        conv = self.conv1d.weight.squeeze(1)
+        q_rows = key_heads * self.dk  # per rank; the weight's rows are [q | k | v] of all heads
+        v_rows = value_heads * self.dv
+        rows = [conv[rank * q_rows:(rank + 1) * q_rows],
+                conv[(size + rank) * q_rows:(size + rank + 1) * q_rows],
+                conv[2 * size * q_rows + rank * v_rows:2 * size * q_rows + (rank + 1) * v_rows]]
+        heads = slice(rank * value_heads, (rank + 1) * value_heads)
+        return torch.cat(rows), self.A_log[heads], self.dt_bias[heads]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v, z [batch, seq, local width] and b, a [batch, seq, local value heads], in the head order

@@ -70,14 +70,19 @@ class LossHead:
     fp32_matmul: bool = False  # bf16 operands multiplied in fp32 (models/ops/precision.py)
 
 
-class SequenceSplit(Protocol):
-    """A sequence split over ranks, for a layer that needs it whole (parallel/context_parallel.py)."""
+class HeadSplit(Protocol):
+    """A sequence split over ``size`` ranks (context parallelism) as a Gated DeltaNet layer sees it: its
+    recurrence needs the whole sequence, so a rank trades its tokens of all heads for all tokens of its
+    share of the heads (parallel/context_parallel.py)."""
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, local seq, ...] -> [batch, seq, ...] in order; backward sums each rank's gradient of its part."""
+    rank: int
+    size: int
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, ...] -> this rank's part [batch, local seq, ...]."""
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, local seq, heads, d] -> [batch, seq, heads / size, d]: this rank's heads, in sequence order."""
+
+    def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_heads``."""
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The whole sequence's positions [batch, seq] (no autograd)."""
@@ -107,8 +112,8 @@ class ModelOptions:
     # Benchmark mode: MoE layers route round-robin (perfectly balanced) instead of by the router's choice.
     moe_force_balance: bool = False
     # Where the sequence is split over ranks (context parallelism), how a Gated DeltaNet layer, whose
-    # recurrence needs the whole sequence, sees it; None: each row is whole here.
-    sequence_split: SequenceSplit | None = None
+    # recurrence needs the whole sequence, trades tokens for heads; None: each row is whole here.
+    head_split: HeadSplit | None = None
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -258,7 +263,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
         self.linear = cfg.is_linear_layer(index)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.sequence_split)
+            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split)
         else:
             self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
@@ -300,7 +305,7 @@ class Qwen3Model(nn.Module):
         options, part = options or ModelOptions(), part or ModelPart()
         self.config = cfg
         self.document_mask = options.document_mask
-        self.sequence_split = options.sequence_split
+        self.head_split = options.head_split
         # One kernel object for all layers: the model prepares the document mask once with it.
         self.attention = options.attention if options.attention is not None else SdpaAttention()
         # Passing the weight skips nn.Embedding's random init, which on the meta device costs seconds
@@ -359,7 +364,7 @@ class Qwen3Model(nn.Module):
         # Gated DeltaNet layers restart their state and convolution where a document starts
         starts = None
         if self.document_mask and any(layer.linear for layer in self.layers.values()):
-            split = self.sequence_split
+            split = self.head_split
             starts = document_starts(split.gather_positions(positions) if split is not None else positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask, starts)
