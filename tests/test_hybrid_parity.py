@@ -9,6 +9,7 @@ running each document alone. Run with ``-s`` to see the max abs differences.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -134,3 +135,66 @@ def test_preset_parameter_counts_equal_transformers(name):
         per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
         idle = (cfg.num_experts - cfg.num_experts_per_tok) * per_expert * cfg.num_sparse_layers
         assert cfg.num_params(active=True) == cfg.num_params() - idle
+
+
+def _with_mtp(path, config, seed: int):
+    """Add to a saved model the multi-token-prediction layer the releases ship (``mtp.*``: transformers
+    neither makes nor loads one), with random values."""
+    from safetensors.torch import load_file, save_file
+
+    from qwen3_pretrain.models.qwen3.hf_io import expected_shapes, internal_to_hf
+
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    config = dataclasses.replace(config, mtp_num_hidden_layers=1)
+    for name, shape in expected_shapes(config, mtp=True).items():
+        if name.startswith("mtp."):
+            tensors[internal_to_hf(name)] = 0.2 * torch.randn(shape, generator=gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_multi_token_prediction_equals_its_definition_on_transformers_modules(tmp_path):
+    """The MTP layer's logits equal the layer rebuilt from transformers' own modules (its decoder layer as a
+    full-attention layer, its zero-centred norm, its rotary embedding) on the checkpoint's mtp.* weights:
+    norm(embedding of token t+1) and norm(final hidden state at t), concatenated, projected, one decoder
+    layer, a norm, the shared head."""
+    reference = reference_model("qwen3.5-untied", seed=8)
+    reference.save_pretrained(tmp_path / "hf")
+    config = load_hf_model(tmp_path / "hf").config
+    _with_mtp(tmp_path / "hf", config, seed=9)
+    model = load_hf_model(tmp_path / "hf", dtype=torch.float32, mtp=True)
+    ids = ids_for(config.vocab_size, 10)
+    next_ids = ids_for(config.vocab_size, 11)
+    with torch.no_grad():
+        logits, mtp_logits = model(ids, None, next_ids)
+        want = _reference_mtp_logits(reference, tmp_path / "hf", ids, next_ids)
+    diff = max_diff(mtp_logits, want)
+    print(f"\n[hybrid mtp] max abs diff {diff:.3g}")
+    assert diff <= TOL
+    assert max_diff(logits, reference(ids).logits) <= TOL
+
+
+def _reference_mtp_logits(reference, path, ids, next_ids):
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    weights = {k[len("mtp."):]: v for k, v in load_file(path / "model.safetensors").items() if k.startswith("mtp.")}
+    cfg = reference.config
+    layer_cfg = type(cfg)(**{**cfg.to_dict(), "layer_types": ["full_attention"] * cfg.num_hidden_layers})
+    layer_cfg._attn_implementation = "eager"
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = hf.Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(weights[f"{name}.weight"])
+    layer = hf.Qwen3_5DecoderLayer(layer_cfg, 0).eval()
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in weights.items() if k.startswith("layers.0.")})
+    hidden = reference.model(ids).last_hidden_state  # after the final norm
+    embeds = reference.model.embed_tokens(next_ids)
+    x = torch.cat([norms["pre_fc_norm_embedding"](embeds), norms["pre_fc_norm_hidden"](hidden)], dim=-1)
+    x = torch.nn.functional.linear(x, weights["fc.weight"])
+    positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    cos_sin = hf.Qwen3_5TextRotaryEmbedding(layer_cfg)(x, positions)
+    seq = ids.shape[1]
+    causal = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    x = layer(x, position_embeddings=cos_sin, attention_mask=causal, position_ids=positions)
+    return reference.lm_head(norms["norm"](x))

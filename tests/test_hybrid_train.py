@@ -34,6 +34,11 @@ LAYOUTS = {
     "tp2": (2, ["tp=2", "gradient_accumulation_steps=2"]),
     "cp2": (2, ["cp=2", "gradient_accumulation_steps=2"]),
     "cp2-tp2": (4, ["cp=2", "tp=2", "gradient_accumulation_steps=2"]),
+    # the multi-token-prediction layer trained beside (from a checkpoint that ships one)
+    "single-mtp": (1, ["gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
+    "dp2-mtp": (2, ["mtp_loss_weight=0.1"]),
+    "tp2-mtp": (2, ["tp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
+    "cp2-mtp": (2, ["cp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
 }
 
 
@@ -55,14 +60,27 @@ class HybridRuns:
         transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TINY_HYBRID)).save_pretrained(path)
         return path
 
+    @functools.cached_property
+    def hf_init_mtp(self):
+        """The same weights, plus an MTP layer (mtp.*) as the released checkpoints ship one."""
+        import shutil
+
+        from qwen3_pretrain.models.qwen3.hf_io import load_hf_model
+        from tests.test_hybrid_parity import _with_mtp
+
+        path = self.root / "hf_init_mtp"
+        shutil.copytree(self.hf_init, path)
+        _with_mtp(path, load_hf_model(path).config, seed=3)
+        return path
+
     def records(self, name: str) -> list[dict]:
         if name not in self._done:
             nproc, overrides = LAYOUTS[name]
             run = self.root / name
             run.mkdir()
+            init = self.hf_init_mtp if name.endswith("-mtp") else self.hf_init
             config = write_config(run / "c.yaml", self.corpus, run / "out", model_name="tiny-qwen3.5",
-                                  model_path=str(self.hf_init), model_overrides={}, document_mask=True,
-                                  **OPTIMIZER)
+                                  model_path=str(init), model_overrides={}, document_mask=True, **OPTIMIZER)
             check_ok(run_train(config, nproc, *overrides, timeout=600))
             self._done[name] = step_records(run / "out")
         return self._done[name]
@@ -92,6 +110,25 @@ def test_document_mask_changes_the_hybrid(hybrid_runs):
 @pytest.mark.parametrize("name", ["dp2", "pp2", "tp2", "cp2", "cp2-tp2"])
 def test_hybrid_layout_matches_single_process(name, hybrid_runs):
     assert_same_training(hybrid_runs.records(name), hybrid_runs.records("single"), label=f"hybrid {name}")
+
+
+def test_multi_token_prediction_trains_beside_the_model(hybrid_runs):
+    """With mtp_loss_weight the MTP loss is logged and falls, and its gradient reaches the shared weights: the
+    LM losses move away from the run without it."""
+    with_mtp, without = hybrid_runs.records("single-mtp"), hybrid_runs.records("single")
+    assert all("mtp_loss" in r for r in with_mtp) and not any("mtp_loss" in r for r in without)
+    assert with_mtp[0]["loss"] == pytest.approx(without[0]["loss"], rel=1e-6)  # same model, same batch
+    assert with_mtp[-1]["mtp_loss"] < with_mtp[0]["mtp_loss"]
+    assert abs(with_mtp[-1]["loss"] - without[-1]["loss"]) > 10 * FP32_LOSS_RTOL * without[-1]["loss"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["dp2-mtp", "tp2-mtp", "cp2-mtp"])
+def test_multi_token_prediction_layout_matches_single_process(name, hybrid_runs):
+    got, want = hybrid_runs.records(name), hybrid_runs.records("single-mtp")
+    assert_same_training(got, want, label=f"hybrid {name}")
+    assert_same_training([{**r, "loss": r["mtp_loss"]} for r in got], [{**r, "loss": r["mtp_loss"]} for r in want],
+                         label=f"hybrid {name} mtp_loss")
 
 
 def _multimodal_checkpoint(path):
@@ -143,3 +180,22 @@ def test_continuing_a_multimodal_checkpoint_keeps_what_it_does_not_train(tmp_pat
                 assert a.dtype == b.dtype and torch.equal(a, b), name
         embed = "model.language_model.embed_tokens.weight"
         assert not torch.equal(before.get_tensor(embed), after.get_tensor(embed))
+
+
+def test_a_trained_multi_token_prediction_layer_is_merged_back(hybrid_runs, tmp_path):
+    """The trained MTP layer goes into the merged model under the checkpoint's names (mtp.*), changed by
+    training; the merged model still loads in transformers, which leaves mtp.* aside."""
+    import transformers
+    from safetensors import safe_open
+
+    from qwen3_pretrain.checkpoint.merge import merge_checkpoint
+
+    hybrid_runs.records("single-mtp")
+    merged = merge_checkpoint(hybrid_runs.root / "single-mtp" / "out", tmp_path / "merged", "tiny-qwen3.5",
+                              dtype=torch.float32, progress=False).output_path
+    with safe_open(str(hybrid_runs.hf_init_mtp / "model.safetensors"), "pt") as before, \
+            safe_open(str(merged / "model.safetensors"), "pt") as after:
+        mtp = sorted(n for n in before.keys() if n.startswith("mtp."))
+        assert mtp and sorted(n for n in after.keys() if n.startswith("mtp.")) == mtp
+        assert not torch.equal(before.get_tensor("mtp.fc.weight"), after.get_tensor("mtp.fc.weight"))
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(merged)) is transformers.Qwen3_5ForCausalLM

@@ -104,7 +104,7 @@ def tensors_to_merge(metadata: Metadata, config: Qwen3Config, checkpoint: Path) 
     """Internal name -> output shape of each tensor to write, after checking the checkpoint against ``config``."""
     saved = {key[len(_MODEL_PREFIX):]: md for key, md in metadata.state_dict_metadata.items()
              if key.startswith(_MODEL_PREFIX)}
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, mtp=any(name.startswith("mtp.") for name in saved))
     where = f"checkpoint {checkpoint}"
     for name, shape in expected.items():
         md = saved.get(name)
@@ -194,7 +194,8 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
     reader = DCPTensorReader(checkpoint, metadata)
     num_bytes = 0
     carried = checkpoint.parent / meta["carried"] if meta.get("carried") else None
-    with _open_writer(output_path, config, dtype, max_shard_size, carried) as writer:
+    mtp = any(name.startswith("mtp.") for name in shapes)  # a trained multi-token-prediction layer
+    with _open_writer(output_path, config, dtype, max_shard_size, carried, mtp) as writer:
         for name in tqdm(shapes, desc="merge", unit="tensor", file=sys.stderr, disable=not progress):
             tensor = reader.read(_MODEL_PREFIX + name, rows=shapes[name][0], dtype=dtype)
             writer.add(name, tensor)
@@ -207,10 +208,11 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
 
 
 def _open_writer(output_path: str | os.PathLike, config: Qwen3Config, dtype: torch.dtype,
-                 max_shard_size: int | str, carried: Path | None = None) -> HFCheckpointWriter:
-    """The HF writer; ``carried``: the tensors the run kept from its starting checkpoint, written back."""
+                 max_shard_size: int | str, carried: Path | None = None, mtp: bool = False) -> HFCheckpointWriter:
+    """The HF writer; ``carried``: the tensors the run kept from its starting checkpoint, written back;
+    ``mtp``: the checkpoint holds a trained multi-token-prediction layer."""
     try:
-        return HFCheckpointWriter(output_path, config, dtype, max_shard_size, carried)
+        return HFCheckpointWriter(output_path, config, dtype, max_shard_size, carried, mtp)
     except OSError as exc:
         raise UserError(f"cannot write the merged model to output_path {output_path}: "
                         f"{exc.strerror or exc} ({exc.filename}); choose a writable --output_path") from None

@@ -119,6 +119,20 @@ def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: bool = Fal
     }
 
 
+def _mtp_plan(mtp: nn.Module, moe_local_tokens: bool) -> dict:
+    """The multi-token-prediction layer on the sequence-parallel residual stream: its norms per token, its
+    projection of [embedding | hidden] gathering the sequence and cutting it again, its decoder layers as the
+    model's."""
+    plan = {"mtp.pre_fc_norm_embedding": SequenceParallel(use_local_output=True),
+            "mtp.pre_fc_norm_hidden": SequenceParallel(use_local_output=True),
+            "mtp.fc": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
+            "mtp.norm": SequenceParallel(use_local_output=True)}
+    for name, layer in mtp.layers.items():
+        sparse = isinstance(layer.mlp, MoE)
+        plan.update({f"mtp.layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens).items()})
+    return plan
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_tokens: bool = False) -> None:
     """Shard ``model`` (one pipeline stage of a Qwen3Model) over ``tp_mesh`` in place; ``moe_local_tokens``:
     MoE layers run on each tp rank's share of the sequence (expert parallelism borrows the tp ranks)."""
@@ -128,6 +142,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_token
     for name, layer in model.layers.items():
         sparse = isinstance(layer.mlp, MoE)
         plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens, layer.linear).items()})
+    if getattr(model, "mtp", None) is not None:
+        plan.update(_mtp_plan(model.mtp, moe_local_tokens))
     parallelize_module(model, tp_mesh, plan)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_mesh)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
+from qwen3_pretrain.models.ops.loss import IGNORE_INDEX
 from qwen3_pretrain.models.ops.moe import GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
@@ -70,6 +71,10 @@ def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -
                           f"{model.max_position_embeddings}; lower seq_length to at most that, or raise "
                           "max_position_embeddings (model_overrides for a preset, config.json of model_path)")
     check_expert_split(model, cfg.ep)  # before the degrees: "this model has no experts" says more
+    if cfg.mtp_loss_weight and not model.mtp_num_hidden_layers:
+        raise ConfigError(f"mtp_loss_weight {cfg.mtp_loss_weight} trains a multi-token-prediction layer, but the "
+                          "model has none (mtp_num_hidden_layers 0); set mtp_loss_weight 0, or "
+                          "mtp_num_hidden_layers 1 in model_overrides")
     dims = ParallelDims.resolve(world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                                 distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard, ep=cfg.ep)
     stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1
@@ -87,7 +92,9 @@ class StepResult:
     grad_norm: float
     skipped: bool  # a non-finite loss or gradient norm: the weights were not updated
     flagged: bool  # some rank raised the step's flag (a stop request)
-    moe: dict[str, float] = field(default_factory=dict)  # a MoE model's balancing loss and expert load
+    # further figures of the step: a MoE model's balancing loss and expert load (moe_*), the
+    # multi-token-prediction loss (mtp_loss)
+    moe: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -123,6 +130,10 @@ class Engine:
         self.tp_mesh = mesh["tp"]
         self.cp_rank = mesh.get_local_rank("cp")
         self.balance = self._router_balance() if source.config.is_moe else None
+        # The multi-token-prediction loss's weight (0: no MTP layer built) and its sum over this rank's
+        # micro-batches in the step, for the log.
+        self.mtp_weight = cfg.mtp_loss_weight
+        self.mtp_sum = torch.zeros((), device=device)
         self._create_model(allocate, stage_io)
 
     def _router_balance(self) -> RouterBalance:
@@ -149,7 +160,8 @@ class Engine:
         part = build_stage(stage_cfg, PartSpec(idx, self.num_stages, ranges[idx]), model_cfg.vocab_size,
                            self.loss_chunk_tokens, attention=attention, fp32_matmul=self.fp32_matmul,
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
-                           experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance)
+                           experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance,
+                           multi_token_prediction=self.mtp_weight > 0)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes,
                           keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype)
@@ -214,14 +226,25 @@ class Engine:
         ``lr``, skipped where the loss or the norm is not finite."""
         if self.balance is not None:
             self.balance.start_step(len(batches) if self.dims.pp == 1 else self.num_microbatches)
+        self.mtp_sum.zero_()
         local = self.forward_backward(batches)
         grad_norm = self.grad_norm().item()
         extra = self.balance.local_stats(self.device) if self.balance is not None else None
+        if self.mtp_weight:  # the MTP loss rides along the loss's one all-reduce, first of the extras
+            extra = torch.cat([self.mtp_sum.reshape(1).float()] + ([extra.float()] if extra is not None else []))
         loss, flagged, reduced = self.reduce_loss(local, flag, extra)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.optimizer_step(lr, None if skipped else grad_norm)
-        moe = self.balance.step_figures(reduced) if self.balance is not None else {}
-        return StepResult(loss, grad_norm, skipped, flagged, moe)
+        figures = {}
+        if self.mtp_weight:
+            # the extras are divided by the tp copies of MoE figures; the MTP sum, like the loss, by tp
+            copies = 1 if self.dims.moe_tokens_split_by_tp else self.dims.tp
+            figures["mtp_loss"] = reduced[0].item() * copies / self.dims.tp
+            reduced = reduced[1:]
+        if self.balance is not None:
+            figures.update(self.balance.step_figures(reduced))
+        return StepResult(loss - self.mtp_weight * figures.get("mtp_loss", 0.0), grad_norm, skipped, flagged,
+                          figures)
 
     def reduce_loss(self, local: torch.Tensor, flag: bool = False, extra: torch.Tensor | None = None
                     ) -> tuple[float, bool, torch.Tensor | None]:
@@ -240,11 +263,38 @@ class Engine:
         """The global mean token loss over ``batches`` (one global batch), without backward."""
         return self.reduce_loss(self.eval_loss(batches))[0]
 
-    def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_fn(self, hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The scaled token sum of the loss; with the multi-token-prediction layer's hidden states (``hidden``
+        a pair) plus ``mtp_loss_weight`` times its loss on ``mtp_labels`` (each position's token after next),
+        scaled alike."""
         head = self.parts[-1].lm_head
+        if isinstance(hidden, tuple):
+            hidden, mtp_hidden = hidden
+            mtp = self._head_loss(head, mtp_hidden, mtp_labels)
+            self.mtp_sum += mtp.detach()
+            return self._head_loss(head, hidden, labels) + self.mtp_weight * mtp
+        return self._head_loss(head, hidden, labels)
+
+    def _head_loss(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.dims.tp > 1:
             hidden = DTensor.from_local(hidden, self.tp_mesh, [Shard(1)])
         return head(hidden, labels) * self.loss_scale
+
+    def mtp_labels(self, mb: Batch) -> torch.Tensor:
+        """Each position's token after next [batch, seq] (this cp rank's part): the labels moved one on, the
+        last position ignored (its token lies beyond the sample)."""
+        labels = mb["labels"]
+        ahead = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+        return shard_sequence(ahead, self.dims.cp, self.cp_rank).to(self.device)
+
+    def micro_batch_loss(self, part: nn.Module, mb: Batch) -> torch.Tensor:
+        """One micro-batch's scaled loss on a one-stage model (with the MTP layer's, where it has one)."""
+        labels = self.tokens(mb, "labels")
+        if not self.mtp_weight:
+            return self.loss_fn(part(self.tokens(mb, "input_ids"), self.positions(mb)), labels)
+        out = part(self.tokens(mb, "input_ids"), self.positions(mb), labels)
+        return self.loss_fn(out, labels, self.mtp_labels(mb))
 
     @property
     def uses_positions(self) -> bool:
@@ -276,7 +326,7 @@ class Engine:
                 # Megatron's accumulation: gathered once at the first forward, freed after the last backward
                 # (the pipeline schedule does the same for its stages)
                 part.set_reshard_after_backward(last)
-            loss = self.loss_fn(part(self.tokens(mb, "input_ids"), self.positions(mb)), self.tokens(mb, "labels"))
+            loss = self.micro_batch_loss(part, mb)
             loss.backward()
             total += loss.detach()
         return total
@@ -303,7 +353,7 @@ class Engine:
         if self.dims.pp > 1:
             return self.run_pipeline(self.schedule.eval, batches)
         local = torch.zeros((), device=self.device)
-        for mb in batches:
+        for mb in batches:  # the LM loss alone
             hidden = self.parts[0](self.tokens(mb, "input_ids"), self.positions(mb))
             local += self.loss_fn(hidden, self.tokens(mb, "labels"))
         return local

@@ -155,6 +155,8 @@ def format_line(r: dict) -> str:
             f"grad_norm {r['grad_norm']:.3g} | tokens/s {r['tokens_per_sec']:.0f} "
             f"({r['tokens_per_sec_per_device']:.1f}/device) | step {r['step_time_s']:.2f} s | "
             f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.1f} GiB | eta {format_eta(r['eta_s'])}")
+    if "mtp_loss" in r:  # a hybrid's multi-token-prediction loss, beside the LM loss
+        line = line.replace(" | lr ", f" | mtp_loss {r['mtp_loss']:.4f} | lr ", 1)
     mix = r.get("samples_by_dataset", {})
     if len(mix) > 1:
         line += " | mix " + format_mix(mix)

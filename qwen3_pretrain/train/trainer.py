@@ -329,7 +329,7 @@ class Trainer:
             "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
             "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
         }
-        record.update({key: value for key, value in rec.items() if key.startswith("moe_")})
+        record.update({key: value for key, value in rec.items() if key.startswith(("moe_", "mtp_"))})
         if self.cfg.moe_force_balance:
             record["moe_force_balance"] = True
         if rec["skipped"]:
@@ -350,13 +350,14 @@ class Trainer:
         if reader is None or self.launch.rank != 0:
             return
         carried = Path(self.cfg.output_path) / CARRIED_DIR
-        if self.resumed_from is None and write_carried(reader, carried) is not None:
+        trained = self.cfg.mtp_loss_weight > 0  # the MTP layer is the model's, saved with it
+        if self.resumed_from is None and write_carried(reader, carried, mtp_trained=trained) is not None:
             groups: dict[str, int] = {}
-            for name in reader.carried:
+            for name in (n for n in reader.carried if not (trained and n.startswith("mtp."))):
                 prefix = ".".join(name.split(".")[:2]) if name.startswith("model.") else name.split(".")[0]
                 groups[prefix] = groups.get(prefix, 0) + 1
             log.info("carried unchanged, not trained: %d tensors of %s (%s) -> %s; merge writes them back",
-                     len(reader.carried), reader.path,
+                     sum(groups.values()), reader.path,
                      ", ".join(f"{k}.* {n}" for k, n in groups.items()) or "none", carried)
 
     def _log_start(self) -> None:

@@ -36,6 +36,9 @@ from torch.distributed.tensor import DTensor
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.ops.precision import LOW_PRECISION, fp32_linear
 
+# A label the loss skips (no token to predict there), as PyTorch's cross-entropy default.
+IGNORE_INDEX = -100
+
 
 @dataclass(frozen=True)
 class _Options:

@@ -93,7 +93,7 @@ class Qwen3Config:
     linear_num_value_heads: int = 32  # a multiple of the key heads: each key head serves consecutive value heads
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims of each head
     shared_expert_intermediate_size: int = 0  # a MoE hybrid's gated shared expert (0: none)
-    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers the checkpoint ships (not trained yet)
+    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (the releases ship 1; trained with mtp_loss_weight)
 
     def __post_init__(self) -> None:
         if not self.model_type:

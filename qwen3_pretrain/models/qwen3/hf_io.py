@@ -71,7 +71,8 @@ NAME_TABLE: list[tuple[str, str]] = [
 # Tensors of a checkpoint that are not the text model's: Qwen3.5's vision tower and the multi-token-prediction
 # layer the releases ship. Training carries them unchanged into its output (``write_carried``); the merged
 # model holds them again, bit for bit.
-CARRIED_PREFIXES = ("model.visual.", "mtp.")
+MTP_PREFIX = "mtp."
+CARRIED_PREFIXES = ("model.visual.", MTP_PREFIX)
 # Where a multimodal checkpoint (Qwen3_5ForConditionalGeneration) nests the text model.
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
 CARRIED_FILE = "carried.safetensors"
@@ -92,14 +93,22 @@ def _compile(template: str) -> re.Pattern[str]:
     return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 
 
+# The hybrids' multi-token-prediction layer (``mtp.*`` in both worlds): its own norms and projection, then
+# decoder layers named as the model's, under ``mtp.layers.{i}``.
+NAME_TABLE += [(f"mtp.{n}", f"mtp.{n}") for n in ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+                                                   "fc.weight", "norm.weight")]
+NAME_TABLE += [(f"mtp.{internal}", "mtp." + hf.removeprefix("model."))
+               for internal, hf in NAME_TABLE if internal.startswith("layers.{i}.")]
+
 _TO_HF = [(_compile(internal), hf) for internal, hf in NAME_TABLE]
 _TO_INTERNAL = [(_compile(hf), internal) for internal, hf in NAME_TABLE]
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_STACKED = re.compile(r"layers\.(?P<i>\d+)\.mlp\.experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                         r"\.weight$")
-_PACKED = re.compile(r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+# (an MTP layer's experts are named the same under mtp.)
+_STACKED = re.compile(r"(?P<mtp>mtp\.)?layers\.(?P<i>\d+)\.mlp\.experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"(?P<pre>model\.|mtp\.)layers\.(?P<i>\d+)\.mlp\.experts\.(?P<e>\d+)\."
+                         r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PACKED = re.compile(r"(?P<pre>model\.|mtp\.)layers\.(?P<i>\d+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 def expert_hf_name(name: str, expert: int) -> str:
@@ -107,7 +116,12 @@ def expert_hf_name(name: str, expert: int) -> str:
     ``layers.3.mlp.experts.gate_proj``, 7 -> ``model.layers.3.mlp.experts.7.gate_proj.weight``."""
     match = _STACKED.match(name)
     assert match, f"{name!r} is not a stacked expert tensor"
-    return f"model.layers.{match['i']}.mlp.experts.{expert}.{match['proj']}.weight"
+    return f"{match['mtp'] or 'model.'}layers.{match['i']}.mlp.experts.{expert}.{match['proj']}.weight"
+
+
+def _internal_prefix(hf_prefix: str) -> str:
+    """The internal names' prefix of a layer under HF's ``model.`` (none) or ``mtp.`` (the same)."""
+    return "mtp." if hf_prefix == "mtp." else ""
 
 
 def _translate(name: str, rules: list[tuple[re.Pattern[str], str]], kind: str) -> str:
@@ -124,7 +138,7 @@ def hf_to_internal(name: str) -> str:
     (``layers.0.mlp.experts.up_proj``)."""
     match = _PER_EXPERT.match(name)
     if match:
-        return f"layers.{match['i']}.mlp.experts.{match['proj']}"
+        return f"{_internal_prefix(match['pre'])}layers.{match['i']}.mlp.experts.{match['proj']}"
     return _translate(name, _TO_INTERNAL, "HF")
 
 
@@ -136,8 +150,9 @@ def internal_to_hf(name: str) -> str:
     return _translate(name, _TO_HF, "internal")
 
 
-def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Internal name -> shape of every tensor a HF checkpoint of ``config`` holds (no head when tied).
+def expected_shapes(config: Qwen3Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Internal name -> shape of every tensor a HF checkpoint of ``config`` holds (no head when tied); with
+    ``mtp``, its multi-token-prediction layers' too (``mtp_num_hidden_layers``).
 
     Written out rather than read off a meta-device model: the first random
     init on ``meta`` imports torch._dynamo, seconds a writer need not pay.
@@ -169,6 +184,12 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes[HEAD] = (config.vocab_size, h)
+    if mtp:  # full-attention decoder layers, their MLP as the first layer's
+        mlp = sparse if config.is_sparse_layer(0) else dense
+        for i in range(config.mtp_num_hidden_layers):
+            shapes.update({f"mtp.layers.{i}.{name}": shape for name, shape in {**norms, **attn, **mlp}.items()})
+        shapes.update({"mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+                       "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)})
     return shapes
 
 
@@ -248,7 +269,8 @@ class HFCheckpointReader:
         for hf_name, file_name in self._weight_map().items():
             if hf_name.startswith(CARRIED_PREFIXES):
                 self.carried[hf_name] = file_name
-                continue
+                if not hf_name.startswith(MTP_PREFIX):  # an MTP layer is read too, where training trains it
+                    continue
             text_name = hf_name
             if hf_name.startswith(MULTIMODAL_TEXT_PREFIX):
                 self.multimodal, text_name = True, "model." + hf_name[len(MULTIMODAL_TEXT_PREFIX):]
@@ -256,7 +278,8 @@ class HFCheckpointReader:
                 experts.setdefault(hf_to_internal(text_name), {})[int(_PER_EXPERT.match(text_name)["e"])] = \
                     (file_name, hf_name)
             elif (packed := _PACKED.match(text_name)) and packed["proj"] == "gate_up_proj":
-                self._add_packed_gate_up(packed["i"], file_name, hf_name)
+                self._add_packed_gate_up(_internal_prefix(packed["pre"]) + f"layers.{packed['i']}", file_name,
+                                         hf_name)
             else:
                 try:
                     name = hf_to_internal(text_name)
@@ -269,12 +292,16 @@ class HFCheckpointReader:
                 raise UserError(f"{self.path}: tensor {expert_hf_name(name, gap)!r} is missing while experts up to "
                                 f"{max(by_expert)} are present; the checkpoint is incomplete")
             self._stored[name] = _Stored([by_expert[e] for e in range(len(by_expert))], stacked=True)
+        mtp_layers = {int(n.split(".")[2]) for n in self._stored if n.startswith("mtp.layers.")}
+        if mtp_layers and not self.config.mtp_num_hidden_layers:  # a config.json that does not say
+            self.config.mtp_num_hidden_layers = max(mtp_layers) + 1
 
     def _add_packed_gate_up(self, layer: str, file_name: str, hf_name: str) -> None:
+        """``layer``: the internal prefix of the layer (``layers.3``)."""
         rows = self._handle(file_name).get_slice(hf_name).get_shape()[1]
         for k, proj in enumerate(("gate_proj", "up_proj")):  # gate rows first, as transformers chunks them
             half = (k * rows // 2, (k + 1) * rows // 2)
-            self._stored[f"layers.{layer}.mlp.experts.{proj}"] = _Stored([(file_name, hf_name)], rows=half)
+            self._stored[f"{layer}.mlp.experts.{proj}"] = _Stored([(file_name, hf_name)], rows=half)
 
     def _weight_map(self) -> dict[str, str]:
         """HF name -> file name, from the index or from the single file's header."""
@@ -315,6 +342,11 @@ class HFCheckpointReader:
     def _slice(self, piece: tuple[str, str]):
         file_name, hf_name = piece
         return self._handle(file_name).get_slice(hf_name)
+
+    @property
+    def has_mtp(self) -> bool:
+        """The files hold a multi-token-prediction layer (``mtp.*``)."""
+        return any(name.startswith(MTP_PREFIX) for name in self.carried)
 
     def read_carried(self, hf_name: str) -> torch.Tensor:
         """A carried tensor (``carried``) as stored: same name, dtype and bytes."""
@@ -388,6 +420,8 @@ class HFCheckpointReader:
             raise UserError(f"{self.path / listed}: tensor {self.hf_name(missing[0])!r} is missing "
                             f"({len(missing)} missing in all); the checkpoint does not match its {CONFIG_FILE}")
         tied_head = HEAD if self.config.tie_word_embeddings else None
+        if self.has_mtp:  # checked too, though read only where training trains it
+            expected = expected_shapes(self.config, mtp=True)
         extra = [n for n in self._stored if n not in expected and n != tied_head]
         if extra:
             raise UserError(f"{self.file_of(extra[0])}: unexpected tensor {self.hf_name(extra[0])!r} for the model "
@@ -413,19 +447,23 @@ class HFCheckpointReader:
 
 
 def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu", document_mask: bool = False) -> Qwen3Model:
+                  device: str | torch.device = "cpu", document_mask: bool = False, mtp: bool = False) -> Qwen3Model:
     """Build a ``Qwen3Model`` from a HF directory, holding the model plus at most one tensor in memory.
-    ``document_mask``: each packed document of a row (positions restarting at 0) computed as if alone."""
+    ``document_mask``: each packed document of a row (positions restarting at 0) computed as if alone;
+    ``mtp``: with the multi-token-prediction layer the files hold."""
     with HFCheckpointReader(path) as reader:
         reader.validate()
+        if mtp and not reader.has_mtp:
+            raise UserError(f"{reader.path}: no multi-token-prediction layer (mtp.*) to load")
         with torch.device("meta"):
-            model = Qwen3Model(reader.config, ModelOptions(document_mask=document_mask)).to(dtype)
+            options = ModelOptions(document_mask=document_mask, multi_token_prediction=mtp)
+            model = Qwen3Model(reader.config, options).to(dtype)
         model.to_empty(device=device)
         if reader.config.tie_word_embeddings:
             # to_empty gives each module its own new tensor, which unties the head; tie it again.
             model.lm_head.weight = model.embed_tokens.weight
         with torch.no_grad():
-            for name in expected_shapes(reader.config):
+            for name in expected_shapes(reader.config, mtp):
                 model.get_parameter(name).copy_(reader.read(name))
     return model
 
@@ -449,7 +487,8 @@ class HFCheckpointWriter:
     """
 
     def __init__(self, path: str | os.PathLike, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
-                 max_shard_size: int | str = "5GB", carried: str | os.PathLike | None = None) -> None:
+                 max_shard_size: int | str = "5GB", carried: str | os.PathLike | None = None,
+                 mtp: bool = False) -> None:
         if dtype not in _SAVE_DTYPES:
             raise UserError(f"cannot save weights as {dtype}; use one of {', '.join(map(str, _SAVE_DTYPES))}")
         self.path = Path(path)
@@ -459,7 +498,7 @@ class HFCheckpointWriter:
         self.multimodal = bool(self.source_config) and self.source_config.get("model_type") in MULTIMODAL_TYPES
         self.dtype = dtype
         self.max_shard_bytes = parse_size(max_shard_size)
-        self._expected = expected_shapes(config)
+        self._expected = expected_shapes(config, mtp)  # mtp: the model holds a trained MTP layer
         self._added: set[str] = set()
         self._shard: dict[str, torch.Tensor] = {}
         self._shard_bytes = 0
@@ -589,17 +628,19 @@ class HFCheckpointWriter:
             self.abort()
 
 
-def write_carried(reader: HFCheckpointReader, directory: str | os.PathLike) -> Path | None:
-    """Keep what ``reader``'s checkpoint holds beyond the text model (``CARRIED_PREFIXES``) in ``directory``:
-    its tensors, as stored, and its config.json, for the merged model to hold them again. None when there are
-    none and the layout is the text model's own."""
-    if not reader.carried and not reader.multimodal:
+def write_carried(reader: HFCheckpointReader, directory: str | os.PathLike, mtp_trained: bool = False
+                  ) -> Path | None:
+    """Keep what ``reader``'s checkpoint holds beyond the text model (``CARRIED_PREFIXES``; the MTP layer
+    unless ``mtp_trained``) in ``directory``: its tensors, as stored, and its config.json, for the merged
+    model to hold them again. None when there are none and the layout is the text model's own."""
+    names = [n for n in reader.carried if not (mtp_trained and n.startswith(MTP_PREFIX))]
+    if not names and not reader.multimodal:
         return None
     directory = Path(directory)
     tmp = directory.parent / f"{directory.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({name: reader.read_carried(name) for name in reader.carried}, str(tmp / CARRIED_FILE),
+    save_file({name: reader.read_carried(name) for name in names}, str(tmp / CARRIED_FILE),
               metadata={"format": "pt"})
     write_json_atomic(tmp / CONFIG_FILE, reader.hf_config)
     shutil.rmtree(directory, ignore_errors=True)
@@ -642,7 +683,7 @@ def save_hf_model(model: Qwen3Model, path: str | os.PathLike, dtype: torch.dtype
 
     ``extra_files`` (e.g. the tokenizer's files) are copied alongside.
     """
-    with HFCheckpointWriter(path, model.config, dtype, max_shard_size) as writer:
+    with HFCheckpointWriter(path, model.config, dtype, max_shard_size, mtp=model.mtp is not None) as writer:
         for name, param in model.named_parameters():
             writer.add(name, param)
         for source in extra_files:

@@ -34,6 +34,7 @@ shared expert whose output a sigmoid gate scales.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -114,6 +115,9 @@ class ModelOptions:
     # Where the sequence is split over ranks (context parallelism), how a Gated DeltaNet layer, whose
     # recurrence needs the whole sequence, trades tokens for heads; None: each row is whole here.
     head_split: HeadSplit | None = None
+    # The part with the head also holds the multi-token-prediction layer (``MultiTokenPrediction``), where the
+    # config has one: ``forward`` given the next tokens returns its hidden states (or logits) too.
+    multi_token_prediction: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -255,13 +259,15 @@ class SparseMLP(MoE):
 
 
 class DecoderLayer(nn.Module):
-    """Norm, token mixer (``attn``, or a hybrid's Gated DeltaNet ``linear_attn``), norm, MLP; residuals."""
+    """Norm, token mixer (``attn``, or a hybrid's Gated DeltaNet ``linear_attn``), norm, MLP; residuals.
+    ``full_attention``: attention whatever ``layer_types`` says (the multi-token-prediction layer's)."""
 
-    def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel, index: int) -> None:
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel, index: int,
+                 full_attention: bool = False) -> None:
         super().__init__()
         zero_centered = cfg.is_hybrid
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
-        self.linear = cfg.is_linear_layer(index)
+        self.linear = not full_attention and cfg.is_linear_layer(index)
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split)
         else:
@@ -285,6 +291,33 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class MultiTokenPrediction(nn.Module):
+    """The hybrids' multi-token-prediction layer (the checkpoints' ``mtp.*``, as DeepSeek-V3's MTP module):
+    from the model's final hidden state at ``t`` (after its norm) and the embedding of token ``t + 1``, each
+    normalized, concatenated [embedding | hidden] and projected back to the hidden size, one more decoder
+    layer (full attention, the MLP of the model's first layer) and a norm give the hidden state from which
+    the model's own head predicts token ``t + 2``."""
+
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, cfg.is_hybrid)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, cfg.is_hybrid)
+        self.fc = options.linear(2 * h, h, bias=False)
+        # its MoE routing is not balanced by the training's balancing loss (no observer)
+        options = dataclasses.replace(options, router_observer=None)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, attention, 0, full_attention=True)
+                                     for i in range(cfg.mtp_num_hidden_layers)})
+        self.norm = RMSNorm(h, eps, cfg.is_hybrid)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask=None) -> torch.Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
 
 
 class Qwen3Model(nn.Module):
@@ -317,6 +350,14 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention, i) for i in layers})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_hybrid) if part.head else None
         self.lm_head: nn.Module | None = self._head(cfg, options) if part.head else None
+        self.mtp: MultiTokenPrediction | None = None
+        if part.head and options.multi_token_prediction:
+            if not cfg.mtp_num_hidden_layers:
+                raise ValueError("multi_token_prediction needs a config with mtp_num_hidden_layers >= 1")
+            if not part.embedding:
+                raise ValueError("the multi-token-prediction layer embeds the next tokens: its part needs the "
+                                 "embedding (one pipeline stage)")
+            self.mtp = MultiTokenPrediction(cfg, options, self.attention)
         # A loss head is applied by the loss (to the final hidden states, which the model returns).
         self.returns_hidden = options.loss_head is not None
         if next(self.parameters()).device.type != "meta":
@@ -339,17 +380,27 @@ class Qwen3Model(nn.Module):
         return ChunkedLMHead(cfg.hidden_size, cfg.vocab_size, chunk_tokens=loss.chunk_tokens,
                              valid_vocab=loss.valid_vocab, fp32_matmul=loss.fp32_matmul)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, next_ids: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        h, positions = self.hidden_states(x, positions)
+        """``next_ids`` [batch, seq]: each position's next token (the labels), for the multi-token-prediction
+        layer; given, the output is the pair (main, MTP) of hidden states (or logits)."""
+        h, positions, context = self._run(x, positions)
         if self.lm_head is None:  # a pipeline stage before the last
             return h, positions
-        return h if self.returns_hidden else self.lm_head(h)
+        head = (lambda t: t) if self.returns_hidden else self.lm_head
+        if next_ids is None or self.mtp is None:
+            return head(h)
+        return head(h), head(self.mtp(self.embed_tokens(next_ids), h, *context))
 
     def hidden_states(self, x: torch.Tensor, positions: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after this part's layers (and the final norm, where the part has it), with
         the positions used."""
+        h, positions, _ = self._run(x, positions)
+        return h, positions
+
+    def _run(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """``hidden_states``, and what attention used: (cos, sin, mask)."""
         if self.embed_tokens is not None:
             h = self.embed_tokens(x)
             if positions is None:
@@ -370,7 +421,7 @@ class Qwen3Model(nn.Module):
             h = layer(h, cos, sin, mask, starts)
         if self.norm is not None:
             h = self.norm(h)
-        return h, positions
+        return h, positions, (cos, sin, mask)
 
     @property
     def output_weight(self) -> torch.Tensor:
