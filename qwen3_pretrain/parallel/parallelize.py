@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, TorchDeltaRule
 from qwen3_pretrain.models.ops.loss import TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
@@ -75,7 +76,8 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                 attention: AttentionKernel | None = None, fp32_matmul: bool = False, ac_mode: str = "none",
                 document_mask: bool = False, cp_mesh: DeviceMesh | None = None,
                 experts: ExpertsKernel | None = None, router_observer: RouterObserver | None = None,
-                moe_force_balance: bool = False, multi_token_prediction: bool = False) -> Qwen3Model:
+                moe_force_balance: bool = False, multi_token_prediction: bool = False,
+                delta_rule: DeltaRuleKernel | None = None) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
@@ -85,7 +87,8 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     within each document; ``cp_mesh``: the cp axis when it has more than one rank; ``experts``: a MoE layer's
     expert kernel (``choose_experts``), ``router_observer``: what watches its routing (the engine's balancing
     losses), ``moe_force_balance``: round-robin routing (a benchmark mode); ``multi_token_prediction``: the
-    last stage holds the hybrids' MTP layer."""
+    last stage holds the hybrids' MTP layer; ``delta_rule``: the Gated DeltaNet layers' kernel
+    (``models/ops/delta_rule.py``: ``delta_rule_kernel``)."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     last = spec.stage_index == spec.num_stages - 1
     # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
@@ -97,7 +100,8 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                            experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
                            router_observer=router_observer, moe_force_balance=moe_force_balance,
                            head_split=ContextParallelHeads(cp_mesh) if cp_mesh is not None else None,
-                           multi_token_prediction=multi_token_prediction and last)
+                           multi_token_prediction=multi_token_prediction and last,
+                           delta_rule=delta_rule or TorchDeltaRule())
     part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last)
     with torch.device("meta"):
         return Qwen3Model(cfg, options, part)

@@ -3,7 +3,8 @@
 Per token: project q, k, v (and the output gate z, the write strength b, the
 decay input a); run q, k, v through a depthwise causal convolution (kernel 4)
 and SiLU; L2-normalise q and k; then the gated delta rule
-(models/ops/gated_delta.py) updates a [key_dim, value_dim] state per value head,
+(models/ops/gated_delta.py, or a device's kernel: delta_rule.py) updates a [key_dim, value_dim] state per
+value head,
 decayed by ``exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)`` and
 written with strength ``beta = sigmoid(b)``; its read-out goes through a gated
 RMSNorm (``weight * norm(o) * silu(z)``) and ``out_proj``.
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen3_pretrain.models.ops.causal_conv import causal_conv1d
-from qwen3_pretrain.models.ops.gated_delta import chunk_gated_delta_rule
+from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, TorchDeltaRule
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
 
@@ -54,8 +55,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, split=None) -> None:
+    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, split=None,
+                 kernel: DeltaRuleKernel | None = None) -> None:
         super().__init__()
+        self.kernel = kernel or TorchDeltaRule()  # models/ops/delta_rule.py, chosen for the device
         # context parallelism (model.py: HeadSplit): the sequence's tokens traded for heads and back
         self.split = split
         h = cfg.hidden_size
@@ -106,8 +109,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = (t.view(shape) for t, shape in zip(qkv.split([s[2] * s[3] for s in shapes], dim=-1), shapes))
         beta = b.sigmoid()
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # log decay, <= 0
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, starts=starts, use_qk_l2norm=True)
-        return out
+        return self.kernel(q, k, v, g, beta, starts)
 
     def _rank_parameters(self, key_heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
         """The convolution rows and decay parameters of this cp rank's ``key_heads`` and ``value_heads`` (the

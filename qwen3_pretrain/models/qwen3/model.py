@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel
 from qwen3_pretrain.models.ops.gated_delta import document_starts
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver
@@ -115,6 +116,8 @@ class ModelOptions:
     # Where the sequence is split over ranks (context parallelism), how a Gated DeltaNet layer, whose
     # recurrence needs the whole sequence, trades tokens for heads; None: each row is whole here.
     head_split: HeadSplit | None = None
+    # The gated delta rule of Gated DeltaNet layers (models/ops/delta_rule.py); ours in plain torch when None.
+    delta_rule: DeltaRuleKernel | None = None
     # The part with the head also holds the multi-token-prediction layer (``MultiTokenPrediction``), where the
     # config has one: ``forward`` given the next tokens returns its hidden states (or logits) too.
     multi_token_prediction: bool = False
@@ -269,7 +272,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
         self.linear = not full_attention and cfg.is_linear_layer(index)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split)
+            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split, options.delta_rule)
         else:
             self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
