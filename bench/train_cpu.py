@@ -4,6 +4,7 @@
     python bench/train_cpu.py --variants hf-bf16,bf16 --steps 3
     python bench/train_cpu.py --profile bf16                    # where one engine step spends its time
     python bench/train_cpu.py --model moe --variants hf-bf16,bf16,hf-fp32,fp32   # Qwen3-MoE
+    python bench/train_cpu.py --model hybrid --variants hf-fp32,fp32,hf-bf16,bf16   # Qwen3.5 (Gated DeltaNet)
 
 Model: Qwen3 with hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64,
 intermediate 768, the full 151,936 vocabulary, tied embeddings; seq 512, batch
@@ -20,6 +21,10 @@ is the steadier figure: the load average is printed before and after.
 dense 768), and ``Qwen3MoeForCausalLM`` in the plain loop (transformers'
 default expert implementation; its router loss is off there, ``moe_aux_loss:
 none`` in the engine, so both compute the same objective).
+
+``--model hybrid``: Qwen3.5 of the same widths (the 0.8B preset's pattern: 3 Gated DeltaNet layers, then
+a gated full-attention one, a quarter of each head rotated; Gated DeltaNet with 2 key heads and 4 value
+heads of 64) and ``Qwen3_5ForCausalLM`` in the plain loop (transformers' CPU fallback kernels).
 
 ``hf-*`` is the plain loop: ``Qwen3ForCausalLM`` in fp32, AdamW, full logits
 and ``F.cross_entropy``, gradient clipping, under ``torch.autocast("cpu",
@@ -58,6 +63,11 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 64, "intermediate_size": 768, "vocab_size": 151936, "tie_word_embeddings": True}
 MOE = {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256, "norm_topk_prob": True}
+# Qwen3.5 of the same widths: 3 Gated DeltaNet layers and 1 gated full-attention layer (a quarter of each
+# head rotated), 2 key heads and 4 value heads of 64 in the Gated DeltaNet layers
+HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+          "linear_value_head_dim": 64,
+          "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
 SEQ, BATCH = 512, 4
 # name -> (kind, processes, threads per process, engine config keys)
 VARIANTS = {
@@ -90,8 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--data", default=str(REPO / "runs/data/d_convert"),
                         help="converted data folder; built from the bundled dump when absent")
     parser.add_argument("--profile", metavar="VARIANT", help="profile one step of this engine variant instead")
-    parser.add_argument("--model", choices=("dense", "moe"), default="dense",
-                        help="the dense model, or the same with a mixture of experts in every layer")
+    parser.add_argument("--model", choices=("dense", "moe", "hybrid"), default="dense",
+                        help="the dense model, the same with a mixture of experts in every layer, or Qwen3.5 of its widths")
     parser.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -136,7 +146,7 @@ def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 4) -> tuple[flo
 
 
 def model_keys(model: str) -> dict:
-    return dict(MODEL, **MOE) if model == "moe" else dict(MODEL)
+    return dict(MODEL, **{"moe": MOE, "hybrid": HYBRID}.get(model, {}))
 
 
 def engine_config(name: str, data: str, out: str, model: str = "dense"):
@@ -145,7 +155,8 @@ def engine_config(name: str, data: str, out: str, model: str = "dense"):
 
     _, nproc, _, keys = VARIANTS[name]
     moe = {"moe_aux_loss": "none"} if model == "moe" else {}
-    cfg = {"model_name": "qwen3-0.6b", "model_overrides": model_keys(model), "data_path": data, "output_path": out,
+    preset = "qwen3.5-0.8b" if model == "hybrid" else "qwen3-0.6b"
+    cfg = {"model_name": preset, "model_overrides": model_keys(model), "data_path": data, "output_path": out,
            "seq_length": SEQ, "batch_size": BATCH // nproc, "total_steps": 1000, "log_steps": 1000,
            "save_steps": 0, "learning_rate": 3e-4, **moe, **keys}
     return from_dict(TrainConfig, cfg, source=f"variant {name}")
@@ -166,10 +177,16 @@ def hf_step_fn(name: str, data: str, model_kind: str = "dense"):
     from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset
 
     torch.manual_seed(1234)
-    family = "Qwen3Moe" if model_kind == "moe" else "Qwen3"
-    config = getattr(transformers, f"{family}Config")(**model_keys(model_kind), rope_theta=1e6,
-                                                      max_position_embeddings=40960)
-    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    if model_kind == "hybrid":
+        config = transformers.Qwen3_5TextConfig(**model_keys(model_kind), max_position_embeddings=40960,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                                 "partial_rotary_factor": 0.25})
+        model = transformers.Qwen3_5ForCausalLM(config)
+    else:
+        family = "Qwen3Moe" if model_kind == "moe" else "Qwen3"
+        config = getattr(transformers, f"{family}Config")(**model_keys(model_kind), rope_theta=1e6,
+                                                          max_position_embeddings=40960)
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
     loader = GlobalBatchLoader(PackedDataset(data, SEQ, seed=1234), BATCH, 0, 1, BATCH)
     autocast = VARIANTS[name][3]["mixed_precision"] == "bf16"
@@ -309,9 +326,9 @@ def describe(name: str) -> str:
 def header(model: str) -> None:
     torch.set_num_threads(2)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
+    cpu = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
     isa = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags) or "none of amx/avx512"
-    print(f"machine: {model}, {os.cpu_count()} cores, flags: {isa}; torch {torch.__version__}; "
+    print(f"machine: {cpu}, {os.cpu_count()} cores, flags: {isa}; torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.1f}")
     for dtype in (torch.bfloat16, torch.float32):
         wall, cpu = matmul_tflops(dtype)

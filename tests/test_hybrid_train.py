@@ -39,7 +39,13 @@ LAYOUTS = {
     "dp2-mtp": (2, ["mtp_loss_weight=0.1"]),
     "tp2-mtp": (2, ["tp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
     "cp2-mtp": (2, ["cp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
+    # Qwen3.5-MoE (every layer's MLP a mixture of 4 experts, top 2, with a gated shared expert), balanced by
+    # the global-batch loss (one global micro-batch of 4 samples in both); its experts over 2 ranks
+    "single-moe": (1, ["batch_size=4", "moe_aux_loss=global_batch"]),
+    "dp2-ep2-moe": (2, ["batch_size=2", "ep=2", "moe_aux_loss=global_batch"]),
 }
+TINY_HYBRID_MOE = dict({k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
 class HybridRuns:
@@ -61,6 +67,20 @@ class HybridRuns:
         return path
 
     @functools.cached_property
+    def hf_init_moe(self):
+        import transformers
+
+        torch.manual_seed(0)
+        path = self.root / "hf_init_moe"
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**TINY_HYBRID_MOE))
+        with torch.no_grad():  # decisive routing: no near-tie for summation order to flip between layouts
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.mul_(50)
+        model.save_pretrained(path)
+        return path
+
+    @functools.cached_property
     def hf_init_mtp(self):
         """The same weights, plus an MTP layer (mtp.*) as the released checkpoints ship one."""
         import shutil
@@ -78,7 +98,7 @@ class HybridRuns:
             nproc, overrides = LAYOUTS[name]
             run = self.root / name
             run.mkdir()
-            init = self.hf_init_mtp if name.endswith("-mtp") else self.hf_init
+            init = {"mtp": self.hf_init_mtp, "moe": self.hf_init_moe}.get(name.rsplit("-", 1)[-1], self.hf_init)
             config = write_config(run / "c.yaml", self.corpus, run / "out", model_name="tiny-qwen3.5",
                                   model_path=str(init), model_overrides={}, document_mask=True, **OPTIMIZER)
             check_ok(run_train(config, nproc, *overrides, timeout=600))
@@ -110,6 +130,14 @@ def test_document_mask_changes_the_hybrid(hybrid_runs):
 @pytest.mark.parametrize("name", ["dp2", "pp2", "tp2", "cp2", "cp2-tp2"])
 def test_hybrid_layout_matches_single_process(name, hybrid_runs):
     assert_same_training(hybrid_runs.records(name), hybrid_runs.records("single"), label=f"hybrid {name}")
+
+
+@pytest.mark.distributed
+def test_hybrid_moe_with_expert_parallelism_matches_single_process(hybrid_runs):
+    got, want = hybrid_runs.records("dp2-ep2-moe"), hybrid_runs.records("single-moe")
+    assert_same_training(got, want, label="hybrid moe dp2 ep2")
+    assert_same_training([{**r, "loss": r["moe_aux_loss"]} for r in got],
+                         [{**r, "loss": r["moe_aux_loss"]} for r in want], label="hybrid moe dp2 ep2 aux loss")
 
 
 def test_multi_token_prediction_trains_beside_the_model(hybrid_runs):
