@@ -39,6 +39,8 @@ LAYOUTS = {
     "dp2-mtp": (2, ["mtp_loss_weight=0.1"]),
     "tp2-mtp": (2, ["tp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
     "cp2-mtp": (2, ["cp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
+    "pp2-mtp": (2, ["pp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
+    "tp2-pp2-mtp": (4, ["tp=2", "pp=2", "gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
     # Qwen3.5-MoE (every layer's MLP a mixture of 4 experts, top 2, with a gated shared expert), balanced by
     # the global-batch loss (one global micro-batch of 4 samples in both); its experts over 2 ranks
     "single-moe": (1, ["batch_size=4", "moe_aux_loss=global_batch"]),
@@ -151,7 +153,7 @@ def test_multi_token_prediction_trains_beside_the_model(hybrid_runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["dp2-mtp", "tp2-mtp", "cp2-mtp"])
+@pytest.mark.parametrize("name", ["dp2-mtp", "tp2-mtp", "cp2-mtp", "pp2-mtp", "tp2-pp2-mtp"])
 def test_multi_token_prediction_layout_matches_single_process(name, hybrid_runs):
     got, want = hybrid_runs.records(name), hybrid_runs.records("single-mtp")
     assert_same_training(got, want, label=f"hybrid {name}")

@@ -87,8 +87,8 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     within each document; ``cp_mesh``: the cp axis when it has more than one rank; ``experts``: a MoE layer's
     expert kernel (``choose_experts``), ``router_observer``: what watches its routing (the engine's balancing
     losses), ``moe_force_balance``: round-robin routing (a benchmark mode); ``multi_token_prediction``: the
-    last stage holds the hybrids' MTP layer; ``delta_rule``: the Gated DeltaNet layers' kernel
-    (``models/ops/delta_rule.py``: ``delta_rule_kernel``)."""
+    hybrids' MTP layer is trained (on the last stage; the next tokens' embeddings travel down the pipeline);
+    ``delta_rule``: the Gated DeltaNet layers' kernel (``models/ops/delta_rule.py``: ``delta_rule_kernel``)."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     last = spec.stage_index == spec.num_stages - 1
     # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
@@ -100,7 +100,7 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                            experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
                            router_observer=router_observer, moe_force_balance=moe_force_balance,
                            head_split=ContextParallelHeads(cp_mesh) if cp_mesh is not None else None,
-                           multi_token_prediction=multi_token_prediction and last,
+                           multi_token_prediction=multi_token_prediction,
                            delta_rule=delta_rule or TorchDeltaRule())
     part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last)
     with torch.device("meta"):

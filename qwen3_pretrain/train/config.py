@@ -76,7 +76,8 @@ class TrainConfig:
         0.0, "Train the hybrids' multi-token-prediction layer (mtp_num_hidden_layers; Qwen3.5 and Qwen3-Next "
              "ship one) with this weight on its loss, added to the LM loss (0.1 as Megatron-Bridge's recipe); "
              "logged as mtp_loss. 0: no MTP layer is built and a checkpoint's mtp.* tensors are carried to the "
-             "merged model unchanged. Needs pp 1.")
+             "merged model unchanged. Under pp the layer is on the last stage and the next tokens' "
+             "embeddings travel down the pipeline beside the hidden states.")
     apply_wd_to_qk_layernorm: bool = field_help(
         False, "Also decay the attention's q/k norm weights (Megatron's flag of that name, on in its Qwen3-Next "
                "recipe). The hybrids' norms are zero-centred (scale 1 + weight), so decay pulls the scale "
@@ -231,10 +232,6 @@ class TrainConfig:
                               "gradients unsharded and reduces them once per step; set it to False")
         if self.mtp_loss_weight < 0:
             raise ConfigError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
-        if self.mtp_loss_weight and self.pp > 1:
-            raise ConfigError("mtp_loss_weight > 0 needs pp 1: the multi-token-prediction layer embeds the next "
-                              "tokens with the first stage's embedding, which a later stage does not hold yet; "
-                              "set pp 1, or mtp_loss_weight 0 (the checkpoint's MTP layer is then kept unchanged)")
         if self.moe_aux_loss == "micro_batch" and self.pp > 1:
             raise ConfigError("moe_aux_loss micro_batch pools a micro-batch's layers (transformers' definition), "
                               "which pp > 1 puts on different ranks; use moe_aux_loss global_batch, or pp 1")

@@ -215,9 +215,13 @@ class Engine:
         hidden = torch.zeros((mb, seq // dims.tp, self.source.config.hidden_size), dtype=dtype, device=self.device,
                              requires_grad=True)  # the gradient travels back along it
         io = []
+        if self.mtp_weight:  # beside them the next tokens, then their embeddings; the last stage returns two
+            first_in, between, last_out = first_in + (ids,), (hidden, ids, hidden), (hidden, hidden)
+        else:
+            between, last_out = (hidden, ids), (hidden,)
         for idx in self.stage_indices:
-            inputs = first_in if idx == 0 else (hidden, ids)
-            io.append((inputs, (hidden,) if idx == self.num_stages - 1 else (hidden, ids)))
+            inputs = first_in if idx == 0 else between
+            io.append((inputs, last_out if idx == self.num_stages - 1 else between))
         return io
 
     # --- one step -------------------------------------------------------------------
@@ -269,10 +273,14 @@ class Engine:
                 mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """The scaled token sum of the loss; with the multi-token-prediction layer's hidden states (``hidden``
         a pair) plus ``mtp_loss_weight`` times its loss on ``mtp_labels`` (each position's token after next),
-        scaled alike."""
+        scaled alike. The pipeline hands both labels stacked: [batch, seq, 2]."""
         head = self.parts[-1].lm_head
+        if labels.dim() == 3:
+            labels, mtp_labels = labels.unbind(-1)
         if isinstance(hidden, tuple):
             hidden, mtp_hidden = hidden
+            if not torch.is_grad_enabled():  # an evaluation: the LM loss alone
+                return self._head_loss(head, hidden, labels)
             mtp = self._head_loss(head, mtp_hidden, mtp_labels)
             self.mtp_sum += mtp.detach()
             return self._head_loss(head, hidden, labels) + self.mtp_weight * mtp
@@ -300,8 +308,9 @@ class Engine:
 
     @property
     def uses_positions(self) -> bool:
-        # Under cp a rank's tokens are not 0..n-1: each carries its own position.
-        return self.cfg.per_document_positions or self.dims.cp > 1
+        # Under cp a rank's tokens are not 0..n-1: each carries its own position. The MTP layer's input comes
+        # after them in a pipeline stage's arguments.
+        return self.cfg.per_document_positions or self.dims.cp > 1 or self.mtp_weight > 0
 
     def tokens(self, mb: Batch, key: str) -> torch.Tensor:
         """``mb[key]`` [batch, seq] on the device, this cp rank's part of each sequence."""
@@ -338,10 +347,15 @@ class Engine:
         pipeline micro-batches; returns the sum of the scaled losses (zero off the last stage)."""
         inputs = torch.cat([self.tokens(mb, "input_ids") for mb in batches])
         labels = torch.cat([self.tokens(mb, "labels") for mb in batches])
+        mtp = self.mtp_weight > 0
         losses: list[torch.Tensor] = []
         args: tuple[torch.Tensor, ...] = ()
         if self.has_first:  # per-document positions enter with the ids and travel with the hidden states
             args = (inputs, torch.cat([self.positions(mb) for mb in batches])) if self.uses_positions else (inputs,)
+            if mtp:  # the next tokens, embedded by the first stage, travel beside the hidden states
+                args += (labels,)
+        if mtp:
+            labels = torch.stack([labels, torch.cat([self.mtp_labels(mb) for mb in batches])], dim=-1)
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         run(*args, return_outputs=False, **kwargs)
         total = torch.zeros((), device=self.device)

@@ -118,8 +118,8 @@ class ModelOptions:
     head_split: HeadSplit | None = None
     # The gated delta rule of Gated DeltaNet layers (models/ops/delta_rule.py); ours in plain torch when None.
     delta_rule: DeltaRuleKernel | None = None
-    # The part with the head also holds the multi-token-prediction layer (``MultiTokenPrediction``), where the
-    # config has one: ``forward`` given the next tokens returns its hidden states (or logits) too.
+    # The multi-token-prediction layer (``MultiTokenPrediction``) is trained: the part with the head holds it,
+    # and ``forward`` carries its input (see there).
     multi_token_prediction: bool = False
 
     def __post_init__(self) -> None:
@@ -353,13 +353,10 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention, i) for i in layers})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_hybrid) if part.head else None
         self.lm_head: nn.Module | None = self._head(cfg, options) if part.head else None
+        if options.multi_token_prediction and not cfg.mtp_num_hidden_layers:
+            raise ValueError("multi_token_prediction needs a config with mtp_num_hidden_layers >= 1")
         self.mtp: MultiTokenPrediction | None = None
         if part.head and options.multi_token_prediction:
-            if not cfg.mtp_num_hidden_layers:
-                raise ValueError("multi_token_prediction needs a config with mtp_num_hidden_layers >= 1")
-            if not part.embedding:
-                raise ValueError("the multi-token-prediction layer embeds the next tokens: its part needs the "
-                                 "embedding (one pipeline stage)")
             self.mtp = MultiTokenPrediction(cfg, options, self.attention)
         # A loss head is applied by the loss (to the final hidden states, which the model returns).
         self.returns_hidden = options.loss_head is not None
@@ -383,17 +380,23 @@ class Qwen3Model(nn.Module):
         return ChunkedLMHead(cfg.hidden_size, cfg.vocab_size, chunk_tokens=loss.chunk_tokens,
                              valid_vocab=loss.valid_vocab, fp32_matmul=loss.fp32_matmul)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, next_ids: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``next_ids`` [batch, seq]: each position's next token (the labels), for the multi-token-prediction
-        layer; given, the output is the pair (main, MTP) of hidden states (or logits)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, mtp_input: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``mtp_input``, for the multi-token-prediction layer: on the part with the embedding each position's
+        next token [batch, seq] (the labels), which it embeds; on a later part those embeddings, as the part
+        before returned them. Given, a part before the last returns (hidden states, positions, embeddings),
+        the part with the head the pair (main, MTP) of hidden states (or logits). The embeddings travel down
+        the pipeline beside the hidden states so the last stage needs no copy of the embedding."""
         h, positions, context = self._run(x, positions)
+        embeds = None
+        if mtp_input is not None:
+            embeds = self.embed_tokens(mtp_input) if self.embed_tokens is not None else mtp_input
         if self.lm_head is None:  # a pipeline stage before the last
-            return h, positions
+            return (h, positions) if embeds is None else (h, positions, embeds)
         head = (lambda t: t) if self.returns_hidden else self.lm_head
-        if next_ids is None or self.mtp is None:
+        if embeds is None or self.mtp is None:
             return head(h)
-        return head(h), head(self.mtp(self.embed_tokens(next_ids), h, *context))
+        return head(h), head(self.mtp(embeds, h, *context))
 
     def hidden_states(self, x: torch.Tensor, positions: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
