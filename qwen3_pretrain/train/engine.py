@@ -74,8 +74,9 @@ def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -
     check_expert_split(model, cfg.ep)  # before the degrees: "this model has no experts" says more
     if cfg.mtp_loss_weight and not model.mtp_num_hidden_layers:
         raise ConfigError(f"mtp_loss_weight {cfg.mtp_loss_weight} trains a multi-token-prediction layer, but the "
-                          "model has none (mtp_num_hidden_layers 0); set mtp_loss_weight 0, or "
-                          "mtp_num_hidden_layers 1 in model_overrides")
+                          "model has none (mtp_num_hidden_layers 0 in the preset or the checkpoint's config.json); "
+                          "set mtp_loss_weight 0, or mtp_num_hidden_layers 1 (model_overrides of a preset, "
+                          "config.json of model_path; a layer the files lack starts from random init)")
     dims = ParallelDims.resolve(world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                                 distributed_optimizer=cfg.distributed_optimizer, dp_shard=cfg.dp_shard, ep=cfg.ep)
     stages_per_rank = cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" and cfg.pp > 1 else 1

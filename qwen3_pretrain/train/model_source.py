@@ -34,6 +34,8 @@ class ModelSource:
         make it divisible by tp) are zero and never receive probability mass.
         """
         cfg = self.config
+        # What the files hold; a multi-token-prediction layer they lack starts from random init
+        stored = set(self.reader.names()) if self.reader is not None else set()
 
         def source(name: str, shape: tuple[int, ...], slices: tuple[slice, ...]) -> torch.Tensor:
             if cfg.tie_word_embeddings:
@@ -44,7 +46,7 @@ class ModelSource:
             if rows.stop <= rows.start:
                 return out
             want = (rows,) + tuple(slices[1:])
-            if self.reader is not None:
+            if self.reader is not None and (name in stored or not name.startswith("mtp.")):
                 values = self.reader.read_slice(name, want)
             else:
                 values = init_param(name, real, cfg, seed)[want]

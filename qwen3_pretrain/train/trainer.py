@@ -351,6 +351,9 @@ class Trainer:
             return
         carried = Path(self.cfg.output_path) / CARRIED_DIR
         trained = self.cfg.mtp_loss_weight > 0  # the MTP layer is the model's, saved with it
+        if trained and not reader.has_mtp:
+            log.info("multi-token-prediction layer: %s holds none (no mtp.* tensors); it starts from random init",
+                     reader.path)
         if self.resumed_from is None and write_carried(reader, carried, mtp_trained=trained) is not None:
             groups: dict[str, int] = {}
             for name in (n for n in reader.carried if not (trained and n.startswith("mtp."))):
