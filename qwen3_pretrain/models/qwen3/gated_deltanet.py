@@ -2,12 +2,11 @@
 
 Per token: project q, k, v (and the output gate z, the write strength b, the
 decay input a); run q, k, v through a depthwise causal convolution (kernel 4)
-and SiLU; L2-normalise q and k; then the gated delta rule
-(models/ops/gated_delta.py, or a device's kernel: delta_rule.py) updates a [key_dim, value_dim] state per
-value head,
-decayed by ``exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)`` and
-written with strength ``beta = sigmoid(b)``; its read-out goes through a gated
-RMSNorm (``weight * norm(o) * silu(z)``) and ``out_proj``.
+and SiLU; L2-normalise q and k; then the gated delta rule (models/ops/gated_delta.py,
+or a device's kernel: delta_rule.py) updates a [key_dim, value_dim] state per
+value head, decayed by ``exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)``
+and written with strength ``beta = sigmoid(b)``; its read-out goes through a
+gated RMSNorm (``weight * norm(o) * silu(z)``) and ``out_proj``.
 
 Under context parallelism (``split``, model.py: ``HeadSplit``) a rank holds a share of the sequence: the
 layer projects its own tokens, then trades them (one all-to-all) for the whole sequence of its share of the
@@ -55,6 +54,9 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """``split``: the cp split (model.py: ``HeadSplit``), None without context parallelism; ``kernel``: the
+    delta rule's (models/ops/delta_rule.py), ours in plain torch when None."""
+
     def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, split=None,
                  kernel: DeltaRuleKernel | None = None) -> None:
         super().__init__()
