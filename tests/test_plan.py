@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,11 @@ from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan import memory
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
-from qwen3_pretrain.plan.layout import Cluster, Layout, enumerate_layouts, stage_shapes
+from qwen3_pretrain.plan.layers import largest_tensor, saved_bytes_per_token
+from qwen3_pretrain.plan.layout import Cluster, LayerKind, Layout, enumerate_layouts, stage_shapes
 from qwen3_pretrain.plan.memory import GiB, recomputed_bytes_per_token, predict_memory, stage_params
 from qwen3_pretrain.simulate.memtrack import MemoryTracker
-from qwen3_pretrain.plan.step import predict_step
+from qwen3_pretrain.plan.step import _stage_flops_per_microbatch, predict_step
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ["--model", "qwen3-8b", "--nodes", "2", "--devices-per-node", "4", "--device", "910b", "--tp", "4",
@@ -111,24 +114,29 @@ def test_recompute_drops_what_the_planner_says(dtype, fp32_matmul, ac_mode):
     assert kept_per_token("none") - kept_per_token(ac_mode) == want > 0
 
 
+SPARSE = LayerKind(sparse=True)
 MOE_CFG = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                intermediate_size=768, vocab_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
                mlp_only_layers=[0])
 
 
 def _saved_per_token(module, *inputs, seq: int, outside=()) -> float:
-    """Bytes per token of every storage ``module`` saves for backward (its parameters and ``outside`` excluded)."""
+    """Bytes per token of every storage ``module`` saves for backward and still holds after its forward (its
+    parameters and ``outside`` excluded; a tensor saved only by a part of the graph whose result is dropped,
+    such as the delta rule's last state update, is freed with it)."""
     skip = {t.untyped_storage()._cdata for t in [*module.parameters(), *outside]}
-    saved: dict[int, int] = {}
+    packed: list[weakref.ref] = []
 
     def pack(t):
-        if t.untyped_storage()._cdata not in skip:
-            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        packed.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*inputs)
-    return sum(saved.values()) / seq
+        out = module(*inputs)
+    alive = [t for t in (ref() for ref in packed) if t is not None]
+    saved = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in alive}
+    del out
+    return sum(n for key, n in saved.items() if key not in skip) / seq
 
 
 @pytest.mark.parametrize("dtype, kernel, norm", [(torch.bfloat16, "grouped_mm", True), (torch.float32, "loop", True),
@@ -151,9 +159,9 @@ def test_moe_layer_formula_matches_what_autograd_saves(dtype, kernel, norm):
     counts = (4 * 8 if kernel == "grouped_mm" else 0) / seq  # the grouped kernel's int32 offsets
     assert measured == want + counts
     layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", device_type="cpu")
-    assert memory._layer_bytes_per_token(cfg, layout, "none", sparse=True) == want
+    assert saved_bytes_per_token(cfg, layout, "none", SPARSE) == want
     # MLP recompute keeps only the block's input: what it drops is the whole MoE term.
-    assert recomputed_bytes_per_token(cfg, layout, "mlp", sparse=True) == moe
+    assert recomputed_bytes_per_token(cfg, layout, "mlp", SPARSE) == moe
     # the dense formula's MLP share (at the same width) is not what a MoE block keeps
     assert moe != F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 96, t=1, dtype_bytes=d) \
         - F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 0, t=1, dtype_bytes=d)
@@ -172,7 +180,7 @@ def test_moe_recompute_drops_what_the_planner_says():
             return (mem.current_bytes - out.untyped_storage().nbytes()) / seq
 
     layout = Layout(mixed_precision="bf16", activation_checkpointing="mlp", device_type="cuda")
-    want = recomputed_bytes_per_token(cfg, layout, "mlp", sparse=True)
+    want = recomputed_bytes_per_token(cfg, layout, "mlp", SPARSE)
     assert kept_per_token("none") - kept_per_token("mlp") == pytest.approx(want, abs=4 * 8 / seq)
 
 
@@ -210,8 +218,7 @@ def test_moe_stage_parameters_add_up_to_the_real_model():
         assert plain.held - sp.held == pytest.approx(experts_all - held_experts)
     # one process, no recompute: hardware FLOPs are the model's active FLOPs
     lay = Layout(seq_length=4096, micro_batch_size=1, activation_checkpointing="none")
-    from qwen3_pretrain.plan.step import _stage_flops_per_microbatch
-    assert _stage_flops_per_microbatch(cfg, lay, stage_shapes(cfg, lay)[0]) == pytest.approx(
+    assert sum(_stage_flops_per_microbatch(cfg, lay, stage_shapes(cfg, lay)[0])) == pytest.approx(
         cfg.flops_per_token(4096) * 4096)
 
 
@@ -561,10 +568,10 @@ def test_a_math_fallback_is_counted_where_the_device_runs_one():
     probabilities = 4 * 16 * 4096 * 4096  # fp32 [1, 16 heads, 4096, 4096]
     extra = memory.attention_fallback_bytes_per_token(cfg, fp32) * 4096
     assert probabilities < extra < 1.1 * probabilities
-    assert memory._layer_bytes_per_token(cfg, fp32, "none") - memory._layer_bytes_per_token(
+    assert saved_bytes_per_token(cfg, fp32, "none") - saved_bytes_per_token(
         cfg, fp32.replace(device_type="cpu"), "none") == pytest.approx(extra / 4096)
     # selective recompute drops it with the rest of the kernel's saved tensors
-    assert memory._layer_bytes_per_token(cfg, fp32, "selective") == memory._layer_bytes_per_token(
+    assert saved_bytes_per_token(cfg, fp32, "selective") == saved_bytes_per_token(
         cfg, fp32.replace(device_type="cpu"), "selective")
     # the context-parallel chunk under bf16 is flash's lower-right causal mode, not a masked math call
     assert memory.math_fallbacks(cfg, base.replace(cp=8, seq_length=32768)) == []
@@ -617,3 +624,142 @@ def test_every_plan_row_is_a_config_train_accepts(flags, capsys, tmp_path):
     for row in rows:
         from_dict(TrainConfig, {"model_name": "qwen3-8b", "data_path": str(tmp_path),
                                 "output_path": str(tmp_path / "out"), **row["config"]}, source="plan row")
+
+
+# --- the hybrids (Qwen3.5, Qwen3-Next): Gated DeltaNet and gated full-attention layers ---------------------
+
+HYBRID_CFG = dict(model_type="qwen3_5_text", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, intermediate_size=768, vocab_size=128,
+                  layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
+                  partial_rotary_factor=0.25)
+
+
+def _per_call_bytes(cfg: Qwen3Config, linear: bool, d: int, seq: int) -> float:
+    """What a hybrid layer keeps once per call, not per token (the formulas leave it out), per token of
+    ``seq``: each zero-centred norm's fp32 ``1 + weight``; a Gated DeltaNet's convolution padding (``K - 1``
+    tokens of its channels) and the fp32 copies of its decay parameters, less its last chunk's writes (kept
+    only for the state after the sequence, which is dropped); attention's q and k norms' scales."""
+    norms = 2 * 4 * cfg.hidden_size
+    if linear:  # less the delta rule's last chunk's writes (4 bytes x 64 tokens x its value width), dropped
+        conv = 2 * cfg.linear_key_dim + cfg.linear_value_dim
+        return (norms + d * conv * (cfg.linear_conv_kernel_dim - 1) + 2 * 4 * cfg.linear_num_value_heads
+                - 4 * 64 * cfg.linear_value_dim) / seq
+    return (norms + 2 * 4 * cfg.head_dim) / seq
+
+
+@pytest.mark.parametrize("linear, model_type, rotary", [(True, "qwen3_5_text", 0.25), (True, "qwen3_next", 0.25),
+                                                        (False, "qwen3_5_text", 0.25), (False, "qwen3_next", 1.0)])
+@pytest.mark.parametrize("dtype, fp32_matmul", [(torch.bfloat16, False), (torch.float32, False),
+                                                (torch.bfloat16, True)])
+def test_hybrid_layer_formulas_match_what_autograd_saves(linear, model_type, rotary, dtype, fp32_matmul):
+    """A Gated DeltaNet layer (both projection layouts) and a hybrid's gated full-attention layer (partial RoPE
+    as released, and whole) save, per token, what the planner's formulas say (counted by saved-tensor hooks on
+    the real layer, parameters and the RoPE tables excluded), beside the few per-call tensors named in
+    ``_per_call_bytes``."""
+    cfg = Qwen3Config(**dict(HYBRID_CFG, model_type=model_type, partial_rotary_factor=rotary))
+    options = ModelOptions(linear=Fp32Linear, attention=fp32_attention()) if fp32_matmul else ModelOptions()
+    layer = Qwen3Model(cfg, options).to(dtype).layers["0" if linear else "1"]
+    seq = 256  # 4 chunks of the delta rule (with 2, the first one's decay is kept by none)
+    x = torch.randn(1, seq, 256, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(seq)[None], cfg.rotary_dim, cfg.rope_theta, dtype)
+    measured = _saved_per_token(layer, x, cos, sin, seq=seq, outside=(cos, sin))
+    layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", fp32_matmul=fp32_matmul,
+                    device_type="cpu")
+    planned = saved_bytes_per_token(cfg, layout, "none", LayerKind(linear=linear))
+    assert measured == planned + _per_call_bytes(cfg, linear, dtype.itemsize, seq)
+
+
+@pytest.mark.parametrize("ac_mode", ["selective", "mlp"])
+def test_hybrid_recompute_drops_what_the_planner_says(ac_mode):
+    """Measured by MemoryTracker on the real layers: selective recompute (the attention kernel's call) drops
+    nothing from a Gated DeltaNet layer and the kernel's extras from a gated attention layer; MLP recompute
+    the SwiGLU of either."""
+    cfg = Qwen3Config(**HYBRID_CFG)
+    seq = 128
+    cos, sin = rope_cos_sin(torch.arange(seq)[None], cfg.rotary_dim, cfg.rope_theta, torch.bfloat16)
+    layout = Layout(activation_checkpointing=ac_mode, device_type="cpu")
+    for index, kind in (("0", LayerKind(linear=True)), ("1", LayerKind())):
+        def kept_per_token(mode: str) -> float:
+            layer = Qwen3Model(cfg, ModelOptions(recompute=mode)).to(torch.bfloat16).layers[index]
+            x = torch.randn(1, seq, 256, dtype=torch.bfloat16, requires_grad=True)
+            with MemoryTracker() as mem:
+                out = layer(x, cos, sin)
+                return (mem.current_bytes - out.untyped_storage().nbytes()) / seq
+
+        want = recomputed_bytes_per_token(cfg, layout, ac_mode, kind)
+        assert kept_per_token("none") - kept_per_token(ac_mode) == want
+        assert (want == 0) == (kind.linear and ac_mode == "selective")
+
+
+def _tp_rank_params(cfg: Qwen3Config, tp: int, pp: int) -> list[int]:
+    """Parameters one tp rank of each pipeline stage holds once the engine's tensor-parallel plan is applied
+    (meta tensors on the fake process group): DTensors count their local shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from qwen3_pretrain.parallel.dims import stage_layer_ranges
+    from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage
+    from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        counts = []
+        for stage, layers in enumerate(stage_layer_ranges(cfg.num_hidden_layers, pp)):
+            part = build_stage(cfg, PartSpec(stage, pp, layers), cfg.vocab_size, 4096)
+            apply_tensor_parallel(part, mesh)
+            counts.append(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters()))
+        return counts
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name, tp, pp", [("qwen3.5-9b", 4, 2), ("qwen3.5-35b-a3b", 2, 2),
+                                          ("qwen3-next-80b-a3b", 2, 1)])
+def test_hybrid_stage_parameters_are_the_real_stages(name, tp, pp):
+    """Each pipeline stage's parameters on a tp rank, as the planner counts them, are those the engine's stage
+    holds after its tensor-parallel plan: attention and dense MLPs split, Gated DeltaNet layers, norms and MoE
+    blocks (their shared expert too) whole. The presets are cut to 8 layers (6 Gated DeltaNet, 2 attention)
+    and 16 experts; their largest tensor and, unsplit, FLOPs per token follow the config."""
+    cfg = get_preset(name)
+    cfg = dataclasses.replace(cfg, num_hidden_layers=8, layer_types=cfg.layer_types[:8],
+                              num_experts=min(cfg.num_experts, 16))
+    layout = Layout(tp=tp, pp=pp, micro_batch_size=pp)
+    shapes = stage_shapes(cfg, layout)
+    assert [s.linear_layers for s in shapes] == ([3, 3] if pp == 2 else [6])
+    assert [stage_params(cfg, layout, s).total for s in shapes] == _tp_rank_params(cfg, tp, pp)
+    (whole,) = stage_shapes(cfg, Layout(activation_checkpointing="none"))
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    largest = max(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    assert max(largest_tensor(cfg, Layout(), kind) for kind, _ in whole.layer_kinds) == largest
+    # one rank, no recompute: the hardware FLOPs are the model's, the delta rule's apart (it computes in fp32)
+    lay = Layout(seq_length=4096, activation_checkpointing="none")
+    matmul, rule = _stage_flops_per_microbatch(cfg, lay, whole)
+    assert rule == 6 * cfg.linear_attention_flops_per_token() * 4096
+    assert matmul + rule == pytest.approx(cfg.flops_per_token(4096) * 4096)
+
+
+def test_hybrid_plan_rows_are_configs_train_accepts(capsys, tmp_path):
+    """Qwen3.5-27B at seq 32768 on 8 x H100: the search splits the sequence (cp, which must divide the Gated
+    DeltaNet's 16 key heads), and every row, written into a training config, loads and is the layout the
+    engine describes."""
+    from qwen3_pretrain.config.loader import from_dict
+    from qwen3_pretrain.train.config import TrainConfig
+    from qwen3_pretrain.train.engine import engine_layout, resolve_parallelism
+
+    assert plan_main(["--model", "qwen3.5-27b", "--nodes", "1", "--devices-per-node", "8", "--device", "h100",
+                      "--seq-length", "32768", "--json", "--top", "40"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["fits"] and rows[0]["cp"] > 1 and rows[0]["comm_gb_per_step"]["cp"] > 0
+    model = get_preset("qwen3.5-27b")
+    for row in rows:
+        keys = row["config"]
+        cfg = from_dict(TrainConfig, {"model_name": "qwen3.5-27b", "data_path": str(tmp_path),
+                                      "output_path": str(tmp_path / "out"), **keys}, source="plan row")
+        lay = engine_layout(cfg, resolve_parallelism(cfg, keys["rank_size"], model), 4096, "cuda", fp32_matmul=False)
+        assert (lay.tp, lay.cp, lay.pp, lay.dp, lay.micro_batch_size, lay.activation_checkpointing) == \
+            (row["tp"], row["cp"], row["pp"], row["dp"], row["micro_batch_size"], row["activation_checkpointing"])

@@ -39,7 +39,9 @@ def _local_shapes(stage: int) -> tuple[int, int]:
     """(values, tensors) of the parameters one rank holds after TP (matrices split in tp) and FSDP
     (everything split in dp)."""
     cfg = get_preset("qwen3-8b")
-    cfg = type(cfg)(**{**cfg.__dict__, **TINY, "vocab_size": padded_vocab_size(TINY["vocab_size"], TP)})
+    # (layer_types [] : one entry per layer of the cut model, all full attention)
+    cfg = type(cfg)(**{**cfg.__dict__, **TINY, "layer_types": [],
+                       "vocab_size": padded_vocab_size(TINY["vocab_size"], TP)})
     spec = PartSpec(stage, PP, stage_layer_ranges(cfg.num_hidden_layers, PP)[stage])
     part = build_stage(cfg, spec, TINY["vocab_size"], 4096)
     params = list(part.parameters())
@@ -160,7 +162,7 @@ def test_the_played_math_kernel_keeps_what_the_planner_counts():
     from qwen3_pretrain.simulate.attention import KernelRecord, SimulatedAttention
 
     model = get_preset("qwen3-8b")
-    model = type(model)(**{**model.__dict__, **TINY})
+    model = type(model)(**{**model.__dict__, **TINY, "layer_types": []})
     layout = Layout(tp=1, seq_length=64, mixed_precision="fp32", activation_checkpointing="none")
     per_token = memory.attention_fallback_bytes_per_token(model, layout)
     for dtype, expected in ((torch.float32, per_token * 64), (torch.bfloat16, None)):
@@ -235,3 +237,31 @@ def test_weights_kept_gathered_move_and_hold_what_the_planner_says(layout):
         assert planned[stage]["dp"] == pytest.approx(sum(r.comm["dp"].values()), rel=1e-4), stage
         assert planned[stage]["dp"] < 0.75 * default[stage]["dp"]
         assert r.predicted.parameters == pytest.approx(r.peak["parameters"], rel=0.01), (stage, r.predicted.moment)
+
+
+HYBRID = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 64,
+          "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+
+
+@pytest.mark.parametrize("layout", [["tp=2", "pp=2", "cp=2", "activation_checkpointing=full", "seq_length=256"],
+                                    ["tp=2", "pp=1", "cp=2", "activation_checkpointing=none",
+                                     "gradient_checkpointing=false", "seq_length=1024"]])
+def test_hybrid_simulates_within_the_planner(layout):
+    """A Qwen3.5-like hybrid (3 Gated DeltaNet layers, then gated attention) under tp 2 x cp 2: a Gated DeltaNet
+    runs whole on every tp rank (one all-gather each way) and trades tokens for heads over cp (all-to-alls);
+    the planner's tp bytes (the stage without the loss) and cp bytes are the simulation's, FSDP's bytes (the
+    stage's parameters) too, and the peak is its own within 7% at this size."""
+    cfg = load_config(TrainConfig, None, ["model_name=qwen3.5-0.8b", f"model_overrides={json.dumps(HYBRID)}",
+                                          "batch_size=2", *layout])
+    world = make_world(cfg, 8 if "pp=2" in layout else 4)
+    planned = predict_step(world.source.config, world.layout, get_device("h100")).comm_bytes_per_stage
+    for r in simulate_ranks(world, world.dims.first_rank_of_stages(), steps=1):
+        stage, last = r.coords["pp"], r.coords["pp"] == world.dims.pp - 1
+        assert r.predicted.allocated == pytest.approx(r.peak["total"], rel=0.07), (stage, r.predicted.moment)
+        assert planned[stage]["cp"] == sum(r.comm["cp"].values()) > 0
+        if not last:  # (beside the gradient norm's all-reduce of a scalar, which the planner leaves out)
+            assert planned[stage]["tp"] == r.comm["tp"]["all_gather"] + r.comm["tp"]["reduce_scatter"]
+        assert planned[stage]["tp"] == pytest.approx(sum(r.comm["tp"].values()), rel=0.05)
+        assert planned[stage]["dp"] == pytest.approx(sum(r.comm["dp"].values()), rel=1e-4)

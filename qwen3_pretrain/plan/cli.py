@@ -261,7 +261,7 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any], seq_l
                         "change the degrees or the cluster")
     if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and needed != cluster.devices:
         raise UserError(f"tp x pp x dp x cp = {needed} but the cluster has {cluster.devices} devices")
-    check_model_split(cfg, tp, pp)
+    check_model_split(cfg, tp, pp, cp)
     if fixed.get("ep", 1) < 1:
         raise UserError(f"--ep must be at least 1, got {fixed['ep']}")
     check_expert_split(cfg, fixed.get("ep", 1))
@@ -387,7 +387,8 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
             f"{'+' if step.host_bound else ' '}| {comm} {step.cross_node_bytes / 1e9:.1f}")
     if any(c.step.host_bound for c in candidates[:top]):
         lines.append("+ host-bound: the host issues the layers' operators slower than the device computes them "
-                     "(eager DTensor under tp; --compile)")
+                     "(eager DTensor under tp, a Gated DeltaNet layer's loop over the sequence's chunks; "
+                     "--compile)")
     return "\n".join(lines)
 
 

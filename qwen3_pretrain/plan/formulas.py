@@ -89,7 +89,8 @@ def megatron_activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads
 
 def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, heads: int, kv_heads: int,
                                       intermediate: int, t: int = 1, dtype_bytes: int = BF16,
-                                      fp32_matmul: bool = False) -> float:
+                                      fp32_matmul: bool = False, hybrid: bool = False,
+                                      output_copied: bool = True) -> float:
     """Bytes autograd keeps per token for one Qwen3 decoder layer (no recompute).
 
     Counted from the operators of ``models/qwen3/model.py`` with sequence
@@ -117,17 +118,36 @@ def qwen3_layer_saved_bytes_per_token(hidden: int, q_out: int, kv_out: int, head
 
     With ``fp32_matmul`` (bf16 attention run on fp32 copies, on a CPU) SDPA
     saves its q, k, v and output in fp32: ``(4 - d)(q + 2 kv) + 4 q`` more.
+
+    A ``hybrid``'s full-attention layer (Qwen3.5, Qwen3-Next) differs in two ways:
+
+    * its four norms are zero-centred, in plain autograd: each keeps its fp32
+      input (a copy under bf16) and the fp32 normalized value, ``8`` bytes per
+      element instead of ``d``; under fp32 the q norm's input is a view of
+      q_proj's output, which holds the gate too: ``4 q`` more;
+    * its output gate keeps ``sigmoid(gate)`` and the product, o_proj's input:
+      ``2 d q`` beside the output it multiplies; when that is a copy of the
+      kernel's (``output_copied``: the kernels return the output in the query's
+      layout, which the released models' partial RoPE makes heads-major by a
+      concatenation, as context parallelism's concatenation of its two chunks
+      does), the kernel's own output too, ``d q`` (with ``fp32_matmul`` that is
+      its fp32 output, counted above).
     """
     d = dtype_bytes
-    sharded = (2 * d * hidden + 2 * d * (q_out + kv_out) + d * kv_out + d * q_out
+    norm = 8 if hybrid else d  # what a norm keeps per element
+    sharded = (2 * norm * hidden + (norm + d) * (q_out + kv_out) + d * kv_out + d * q_out
                + 4 * heads + 3 * d * intermediate + 4 * (2 + heads + kv_heads))
+    if hybrid:
+        sharded += 2 * d * q_out + (4 * q_out if d == 4 else 0)
+        sharded += d * q_out if output_copied and not (fp32_matmul and d < 4) else 0
     if fp32_matmul and d < 4:
         sharded += (4 - d) * (q_out + 2 * kv_out) + 4 * q_out
     return sharded / t + 2 * d * hidden
 
 
 def qwen3_attention_core_saved_bytes_per_token(q_out: int, kv_out: int, heads: int, t: int = 1,
-                                               dtype_bytes: int = BF16, fp32_matmul: bool = False) -> float:
+                                               dtype_bytes: int = BF16, fp32_matmul: bool = False,
+                                               output_copied: bool = False) -> float:
     """The part of the layer's saved bytes that selective recompute (the attention core) drops.
 
     Selective recompute checkpoints the attention kernel's call, as Megatron's
@@ -139,11 +159,15 @@ def qwen3_attention_core_saved_bytes_per_token(q_out: int, kv_out: int, heads: i
     of the output add, ``(4 - d)(q + 2 kv) + 4 q`` over ``t``. A kernel that materializes the
     ``seq x seq`` scores (Megatron's unfused attention, the ``5as/h`` of
     ``megatron_activation_bytes_per_layer``) would lose those; none of the
-    kernels this project runs keeps them.
+    kernels this project runs keeps them. Where o_proj's input is a copy of the
+    kernel's output (``output_copied``: a hybrid's gated output after partial RoPE,
+    see ``qwen3_layer_saved_bytes_per_token``), the kernel's output goes too, ``d q / t``.
     """
     sharded = 4 * heads
     if fp32_matmul and dtype_bytes < 4:
         sharded += (4 - dtype_bytes) * (q_out + 2 * kv_out) + 4 * q_out
+    elif output_copied:
+        sharded += dtype_bytes * q_out
     return sharded / t
 
 
@@ -160,7 +184,7 @@ def qwen3_mlp_saved_bytes_per_token(hidden: int, intermediate: int, t: int = 1, 
 
 
 def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int, top_k: int,
-                                    norm_topk_prob: bool, dtype_bytes: int = BF16) -> float:
+                                    norm_topk_prob: bool, dtype_bytes: int = BF16, shared: int = 0) -> float:
     """Bytes autograd keeps per token for one Qwen3-MoE block (``models/ops/moe.py``), beyond its input.
 
     Counted from its operators, with ``k`` = ``top_k`` (token, expert) pairs per
@@ -174,7 +198,9 @@ def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int
       pairs' tokens, the way back: ``24 k``), the pairs' weights in ``d``
       (``d k``) and the permuted tokens (``d k h``);
     * experts: gate and up (SwiGLU keeps only those, ``models/ops/swiglu.py``)
-      and the weighted product (the down projection's input), ``3 d k I``.
+      and the weighted product (the down projection's input), ``3 d k I``;
+    * a hybrid's gated shared expert of width ``shared``: an MLP's ``3 d s``, its
+      output and the gate's sigmoid, which scale each other: ``d h + d``.
 
     The block runs whole on every tensor-parallel rank (``parallel/parallelize.py``),
     so nothing here is divided by ``t``; the expert counts (``E`` integers per
@@ -182,7 +208,69 @@ def qwen3_moe_saved_bytes_per_token(hidden: int, intermediate: int, experts: int
     """
     d, k = dtype_bytes, top_k
     router = 4 * experts + 8 * k + (4 * k + 4 if norm_topk_prob else 0)
-    return router + 24 * k + d * k + d * k * hidden + 3 * d * k * intermediate
+    shared_expert = 3 * d * shared + d * hidden + d if shared else 0
+    return router + 24 * k + d * k + d * k * hidden + 3 * d * k * intermediate + shared_expert
+
+
+def zero_centred_norm_saved_bytes_per_token(hidden: int) -> float:
+    """What one of a hybrid's zero-centred RMSNorms (``1 + weight``, plain autograd in fp32: models/qwen3/
+    model.py ``RMSNorm``) keeps per token: its fp32 input (a copy under bf16, the input itself under fp32),
+    the fp32 reciprocal root and the fp32 normalized value before the scale, whatever the dtype. (It also
+    keeps ``1 + weight`` in fp32 per call, ``4 h`` bytes per micro-batch, left out.)"""
+    return 8 * hidden + 4
+
+
+def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_heads: int, key_head_dim: int,
+                                         value_head_dim: int, dtype_bytes: int = BF16, chunk: int = 64,
+                                         cp: int = 1) -> float:
+    """Bytes autograd keeps per token for one Gated DeltaNet block (``models/qwen3/gated_deltanet.py``), from
+    its input (the norm's output, which the input projections keep) to ``out_proj``'s input.
+
+    Counted from its operators with ``a`` value heads of ``dv``, key heads of ``dk``
+    (``K = key_heads dk``, ``V = a dv``; the convolution runs over ``Q = 2 K + V``
+    channels), the delta rule's chunk ``C`` and ``d`` the activation dtype's bytes:
+
+    * projections and convolution: the input ``d h``, the convolution's padded
+      input and output ``2 d Q``, ``beta`` ``d a``, the decay's softplus input and
+      output ``8 a``;
+    * q and k in fp32 with their l2 norms' roots, ``8 K + 8 key_heads`` (under
+      fp32 the silu output they are views of instead, ``4 Q``);
+    * the chunked delta rule (``models/ops/gated_delta.py``, fp32): per value head
+      and token five ``C``-wide rows (the pairwise decays before and after
+      masking, ``K K^T beta``, the triangular system and the chunk's attention)
+      and two per key head (``K K^T``, ``Q K^T``): ``20 a C + 8 key_heads C``;
+      the chunked q, k (``8 K``), v, the solve's result, the writes per chunk and
+      stacked (``16 V``), the decayed keys and queries and the solve's key part
+      (``12 a dk``), six decay rows (``24 a``), the state entering each chunk,
+      kept twice (``8 a dk dv / C``), the chunk decays (``8 a / C``), and the
+      boolean document masks (``C + 2``, per token of the whole sequence);
+    * the gated RMSNorm and ``out_proj``: ``12 V + 4 a + 3 d V``.
+
+    Under context parallelism (``cp``) a rank runs its ``1 / cp`` of the heads over the
+    whole sequence (``parallel/context_parallel.py``: ``ContextParallelHeads``): the
+    same bytes per local token, but for the document masks, which are per token of
+    the whole sequence: ``cp`` times theirs. (Per micro-batch, left out: the
+    convolution's ``K - 1`` padding tokens and the decay parameters' fp32 copies.)
+    Tensor parallelism does not split the block (it runs whole on every tp rank:
+    ``parallel/tensor_parallel.py``), so nothing here is divided by ``t``.
+    """
+    d, a, dk, dv = dtype_bytes, value_heads, key_head_dim, value_head_dim
+    k_dim, v_dim = key_heads * dk, a * dv
+    conv = 2 * k_dim + v_dim
+    qk = 8 * k_dim if d < 4 else 4 * conv
+    mixing = d * hidden + 2 * d * conv + d * a + 8 * a + qk + 8 * key_heads
+    rule = (20 * a * chunk + 8 * key_heads * chunk + 8 * k_dim + 16 * v_dim + 12 * a * dk + 24 * a
+            + 8 * a * dk * dv / chunk + 8 * a / chunk + cp * (chunk + 2))
+    return mixing + rule + 12 * v_dim + 4 * a + 3 * d * v_dim
+
+
+def gated_deltanet_backward_working_bytes_per_token(value_heads: int, value_head_dim: int,
+                                                    dtype_bytes: int = BF16) -> float:
+    """The peak of a Gated DeltaNet block's backward beyond what it saved, per token (measured, not derived:
+    the block alone, its backward's highest allocation above its start, ``(16 - d) V`` at any of the widths
+    tried, fp32 and bf16): three fp32 value-wide gradients around the gated norm, and under bf16 one more in
+    the compute dtype. The block runs whole on every tp rank: not divided by ``t``."""
+    return (16 - dtype_bytes) * value_heads * value_head_dim
 
 
 def qwen3_backward_working_bytes_per_token(hidden: int, intermediate: int, t: int = 1,
@@ -247,12 +335,6 @@ def inflight_microbatches(schedule: Literal["1f1b", "interleaved", "gpipe"], p: 
 def layer_matmul_params(hidden: int, q_out: int, kv_out: int, intermediate: int) -> int:
     """Weights of one layer's linears: q, k, v, o and gate, up, down (``intermediate`` 0: attention only)."""
     return hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * intermediate
-
-
-def moe_matmul_params(hidden: int, intermediate: int, experts: int, top_k: int | None = None) -> int:
-    """Weights of one MoE block: the router and every expert's gate, up and down; with ``top_k``, those one
-    token multiplies by (the router and ``top_k`` experts: its active parameters)."""
-    return hidden * experts + 3 * hidden * intermediate * (experts if top_k is None else top_k)
 
 
 def training_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -191,7 +192,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 def check_model_fits_layout(cfg: Qwen3Config, layout: Layout) -> None:
     """Raise UserError when ``layout`` cannot split ``cfg`` or feed its pipeline."""
-    check_model_split(cfg, layout.tp, layout.pp * layout.stages_per_rank)
+    check_model_split(cfg, layout.tp, layout.pp * layout.stages_per_rank, layout.cp)
     check_expert_split(cfg, layout.ep)
     check_pipeline_feed(layout.pp, layout.pp_schedule, layout.micro_batch_size, layout.gradient_accumulation_steps,
                         layout.pp_microbatch_size)
@@ -219,6 +220,18 @@ def check_pipeline_feed(pp: int, schedule: str, micro_batch_size: int, gradient_
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """What a decoder layer is made of (models/qwen3/model.py ``DecoderLayer``): its token mixer and its MLP."""
+
+    linear: bool = False  # a hybrid's Gated DeltaNet (linear attention) in place of attention
+    sparse: bool = False  # a mixture of experts in place of the dense MLP
+
+    @classmethod
+    def of(cls, cfg: Qwen3Config, index: int) -> "LayerKind":
+        return cls(linear=cfg.is_linear_layer(index), sparse=cfg.is_sparse_layer(index))
+
+
+@dataclass(frozen=True)
 class StageShape:
     """What pipeline rank ``stage`` holds: its layers and whether it has the embedding or the head."""
 
@@ -227,11 +240,26 @@ class StageShape:
     has_embedding: bool
     has_head: bool
     max_chunk_layers: int  # layers of its largest chunk (one chunk unless interleaved)
-    sparse_layers: int = 0  # of its layers, those with a mixture of experts in place of the MLP
+    # (kind, how many of its layers are of that kind); () for plain attention-and-MLP layers only
+    kinds: tuple[tuple[LayerKind, int], ...] = ()
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[LayerKind, int], ...]:
+        return self.kinds or (((LayerKind(), self.num_layers),) if self.num_layers else ())
+
+    @property
+    def sparse_layers(self) -> int:
+        """Of its layers, those with a mixture of experts in place of the MLP."""
+        return sum(n for kind, n in self.layer_kinds if kind.sparse)
 
     @property
     def dense_layers(self) -> int:
         return self.num_layers - self.sparse_layers
+
+    @property
+    def linear_layers(self) -> int:
+        """Of its layers, a hybrid's Gated DeltaNet ones."""
+        return sum(n for kind, n in self.layer_kinds if kind.linear)
 
 
 def stage_shapes(cfg: Qwen3Config, layout: Layout) -> list[StageShape]:
@@ -241,9 +269,10 @@ def stage_shapes(cfg: Qwen3Config, layout: Layout) -> list[StageShape]:
     shapes = []
     for rank in range(p):
         mine = [split[rank + k * p] for k in range(v)]
+        counts = Counter(LayerKind.of(cfg, i) for chunk in mine for i in chunk)
         shapes.append(StageShape(rank, sum(map(len, mine)), has_embedding=rank == 0, has_head=rank == p - 1,
                                  max_chunk_layers=max(map(len, mine)),
-                                 sparse_layers=sum(cfg.is_sparse_layer(i) for chunk in mine for i in chunk)))
+                                 kinds=tuple(sorted(counts.items(), key=lambda kn: (kn[0].linear, kn[0].sparse)))))
     return shapes
 
 

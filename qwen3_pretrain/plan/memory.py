@@ -23,10 +23,11 @@ shard the weights: the data-parallel degree with the distributed optimizer,
   temporaries: none with the fused kernel (the engine's choice on CPU and
   CUDA), one shard-sized buffer on the foreach path (torch's default on other
   accelerators), two of the largest tensor on the per-tensor loop.
-* **activations**: what autograd saves per layer under the chosen recompute
-  (``formulas.qwen3_layer_saved_bytes_per_token``), times the micro-batches in
-  flight on the stage, plus, for the micro-batch in backward, one layer's
-  recomputation and its gradients.
+* **activations**: what autograd saves per layer under the chosen recompute,
+  by kind of layer (``layers.saved_bytes_per_token``: attention or a hybrid's
+  Gated DeltaNet, a dense MLP or experts), times the micro-batches in flight on
+  the stage, plus, for the micro-batch in backward, one layer's recomputation
+  and its gradients.
 * **logits**: the fused LM head + cross-entropy's working set on the last
   stage: one chunk's logits in the compute dtype and in fp32, and the head's
   weight gradient, accumulated in fp32 over the chunks.
@@ -42,11 +43,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qwen3_pretrain.hardware import attention_backend
-from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall, describe_call
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
-from qwen3_pretrain.plan.layout import Layout, StageShape, check_model_fits_layout, stage_shapes
+from qwen3_pretrain.plan.layers import (backward_gradient_bytes_per_token, cp_mask_bytes, largest_tensor,
+                                        layer_params, recomputed_bytes_per_token, saved_bytes_per_token)
+# what one layer keeps, moved to plan/layers.py, where the trainer and the tests still read it from here
+from qwen3_pretrain.plan.layers import attention_calls, attention_fallback_bytes_per_token  # noqa: F401
+from qwen3_pretrain.plan.layers import context_parallel_bytes_per_token, math_fallbacks  # noqa: F401
+from qwen3_pretrain.plan.layout import LayerKind, Layout, StageShape, check_model_fits_layout, stage_shapes
 
 GiB = 1024**3
 
@@ -95,28 +99,13 @@ class StageParams:
     held: float = 0.0  # what one rank gathers whole: ``total`` with its ``1 / ep`` of the experts
 
 
-def layer_params(cfg: Qwen3Config, layout: Layout, sparse: bool, all_experts: bool = False) -> float:
-    """Parameters of one decoder layer on a tp rank: attention and a dense MLP split over ``tp``; a MoE block
-    (router and experts) whole on every tp rank, its experts split over ``ep`` (``all_experts``: the tp
-    rank's share of them as the ranks that shard them hold it between them: all of them, or ``1 / tp`` when
-    ep borrows the tp ranks)."""
-    t, h = layout.tp, cfg.hidden_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    norms = 2 * h + 2 * cfg.head_dim
-    if sparse:
-        experts = F.moe_matmul_params(h, cfg.moe_intermediate_size, cfg.num_experts) - h * cfg.num_experts
-        share = (layout.tp if layout.moe_tokens_split_by_tp else 1) if all_experts else layout.ep
-        moe = h * cfg.num_experts + experts / share
-        return F.layer_matmul_params(h, q, kv, 0) / t + moe + norms
-    return F.layer_matmul_params(h, q, kv, cfg.intermediate_size) / t + norms
-
-
 def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StageParams:
     t, h = layout.tp, cfg.hidden_size
-    dense, sparse = layer_params(cfg, layout, False), layer_params(cfg, layout, True)
-    layers = shape.dense_layers * dense + shape.sparse_layers * sparse
-    every_expert = shape.sparse_layers * (layer_params(cfg, layout, True, all_experts=True) - sparse)
-    sizes = sorted([dense] * min(shape.dense_layers, 2) + [sparse] * min(shape.sparse_layers, 2))[-2:]
+    per_layer = {kind: layer_params(cfg, layout, kind) for kind, _ in shape.layer_kinds}
+    layers = sum(n * per_layer[kind] for kind, n in shape.layer_kinds)
+    every_expert = sum(n * (layer_params(cfg, layout, kind, all_experts=True) - per_layer[kind])
+                       for kind, n in shape.layer_kinds if kind.sparse)
+    sizes = sorted(size for kind, n in shape.layer_kinds for size in [per_layer[kind]] * min(n, 2))[-2:]
     layer, pair = (sizes[-1] if sizes else 0.0), sum(sizes)
     vocab = cfg.vocab_size * h / t
     # A tied head beside its embedding applies the embedding's weight (models/ops/loss.py:TiedLMHead); under
@@ -124,104 +113,10 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     tied_head = cfg.tie_word_embeddings and shape.has_embedding and shape.has_head
     head = vocab if shape.has_head and not tied_head else 0.0
     root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
-    tensors = [h * cfg.intermediate_size / t] if shape.dense_layers else []
-    tensors += [cfg.num_experts / layout.ep * cfg.moe_intermediate_size * h] if shape.sparse_layers else []
+    tensors = [largest_tensor(cfg, layout, kind) for kind, _ in shape.layer_kinds]
     largest = max(tensors + ([vocab] if shape.has_head or shape.has_embedding else []) + [0.0])
     held = layers + head + root
     return StageParams(held + every_expert, layer, head, root, largest, tied_head, layers, pair, held)
-
-
-def _layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
-    d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
-    if checkpointing == "full":
-        return d * h / t  # the layer's input, sequence-sharded
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                0 if sparse else cfg.intermediate_size, t, d, layout.fp32_matmul)
-    if sparse:
-        saved += _moe_bytes_per_token(cfg, layout)
-        if layout.moe_tokens_split_by_tp:  # its input is the tp rank's share, not the gathered sequence
-            saved -= d * h - d * h / t
-    saved += context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
-    return saved - recomputed_bytes_per_token(cfg, layout, checkpointing, sparse)
-
-
-def _moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
-    saved = F.qwen3_moe_saved_bytes_per_token(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                              cfg.num_experts_per_tok, cfg.norm_topk_prob, layout.dtype_bytes)
-    # expert parallelism's dispatch keeps one more int64 index vector over the pairs that arrive (their
-    # regrouping by expert; measured), as many as leave under balanced routing
-    saved += 8 * cfg.num_experts_per_tok if layout.ep > 1 else 0
-    # per token of the rank's share of the sequence: a tp rank routes 1/tp of it when ep borrows tp
-    return saved / (layout.tp if layout.moe_tokens_split_by_tp else 1)
-
-
-def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, sparse: bool = False) -> float:
-    """What selective (attention core) or MLP recompute drops from a layer's saved bytes (``sparse``: a layer
-    with a MoE block, all of whose saved bytes MLP recompute drops; its checkpoint keeps the gathered input)."""
-    d, t = layout.dtype_bytes, layout.tp
-    if checkpointing == "mlp" and sparse:
-        return _moe_bytes_per_token(cfg, layout)
-    if checkpointing == "mlp":
-        return F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
-    if checkpointing == "selective":
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        core = F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d, layout.fp32_matmul)
-        return core + context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
-    return 0.0
-
-
-def attention_calls(cfg: Qwen3Config, layout: Layout) -> list[AttentionCall]:
-    """The attention calls one layer makes per micro-batch on one rank: the whole sequence, or under cp the
-    rank's two query chunks against the keys up to each (rank 0's: chunk 0 is plain causal, chunk
-    ``2 cp - 1`` sees all keys; every rank's two chunks see ``2 cp + 1`` chunks of keys in all)."""
-    heads, kv_heads = cfg.num_attention_heads // layout.tp, cfg.num_key_value_heads // layout.tp
-    shape = dict(kernel=layout.attention_kernel, dtype=layout.attention_dtype, batch=layout.samples_per_microbatch,
-                 q_heads=heads, kv_heads=kv_heads, head_dim=cfg.head_dim, documents=layout.document_mask)
-    if layout.cp == 1:
-        return [describe_call(q_len=layout.seq_length, kv_len=layout.seq_length, **shape)]
-    chunk = layout.seq_length // (2 * layout.cp)
-    return [describe_call(q_len=chunk, kv_len=chunk, **shape),
-            describe_call(q_len=chunk, kv_len=layout.seq_length, **shape)]
-
-
-def math_fallbacks(cfg: Qwen3Config, layout: Layout) -> list[AttentionCall]:
-    """The layout's attention calls that its device serves with SDPA's math kernel."""
-    return [c for c in attention_calls(cfg, layout) if attention_backend(layout.device_type, c) == "math"]
-
-
-def attention_fallback_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
-    """What SDPA's math kernel keeps beyond a fused kernel, per local token of a layer, where the device
-    falls back to it (inside the kernel call: selective recompute drops it): fp32 probabilities
-    [batch, heads, q_len, kv_len], an fp32 copy of q and fp32 copies of k and v expanded to the query heads."""
-    kept = sum(4 * c.batch * c.q_heads * (c.q_len * c.kv_len + c.q_len * c.head_dim + 2 * c.kv_len * c.head_dim)
-               for c in math_fallbacks(cfg, layout))
-    return kept / layout.microbatch_tokens
-
-
-def context_parallel_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
-    """What context parallelism adds to a layer's saved bytes per local token (all inside the kernel call,
-    so selective recompute drops it): attention keeps the K and V of the whole sequence, gathered from the
-    cp ranks, instead of its own, ``(cp - 1) 2 kv / t`` in the dtype attention computes in; and its two query
-    chunks' outputs, which SDPA keeps, are copies besides o_proj's input, ``d q / t`` (with ``fp32_matmul``
-    they are the fp32 outputs the layer formula already counts)."""
-    if layout.cp == 1:
-        return 0.0
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    gathered = (layout.cp - 1) * 2 * kv * (4 if layout.fp32_matmul else layout.dtype_bytes)
-    return (gathered + (0 if layout.fp32_matmul else layout.dtype_bytes * q)) / layout.tp
-
-
-def cp_mask_bytes(layout: Layout) -> float:
-    """The additive masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
-    ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` values in attention's dtype, per sample
-    under document masking (built per micro-batch), once otherwise (the causal ones are kept for good). Only
-    the CPU's kernel builds them (an accelerator's takes its own causal mode and document boundaries)."""
-    if layout.cp == 1 or not layout.dense_document_mask:
-        return 0.0
-    chunk = layout.seq_length // (2 * layout.cp)
-    samples = layout.samples_per_microbatch if layout.document_mask else 1
-    return chunk * chunk * (2 * layout.cp + 1) * samples * (4 if layout.fp32_matmul else layout.dtype_bytes)
 
 
 def _microbatch_tokens(layout: Layout) -> int:
@@ -239,9 +134,8 @@ def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape)
     """Activations the stage keeps for one micro-batch from its forward to its backward."""
     tokens, d, h = _microbatch_tokens(layout), layout.dtype_bytes, cfg.hidden_size
     ac = layout.activation_checkpointing
-    per_mb = tokens * (shape.dense_layers * _layer_bytes_per_token(cfg, layout, ac)
-                       + shape.sparse_layers * _layer_bytes_per_token(cfg, layout, ac, sparse=True))
-    per_mb += 2 * d * tokens * cfg.head_dim  # RoPE cos and sin, shared by the layers
+    per_mb = tokens * sum(n * saved_bytes_per_token(cfg, layout, ac, kind) for kind, n in shape.layer_kinds)
+    per_mb += 2 * d * tokens * cfg.rotary_dim  # RoPE cos and sin, shared by the layers
     if layout.cp > 1:
         per_mb += cp_mask_bytes(layout)
     elif layout.document_mask and layout.dense_document_mask:
@@ -255,26 +149,25 @@ def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape)
     return per_mb
 
 
+def _first_layer_share(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """The share of the stage's kept activations that its first layer holds: layer 0's, without pipelining
+    (the only case that asks; a hybrid's Gated DeltaNet layers keep many times what its attention layers do)."""
+    ac = layout.activation_checkpointing
+    layers = sum(n * saved_bytes_per_token(cfg, layout, ac, kind) for kind, n in shape.layer_kinds)
+    return saved_bytes_per_token(cfg, layout, ac, LayerKind.of(cfg, 0)) / layers if layers else 0.0
+
+
 def _backward_working(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
-    """One micro-batch's recomputed layer plus the gradients of the layer in backward (the larger kind of
-    layer the stage holds; a MoE block's widest gradients are its pairs' ``k I``-wide ones, unsplit by tp)."""
-    tokens, t, d = _microbatch_tokens(layout), layout.tp, layout.dtype_bytes
+    """One micro-batch's recomputed layer plus the gradients of the layer in backward (the largest of the
+    kinds of layer the stage holds: ``layers.backward_gradient_bytes_per_token``)."""
     worst = 0.0
-    for sparse, count in ((False, shape.dense_layers), (True, shape.sparse_layers)):
-        if not count:
-            continue
+    for kind, _ in shape.layer_kinds:
         if layout.activation_checkpointing == "full":
-            recomputed = _layer_bytes_per_token(cfg, layout, "none", sparse)
+            recomputed = saved_bytes_per_token(cfg, layout, "none", kind)
         else:
-            recomputed = recomputed_bytes_per_token(cfg, layout, layout.activation_checkpointing, sparse)
-        if sparse:
-            grads = F.qwen3_backward_working_bytes_per_token(
-                cfg.hidden_size, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
-            grads /= layout.tp if layout.moe_tokens_split_by_tp else 1
-        else:
-            grads = F.qwen3_backward_working_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
-        worst = max(worst, recomputed + grads)
-    return tokens * worst
+            recomputed = recomputed_bytes_per_token(cfg, layout, layout.activation_checkpointing, kind)
+        worst = max(worst, recomputed + backward_gradient_bytes_per_token(cfg, layout, kind))
+    return _microbatch_tokens(layout) * worst
 
 
 def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
@@ -368,7 +261,7 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
         "last layer backward": dict(parameters=gathered(sp.root, sp.pair), optimizer=adam,
                                     gradients=(accumulated or sharded_grads) + unit_grad(sp.layer),
                                     activations=_backward_working(cfg, layout, shape)
-                                    + held / max(shape.num_layers, 1), logits=0.0),
+                                    + held * _first_layer_share(cfg, layout, shape), logits=0.0),
         "end of backward": dict(parameters=gathered(sp.root or sp.layer), optimizer=adam,
                                 gradients=(accumulated or sharded_grads) + unit_grad(sp.root or sp.layer),
                                 activations=0.0, logits=0.0),

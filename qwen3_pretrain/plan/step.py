@@ -2,23 +2,33 @@
 
 Per micro-batch on the slowest pipeline stage:
 
-* compute = hardware FLOPs (model FLOPs + recomputation) / (tp x peak x
-  efficiency), with the peak of the precision the matmuls run in (bf16, or
-  fp32 for ``mixed_precision: fp32``, against which MFU is then reported too);
-  the FLOPs are the PaLM count of ``formulas``; or, when longer, the host's
-  time to issue the stage's layers (``Hardware.host_seconds_per_layer``: eager
-  or compiled, with or without tensor parallelism's DTensors; a third more
-  with full recompute), which the device cannot run ahead of;
+* compute = hardware FLOPs (model FLOPs + recomputation, per layer kind:
+  ``layers.flops_per_token``) / (tp x peak x efficiency), with the peak of the
+  precision the matmuls run in (bf16, or fp32 for ``mixed_precision: fp32``,
+  against which MFU is then reported too) and a Gated DeltaNet's chunked delta
+  rule at the fp32 peak (it computes in fp32); a Gated DeltaNet or a MoE block
+  runs whole on every tp rank, its FLOPs repeated; the FLOPs are the PaLM count
+  of ``formulas``; or, when longer, the host's time to issue the stage's layers
+  (``Hardware.host_seconds_per_layer``: eager or compiled, with or without
+  tensor parallelism's DTensors; a third more with full recompute; a Gated
+  DeltaNet layer's extra operators, a Python loop over the sequence's chunks,
+  scaled from the operator counts: ``layers.host_ops_per_layer``), which the
+  device cannot run ahead of;
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
-  ``[tokens, hidden]`` activations, on the critical path (not overlapped): per
-  layer 2 + 2 in forward, 2 + 2 in backward, 2 + 1 more for full recompute (it
-  stops before the MLP's output scatter) and 1 gather for MLP recompute (none for selective, the attention core); the embedding's reduce-scatter, the loss's gather of the
-  hidden states and all-reduce of its gradient, and the loss's per-chunk
-  statistics all-reduces;
-* context parallelism = per layer an all-gather of the whole sequence's K and
-  V over the cp ranks (twice with selective or full recompute, which rerun
-  attention) and a reduce-scatter of their gradients, not overlapped; every
-  token count above is a rank's share of the sequence (``seq / cp``);
+  ``[tokens, hidden]`` activations, on the critical path (not overlapped), per
+  layer kind (``layers.tp_collectives``): attention and a dense MLP 2 + 2 in
+  forward, 2 + 2 in backward, 2 + 1 more for full recompute (it stops before the
+  MLP's output scatter) and 1 gather for MLP recompute (none for selective, the
+  attention core); a block run whole on every tp rank (Gated DeltaNet, MoE) one
+  gather each way and none under a MoE block on each rank's tokens; the
+  embedding's reduce-scatter, the loss's gather of the hidden states and
+  all-reduce of its gradient, and the loss's per-chunk statistics all-reduces;
+* context parallelism = per attention layer an all-gather of the whole
+  sequence's K and V over the cp ranks (twice with selective or full recompute,
+  which rerun attention) and a reduce-scatter of their gradients; per Gated
+  DeltaNet layer six all-to-alls each way (tokens to heads and back, again under
+  full recompute: ``layers.cp_calls``); not overlapped; every token count above
+  is a rank's share of the sequence (``seq / cp``);
 * pipeline = one activation (``[tokens / tp, hidden]`` and the int64 RoPE
   positions ``[tokens]``) and one gradient transferred per micro-batch, not
   overlapped; a middle stage moves each twice (received and sent on), an end
@@ -49,6 +59,7 @@ from dataclasses import dataclass
 from qwen3_pretrain.hardware import GB, Hardware
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.layers import cp_calls, flops_per_token, host_ops_per_layer, tp_collectives
 from qwen3_pretrain.plan.layout import Cluster, Layout, StageShape, check_model_fits_layout, stage_shapes
 from qwen3_pretrain.plan.memory import stage_params
 
@@ -91,48 +102,31 @@ def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
             for axis in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
 
 
-def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
-    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together. A MoE
-    block computes its tokens' active parameters (router and ``top_k`` experts), and whole on every tp rank:
-    ``tp`` times over."""
-    h, seq = cfg.hidden_size, layout.seq_length
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attention = F.layer_matmul_params(h, q, kv, 0)
-    per_token = 0.0
-    replicated = 1 if layout.moe_tokens_split_by_tp else layout.tp  # tp ranks computing the same MoE tokens
-    for count, mlp in ((shape.dense_layers, 3 * h * cfg.intermediate_size),
-                       (shape.sparse_layers, replicated * F.moe_matmul_params(
-                           h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok))):
-        per_token += count * (6.0 * (attention + mlp) + 12.0 * q * seq)
-        per_token += F.recompute_flops_per_token(count, attention, mlp, q, seq, layout.activation_checkpointing)
+def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> tuple[float, float]:
+    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together: (at the
+    compute dtype's peak, at fp32's: a Gated DeltaNet's chunked delta rule). Per layer kind
+    (``layers.flops_per_token``); the LM head on the last stage."""
+    matmul = fp32 = 0.0
+    for kind, count in shape.layer_kinds:
+        kind_matmul, kind_fp32 = flops_per_token(cfg, layout, kind)
+        matmul, fp32 = matmul + count * kind_matmul, fp32 + count * kind_fp32
     if shape.has_head:
-        per_token += 6.0 * cfg.vocab_size * h
-    return per_token * layout.microbatch_tokens
+        matmul += 6.0 * cfg.vocab_size * cfg.hidden_size
+    return matmul * layout.microbatch_tokens, fp32 * layout.microbatch_tokens
 
 
 def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
-    """(bus bytes, seconds) of one micro-batch's tensor-parallel collectives on this stage."""
+    """(bus bytes, seconds) of one micro-batch's tensor-parallel collectives on this stage: each layer's
+    (``layers.tp_collectives``), the embedding's and the loss's."""
     t = layout.tp
     if t == 1:
         return 0.0, 0.0
     tokens = layout.microbatch_tokens
     act = layout.dtype_bytes * tokens * cfg.hidden_size  # one [tokens, hidden] activation
-    # Forward: gather before attention and MLP, reduce-scatter after; backward: the reverse.
-    # (the attention core that selective recompute reruns sits between them: no collective of its own)
-    ac = layout.activation_checkpointing
-    gathers = 4 + {"full": 2, "mlp": 1, "selective": 0, "none": 0}[ac]
-    # Recomputation stops once the last tensor backward needs is rebuilt (checkpointing's early stop),
-    # before the MLP's output reduce-scatter: full recompute repeats one of the layer's two scatters.
-    scatters = 4 + (1 if ac == "full" else 0)
-    # A MoE block, whole on every tp rank, cuts its output out of the replicated result (no collective) and
-    # gets its input's gradient whole (no reduce-scatter); its checkpoint keeps the gathered input.
-    sparse_gathers = 4 + (2 if ac == "full" else 0)
-    sparse_scatters = 2 + (1 if ac == "full" else 0)
-    if layout.moe_tokens_split_by_tp:  # the MoE block takes the rank's share: only attention's collectives
-        sparse_gathers, sparse_scatters = 2 + (1 if ac == "full" else 0), 2 + (1 if ac == "full" else 0)
-    calls: list[tuple[F.Collective, float]] = \
-        ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * shape.dense_layers \
-        + ([("all_gather", act)] * sparse_gathers + [("reduce_scatter", act)] * sparse_scatters) * shape.sparse_layers
+    calls: list[tuple[F.Collective, float]] = []
+    for kind, count in shape.layer_kinds:
+        gathers, scatters = tp_collectives(layout, kind)
+        calls += ([("all_gather", act)] * gathers + [("reduce_scatter", act)] * scatters) * count
     if shape.has_embedding:
         calls += [("reduce_scatter", act), ("all_gather", act)]
     if shape.has_head:
@@ -145,16 +139,11 @@ def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link
 
 
 def _cp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
-    """(bus bytes, seconds) of one micro-batch's context-parallel collectives on this stage: per layer the
-    all-gather of K and V of the whole sequence (again when recompute reruns attention) and the
-    reduce-scatter of their gradients, on the critical path."""
+    """(bus bytes, seconds) of one micro-batch's context-parallel collectives on this stage, per layer kind
+    (``layers.cp_calls``: attention's K/V all-gathers, a Gated DeltaNet's all-to-alls), on the critical path."""
     if layout.cp == 1:
         return 0.0, 0.0
-    kv = cfg.num_key_value_heads * cfg.head_dim / layout.tp
-    whole = 2 * layout.dtype_bytes * kv * layout.samples_per_microbatch * layout.seq_length  # K and V, gathered
-    gathers = 2 if layout.activation_checkpointing in ("selective", "full") else 1
-    calls: list[tuple[F.Collective, float]] = ([("all_gather", whole)] * gathers + [("reduce_scatter", whole)]) \
-        * shape.num_layers
+    calls = [call for kind, count in shape.layer_kinds for call in cp_calls(cfg, layout, kind) * count]
     nbytes = sum(b * F.bus_bandwidth_factor(kind, layout.cp) for kind, b in calls)
     seconds = sum(F.collective_seconds(kind, b, layout.cp, link.bandwidth, link.latency) for kind, b in calls)
     return nbytes, seconds
@@ -287,12 +276,18 @@ def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
     return nbytes, seconds, edges
 
 
-def _host_seconds_per_layer(layout: Layout, hardware: Hardware) -> float:
-    """The host's time to issue one layer's forward and backward for a micro-batch. Under tp a layer
+def _host_seconds(cfg: Qwen3Config, layout: Layout, hardware: Hardware, shape: StageShape) -> float:
+    """The host's time to issue the stage's layers' forward and backward for a micro-batch. Under tp a layer
     recomputed whole is compiled only in parts (its norms stay eager DTensor code: parallel/parallelize.py
-    compile_layer), so it is counted as eager; full recompute issues the forward twice."""
+    compile_layer), so it is counted as eager; full recompute issues the forward twice. A Gated DeltaNet
+    layer issues more operators than the Qwen3 layer the figures were timed on
+    (``layers.host_ops_per_layer``); those beyond it are plain tensors under tp (the block runs whole) and
+    cost what a layer's operators cost without tp."""
     compiled = layout.compile and not (layout.tp > 1 and layout.activation_checkpointing == "full")
-    seconds = hardware.host_seconds_per_layer(layout.tp > 1, compiled)
+    per_layer = hardware.host_seconds_per_layer(layout.tp > 1, compiled)
+    per_extra_layer = hardware.host_seconds_per_layer(False, compiled)
+    seconds = sum(count * (per_layer + (host_ops_per_layer(cfg, layout, kind) - 1) * per_extra_layer)
+                  for kind, count in shape.layer_kinds)
     return seconds * (4 / 3 if layout.activation_checkpointing == "full" else 1.0)
 
 
@@ -303,13 +298,14 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     links = _links(layout, cluster, hardware)
     peak = hardware.compute_flops(layout.mixed_precision)
     speed = peak * hardware.compute_efficiency * layout.tp
+    fp32_speed = hardware.compute_flops("fp32") * hardware.compute_efficiency * layout.tp
     m, v = layout.num_microbatches, layout.stages_per_rank
     per_stage = []
-    host_layer = _host_seconds_per_layer(layout, hardware)
     host_bound = False
     for shape in stage_shapes(cfg, layout):
-        device = _stage_flops_per_microbatch(cfg, layout, shape) / speed
-        host = shape.num_layers * host_layer
+        matmul_flops, fp32_flops = _stage_flops_per_microbatch(cfg, layout, shape)
+        device = matmul_flops / speed + fp32_flops / fp32_speed
+        host = _host_seconds(cfg, layout, hardware, shape)
         # an accelerator computes while its host issues ahead: a micro-batch takes the longer of the two; a
         # CPU is its own host and does both
         compute = device + host if hardware.device_type == "cpu" else max(device, host)

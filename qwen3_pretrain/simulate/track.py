@@ -258,9 +258,12 @@ class CommCounter:
             if not isinstance(group, dist.ProcessGroup):  # the boxed form c10d operators take
                 group = dist.ProcessGroup.unbox(group)
             name, n = group.group_name, group.size()
-        # Only expert parallelism sends all-to-alls; its group may be the very group FSDP shards over (ep equal
-        # to dp_shard x cp), so the kind names the axis.
-        axis = "ep" if kind == "all_to_all" else self.axis_of_group.get(name, "other")
+        # All-to-alls are expert parallelism's, whose group may be the very group FSDP shards over (ep equal
+        # to dp_shard x cp), so the kind names the axis; but for a hybrid's Gated DeltaNet trading tokens for
+        # heads over the cp group (parallel/context_parallel.py: ContextParallelHeads).
+        axis = self.axis_of_group.get(name, "other")
+        if kind == "all_to_all" and axis != "cp":
+            axis = "ep"
         self.bytes[axis][kind] += _ring_bytes(kind, nbytes, n)
         self.calls[axis][kind] += 1
 

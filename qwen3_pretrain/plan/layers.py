@@ -1,0 +1,299 @@
+"""One decoder layer of each kind as the planner counts it on one rank: parameters, bytes kept for backward,
+backward working memory, FLOPs, host operators and collectives.
+
+A layer is a token mixer and an MLP (models/qwen3/model.py ``DecoderLayer``), each of two kinds
+(``LayerKind``): attention, or a hybrid's Gated DeltaNet (``linear``); a dense MLP, or a mixture of experts
+(``sparse``). How the engine parallelizes each part decides the arithmetic:
+
+* tp: attention and a dense MLP split by heads and by width, with sequence-parallel norms between them
+  (parallel/tensor_parallel.py); a MoE block and a Gated DeltaNet run whole on every tp rank, on the
+  gathered sequence (the MoE block on the rank's share when ep borrows the tp ranks), so their weights,
+  saved bytes and FLOPs are not divided by ``t``;
+* cp: attention gathers the whole sequence's K and V (parallel/context_parallel.py); a Gated DeltaNet
+  trades its tokens of all heads for the whole sequence of ``1 / cp`` of the heads (one all-to-all each
+  way) and computes there, so per local token it keeps and computes what it would unsplit.
+
+Per-token figures are per token a rank holds between the layers' blocks (``Layout.microbatch_tokens``: the
+micro-batch's share of the sequence over cp, whole over tp).
+"""
+
+from __future__ import annotations
+
+from qwen3_pretrain.hardware import attention_backend
+from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall, describe_call
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.layout import Layout, LayerKind
+
+# Operators one layer issues per micro-batch (forward and backward, counted under a dispatch mode on torch
+# 2.13): a Qwen3 layer, the kind hardware.HOST_MS_PER_LAYER was timed on; a Gated DeltaNet layer issues
+# more, and its chunked delta rule a fixed number more per chunk of the sequence (a Python loop over them).
+OPS_PER_LAYER = 247
+OPS_PER_LINEAR_LAYER = 571
+OPS_PER_DELTA_RULE_CHUNK = 42
+DELTA_RULE_CHUNK = 64  # models/ops/gated_delta.py: chunk_gated_delta_rule's chunk_size
+
+
+def _index(cfg: Qwen3Config, kind: LayerKind) -> tuple[int, int]:
+    """A layer with ``kind``'s token mixer and one with its MLP (the config owns their sizes per index)."""
+    layers = range(cfg.num_hidden_layers)
+    mixer = next((i for i in layers if cfg.is_linear_layer(i) == kind.linear), None)
+    mlp = next((i for i in layers if cfg.is_sparse_layer(i) == kind.sparse), None)
+    if mixer is None or mlp is None:
+        raise ValueError(f"the model has no layer of kind {kind}")
+    return mixer, mlp
+
+
+def _gate_input_copied(cfg: Qwen3Config, layout: Layout) -> bool:
+    """Whether a hybrid's output gate multiplies a copy of the attention kernel's output, not the output
+    itself: the kernels return it in the query's layout, made heads-major by partial RoPE's concatenation
+    (the releases rotate a quarter of each head) or by context parallelism's of its two chunks."""
+    return cfg.is_hybrid and (cfg.rotary_dim < cfg.head_dim or layout.cp > 1)
+
+
+def _attention_widths(cfg: Qwen3Config) -> tuple[int, int]:
+    """The query and key/value widths of attention (a hybrid's gate not included)."""
+    return cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+
+# --- parameters -----------------------------------------------------------------------------------
+
+
+def layer_params(cfg: Qwen3Config, layout: Layout, kind: LayerKind = LayerKind(), all_experts: bool = False) -> float:
+    """Parameters of one decoder layer on a tp rank: attention (less its q/k norms) and a dense MLP split over
+    ``tp``; a Gated DeltaNet and a MoE block (router, shared expert) whole on every tp rank, the experts split
+    over ``ep`` (``all_experts``: the tp rank's share of them as the ranks that shard them hold it between
+    them: all of them, or ``1 / tp`` when ep borrows the tp ranks)."""
+    mixer_index, mlp_index = _index(cfg, kind)
+    mixer = cfg.mixer_params(mixer_index)
+    if not kind.linear:
+        matmul = cfg.mixer_params(mixer_index, matmul_only=True)
+        mixer += matmul / layout.tp - matmul
+    mlp = cfg.mlp_params(mlp_index)
+    if kind.sparse:
+        experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts
+        share = (layout.tp if layout.moe_tokens_split_by_tp else 1) if all_experts else layout.ep
+        mlp += experts / share - experts
+    else:
+        mlp /= layout.tp
+    return mixer + mlp + 2 * cfg.hidden_size  # and its two norms, whole
+
+
+def largest_tensor(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
+    """The largest parameter of one layer of ``kind`` on a tp rank (AdamW's per-tensor loop works on it)."""
+    h, t = cfg.hidden_size, layout.tp
+    if kind.linear:  # in_proj_qkv (Qwen3-Next: in_proj_qkvz), whole
+        mixer = h * (2 * cfg.linear_key_dim + cfg.linear_value_dim * (2 if cfg.fused_linear_projections else 1))
+    else:
+        mixer = h * cfg.num_attention_heads * cfg.head_dim * (2 if cfg.is_hybrid else 1) / t
+    if kind.sparse:  # the experts' stacked projection, the shared expert's
+        mlp = max(cfg.num_experts / layout.ep * cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) * h
+    else:
+        mlp = h * cfg.intermediate_size / t
+    return max(mixer, mlp)
+
+
+# --- bytes kept for backward --------------------------------------------------------------------
+
+
+def saved_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, kind: LayerKind = LayerKind()
+                          ) -> float:
+    """What one layer of ``kind`` keeps for backward per local token under ``checkpointing``."""
+    d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
+    if checkpointing == "full":
+        return d * h / t  # the layer's input, sequence-sharded
+    intermediate = 0 if kind.sparse else cfg.intermediate_size
+    if kind.linear:
+        saved = _linear_layer_bytes_per_token(cfg, layout, intermediate)
+    else:
+        q, kv = _attention_widths(cfg)
+        saved = F.qwen3_layer_saved_bytes_per_token(h, q, kv, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                    intermediate, t, d, layout.fp32_matmul, cfg.is_hybrid,
+                                                    _gate_input_copied(cfg, layout))
+        saved += context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
+    if kind.sparse:
+        saved += moe_bytes_per_token(cfg, layout)
+        if layout.moe_tokens_split_by_tp:  # its input is the tp rank's share, not the gathered sequence
+            saved -= d * h - d * h / t
+    return saved - recomputed_bytes_per_token(cfg, layout, checkpointing, kind)
+
+
+def _linear_layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, intermediate: int) -> float:
+    """A Gated DeltaNet layer without recompute: its zero-centred norms on the sequence shard, the block whole
+    (on the gathered sequence, from its input on), the MLP's gathered input and, split, its SwiGLU."""
+    d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
+    mixer = F.gated_deltanet_saved_bytes_per_token(h, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, d,
+                                                   DELTA_RULE_CHUNK, layout.cp)
+    return 2 * F.zero_centred_norm_saved_bytes_per_token(h) / t + mixer + d * h + 3 * d * intermediate / t
+
+
+def moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What a MoE block (with a hybrid's shared expert) keeps beyond its input, per local token."""
+    saved = F.qwen3_moe_saved_bytes_per_token(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                              cfg.num_experts_per_tok, cfg.norm_topk_prob, layout.dtype_bytes,
+                                              cfg.shared_expert_intermediate_size)
+    # expert parallelism's dispatch keeps one more int64 index vector over the pairs that arrive (their
+    # regrouping by expert; measured), as many as leave under balanced routing
+    saved += 8 * cfg.num_experts_per_tok if layout.ep > 1 else 0
+    # per token of the rank's share of the sequence: a tp rank routes 1/tp of it when ep borrows tp
+    return saved / (layout.tp if layout.moe_tokens_split_by_tp else 1)
+
+
+def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str,
+                               kind: LayerKind = LayerKind()) -> float:
+    """What selective (attention core) or MLP recompute drops from a layer's saved bytes: a MoE block's whole
+    (its checkpoint keeps the gathered input), a dense MLP's SwiGLU; selective recompute checkpoints only the
+    attention kernel's call, so it drops nothing from a Gated DeltaNet layer."""
+    d, t = layout.dtype_bytes, layout.tp
+    if checkpointing == "mlp" and kind.sparse:
+        return moe_bytes_per_token(cfg, layout)
+    if checkpointing == "mlp":
+        return F.qwen3_mlp_saved_bytes_per_token(cfg.hidden_size, cfg.intermediate_size, t, d)
+    if checkpointing == "selective" and not kind.linear:
+        q, kv = _attention_widths(cfg)
+        core = F.qwen3_attention_core_saved_bytes_per_token(q, kv, cfg.num_attention_heads, t, d, layout.fp32_matmul,
+                                                            _gate_input_copied(cfg, layout))
+        return core + context_parallel_bytes_per_token(cfg, layout) + attention_fallback_bytes_per_token(cfg, layout)
+    return 0.0
+
+
+def backward_gradient_bytes_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
+    """Gradients alive at once at the widest point of one layer's backward: the MLP's (a MoE block's pairs'
+    ``k I``-wide ones, unsplit by tp), or a Gated DeltaNet's, unsplit by tp, when wider."""
+    d, h = layout.dtype_bytes, cfg.hidden_size
+    if kind.sparse:
+        grads = F.qwen3_backward_working_bytes_per_token(h, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
+        grads /= layout.tp if layout.moe_tokens_split_by_tp else 1
+    else:
+        grads = F.qwen3_backward_working_bytes_per_token(h, cfg.intermediate_size, layout.tp, d)
+    if kind.linear:
+        grads = max(grads, F.gated_deltanet_backward_working_bytes_per_token(
+            cfg.linear_num_value_heads, cfg.linear_value_head_dim, d))
+    return grads
+
+
+# --- attention only -----------------------------------------------------------------------------
+
+
+def attention_calls(cfg: Qwen3Config, layout: Layout) -> list[AttentionCall]:
+    """The attention calls one layer makes per micro-batch on one rank: the whole sequence, or under cp the
+    rank's two query chunks against the keys up to each (rank 0's: chunk 0 is plain causal, chunk
+    ``2 cp - 1`` sees all keys; every rank's two chunks see ``2 cp + 1`` chunks of keys in all)."""
+    heads, kv_heads = cfg.num_attention_heads // layout.tp, cfg.num_key_value_heads // layout.tp
+    shape = dict(kernel=layout.attention_kernel, dtype=layout.attention_dtype, batch=layout.samples_per_microbatch,
+                 q_heads=heads, kv_heads=kv_heads, head_dim=cfg.head_dim, documents=layout.document_mask)
+    if layout.cp == 1:
+        return [describe_call(q_len=layout.seq_length, kv_len=layout.seq_length, **shape)]
+    chunk = layout.seq_length // (2 * layout.cp)
+    return [describe_call(q_len=chunk, kv_len=chunk, **shape),
+            describe_call(q_len=chunk, kv_len=layout.seq_length, **shape)]
+
+
+def math_fallbacks(cfg: Qwen3Config, layout: Layout) -> list[AttentionCall]:
+    """The layout's attention calls that its device serves with SDPA's math kernel."""
+    return [c for c in attention_calls(cfg, layout) if attention_backend(layout.device_type, c) == "math"]
+
+
+def attention_fallback_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What SDPA's math kernel keeps beyond a fused kernel, per local token of a layer, where the device
+    falls back to it (inside the kernel call: selective recompute drops it): fp32 probabilities
+    [batch, heads, q_len, kv_len], an fp32 copy of q and fp32 copies of k and v expanded to the query heads."""
+    kept = sum(4 * c.batch * c.q_heads * (c.q_len * c.kv_len + c.q_len * c.head_dim + 2 * c.kv_len * c.head_dim)
+               for c in math_fallbacks(cfg, layout))
+    return kept / layout.microbatch_tokens
+
+
+def context_parallel_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What context parallelism adds to an attention layer's saved bytes per local token (all inside the
+    kernel call, so selective recompute drops it): attention keeps the K and V of the whole sequence, gathered
+    from the cp ranks, instead of its own, ``(cp - 1) 2 kv / t`` in the dtype attention computes in; and its
+    two query chunks' outputs, which SDPA keeps, are copies besides o_proj's input, ``d q / t`` (with
+    ``fp32_matmul`` they are the fp32 outputs the layer formula already counts; a hybrid's gated output is
+    such a copy unsplit too, counted by the layer formula)."""
+    if layout.cp == 1:
+        return 0.0
+    q, kv = _attention_widths(cfg)
+    gathered = (layout.cp - 1) * 2 * kv * (4 if layout.fp32_matmul else layout.dtype_bytes)
+    copies = 0 if layout.fp32_matmul or cfg.is_hybrid else layout.dtype_bytes * q
+    return (gathered + copies) / layout.tp
+
+
+def cp_mask_bytes(layout: Layout) -> float:
+    """The additive masks of context-parallel attention's two query chunks, ``c x (r + 1) c`` and
+    ``c x (2 cp - r) c`` with ``c = seq / 2 cp``: ``c^2 (2 cp + 1)`` values in attention's dtype, per sample
+    under document masking (built per micro-batch), once otherwise (the causal ones are kept for good). Only
+    the CPU's kernel builds them (an accelerator's takes its own causal mode and document boundaries)."""
+    if layout.cp == 1 or not layout.dense_document_mask:
+        return 0.0
+    chunk = layout.seq_length // (2 * layout.cp)
+    samples = layout.samples_per_microbatch if layout.document_mask else 1
+    return chunk * chunk * (2 * layout.cp + 1) * samples * (4 if layout.fp32_matmul else layout.dtype_bytes)
+
+
+# --- time: FLOPs, host operators, collectives -----------------------------------------------------
+
+
+def flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> tuple[float, float]:
+    """Hardware FLOPs of one layer of ``kind`` per local token, forward, backward and recomputation, all tp
+    ranks together: (matmuls, at the compute dtype's peak; the chunked delta rule, which computes in fp32).
+    The PaLM count: 6 per matmul weight, and attention's ``Q K^T`` and ``A V`` over the whole square; a
+    Gated DeltaNet or a MoE block (its active parameters) runs whole on every tp rank: ``tp`` times over."""
+    mixer_index, mlp_index = _index(cfg, kind)
+    mixer = cfg.mixer_params(mixer_index, matmul_only=True)
+    mlp = cfg.mlp_params(mlp_index, active=True)
+    if kind.sparse and not layout.moe_tokens_split_by_tp:
+        mlp *= layout.tp
+    mixer *= layout.tp if kind.linear else 1
+    core = 0 if kind.linear else cfg.num_attention_heads * cfg.head_dim  # the attention core's width
+    ac, seq = layout.activation_checkpointing, layout.seq_length
+    matmul = 6.0 * (mixer + mlp) + 12.0 * core * seq + F.recompute_flops_per_token(1, mixer, mlp, core, seq, ac)
+    rule = layout.tp * cfg.linear_attention_flops_per_token(DELTA_RULE_CHUNK) if kind.linear else 0.0
+    return matmul, rule * (4 / 3 if ac == "full" else 1)
+
+
+def host_ops_per_layer(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
+    """Operators the host issues for one layer of ``kind`` per micro-batch, in units of a Qwen3 layer's
+    (what ``Hardware.host_seconds_per_layer`` was timed on). The chunked delta rule loops over the chunks of
+    the whole sequence, whatever cp (each rank runs its heads over all of it)."""
+    if not kind.linear:
+        return 1.0
+    chunks = -(-layout.seq_length // DELTA_RULE_CHUNK)
+    return (OPS_PER_LINEAR_LAYER + OPS_PER_DELTA_RULE_CHUNK * chunks) / OPS_PER_LAYER
+
+
+def tp_collectives(layout: Layout, kind: LayerKind) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of ``[tokens, hidden]`` activations one layer issues per micro-batch
+    under tp. Attention and a dense MLP gather their input and reduce-scatter their output in forward, the
+    reverse in backward; a block run whole (Gated DeltaNet, MoE) gathers its input in forward and its
+    output's gradient in backward and cuts the rest out locally; a MoE block on the rank's share of the
+    tokens (ep borrowing tp) none. Full recompute repeats the forward's, stopping before the MLP's output
+    scatter (checkpointing's early stop); MLP recompute re-gathers a dense MLP's input."""
+    ac = layout.activation_checkpointing
+    full = int(ac == "full")
+    gathers, scatters = 2 + full, (0 if kind.linear else 2 + full)
+    if kind.sparse and not layout.moe_tokens_split_by_tp:
+        gathers += 2 + full
+    elif not kind.sparse:
+        gathers += 2 + int(ac in ("full", "mlp"))
+        scatters += 2
+    return gathers, scatters
+
+
+def cp_calls(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> list[tuple[F.Collective, float]]:
+    """(kind, bytes of the whole buffer) of one layer's context-parallel collectives per micro-batch.
+    Attention: the all-gather of the whole sequence's K and V (again when recompute reruns attention) and the
+    reduce-scatter of their gradients. Gated DeltaNet: its all-to-alls of this rank's tokens of q, k, v, b, a
+    to heads and of the output back, forward, again in backward for the gradients, and again under full
+    recompute (``parallel/context_parallel.py``: ``ContextParallelHeads``)."""
+    if layout.cp == 1:
+        return []
+    ac, d = layout.activation_checkpointing, layout.dtype_bytes
+    if kind.linear:
+        key, value, heads = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+        forward = [d * layout.microbatch_tokens * width for width in (key, key, value, heads, heads, value)]
+        return [("all_to_all", b) for b in forward * (3 if ac == "full" else 2)]
+    kv = cfg.num_key_value_heads * cfg.head_dim / layout.tp
+    whole = 2 * d * kv * layout.samples_per_microbatch * layout.seq_length  # K and V, gathered
+    gathers = 2 if ac in ("selective", "full") else 1
+    return [("all_gather", whole)] * gathers + [("reduce_scatter", whole)]
