@@ -45,6 +45,8 @@ LAYOUTS = {
     # the global-batch loss (one global micro-batch of 4 samples in both); its experts over 2 ranks
     "single-moe": (1, ["batch_size=4", "moe_aux_loss=global_batch"]),
     "dp2-ep2-moe": (2, ["batch_size=2", "ep=2", "moe_aux_loss=global_batch"]),
+    # ep borrowing the tp ranks: the MoE layers, shared expert included, on each tp rank's share of the tokens
+    "tp2-ep2-moe": (2, ["batch_size=4", "tp=2", "ep=2", "moe_aux_loss=global_batch"]),
 }
 TINY_HYBRID_MOE = dict({k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
@@ -135,11 +137,12 @@ def test_hybrid_layout_matches_single_process(name, hybrid_runs):
 
 
 @pytest.mark.distributed
-def test_hybrid_moe_with_expert_parallelism_matches_single_process(hybrid_runs):
-    got, want = hybrid_runs.records("dp2-ep2-moe"), hybrid_runs.records("single-moe")
-    assert_same_training(got, want, label="hybrid moe dp2 ep2")
+@pytest.mark.parametrize("name", ["dp2-ep2-moe", "tp2-ep2-moe"])
+def test_hybrid_moe_with_expert_parallelism_matches_single_process(name, hybrid_runs):
+    got, want = hybrid_runs.records(name), hybrid_runs.records("single-moe")
+    assert_same_training(got, want, label=f"hybrid {name}")
     assert_same_training([{**r, "loss": r["moe_aux_loss"]} for r in got],
-                         [{**r, "loss": r["moe_aux_loss"]} for r in want], label="hybrid moe dp2 ep2 aux loss")
+                         [{**r, "loss": r["moe_aux_loss"]} for r in want], label=f"hybrid {name} aux loss")
 
 
 def test_multi_token_prediction_trains_beside_the_model(hybrid_runs):

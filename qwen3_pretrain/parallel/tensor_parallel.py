@@ -95,16 +95,23 @@ def _mixer_plan(linear: bool) -> dict:
     }
 
 
-def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: bool = False) -> dict:
+def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: bool = False, shared: bool = False) -> dict:
+    """``sparse``: the MLP is a MoE (with a ``shared`` expert: a hybrid's); ``linear``: the token mixer is a Gated
+    DeltaNet."""
     common = {"attn_norm": SequenceParallel(), **_mixer_plan(linear), "mlp_norm": SequenceParallel()}
     if sparse and moe_local_tokens:
         # Under expert parallelism (which borrows the tp ranks) a MoE layer runs on this tp rank's share
         # of the sequence: no gather. Its router's weight is replicated over tp and sees different tokens
         # on each rank, so it is a DTensor whose gradient is summed over tp (as a norm's under sequence
         # parallelism); the experts are split by expert parallelism.
-        return {**common, "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+        plan = {**common, "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                                     use_local_output=True),
                 "mlp.gate": SequenceParallel(sequence_dim=0, use_local_output=True)}
+        if shared:  # so are the shared expert's and its gate's weights, on this rank's [batch, seq share, hidden]
+            plan.update({f"mlp.{name}": SequenceParallel(sequence_dim=1, use_local_output=True) for name in
+                         ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                          "shared_expert_gate")})
+        return plan
     if sparse:
         # A MoE layer runs whole on every tp rank, on the whole sequence: its router and experts are
         # replicated (each rank computes the same), the sequence gathered in and cut out again. Expert
@@ -128,8 +135,9 @@ def _mtp_plan(mtp: nn.Module, moe_local_tokens: bool) -> dict:
             "mtp.fc": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
             "mtp.norm": SequenceParallel(use_local_output=True)}
     for name, layer in mtp.layers.items():
-        sparse = isinstance(layer.mlp, MoE)
-        plan.update({f"mtp.layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens).items()})
+        sparse, shared = isinstance(layer.mlp, MoE), getattr(layer.mlp, "shared_expert", None) is not None
+        plan.update({f"mtp.layers.{name}.{k}": v
+                     for k, v in _layer_plan(sparse, moe_local_tokens, shared=shared).items()})
     return plan
 
 
@@ -140,8 +148,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_token
     if model.norm is not None:
         plan["norm"] = SequenceParallel(use_local_output=True)
     for name, layer in model.layers.items():
-        sparse = isinstance(layer.mlp, MoE)
-        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens, layer.linear).items()})
+        sparse, shared = isinstance(layer.mlp, MoE), getattr(layer.mlp, "shared_expert", None) is not None
+        plan.update({f"layers.{name}.{k}": v
+                     for k, v in _layer_plan(sparse, moe_local_tokens, layer.linear, shared).items()})
     if getattr(model, "mtp", None) is not None:
         plan.update(_mtp_plan(model.mtp, moe_local_tokens))
     parallelize_module(model, tp_mesh, plan)
