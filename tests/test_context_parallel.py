@@ -18,7 +18,7 @@ from qwen3_pretrain.models.qwen3.attention import SdpaAttention
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, shard_sequence, unshard_sequence
 from qwen3_pretrain.plan.layout import Layout
-from qwen3_pretrain.plan.memory import context_parallel_bytes_per_token
+from qwen3_pretrain.plan.layers import context_parallel_bytes_per_token
 from qwen3_pretrain.simulate.memtrack import MemoryTracker
 from qwen3_pretrain.train.config import TrainConfig
 from test_loss import run_distributed

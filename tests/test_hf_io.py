@@ -291,3 +291,14 @@ def test_preset_parameter_counts_match_published(preset):
         active = cfg.num_params(active=True)
         assert abs(active / 1e9 - PUBLISHED_ACTIVE_B[preset]) / PUBLISHED_ACTIVE_B[preset] < 0.02
         assert cfg.num_sparse_layers == cfg.num_hidden_layers
+
+
+def test_a_preset_given_experts_by_overrides_is_saved_as_a_moe_model():
+    """model_overrides that add experts to a dense preset (as docs/moe.md shows) make a Qwen3-MoE model, which
+    its config.json must say, or transformers would load it as a dense model with its MLPs missing."""
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+    data = cfg.to_hf_dict()
+    assert data["model_type"] == "qwen3_moe" and data["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert dataclasses.replace(cfg, num_experts=0).to_hf_dict()["architectures"] == ["Qwen3ForCausalLM"]

@@ -21,7 +21,7 @@ from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.models.qwen3.model import ModelOptions, rope_cos_sin
 from qwen3_pretrain.plan import formulas as F
-from qwen3_pretrain.plan import memory
+from qwen3_pretrain.plan import layers, memory
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
 from qwen3_pretrain.plan.layers import largest_tensor, saved_bytes_per_token
@@ -561,12 +561,12 @@ def test_a_math_fallback_is_counted_where_the_device_runs_one():
     no probabilities."""
     cfg = get_preset("qwen3-8b")
     base = Layout(tp=2, seq_length=4096, activation_checkpointing="none")
-    assert memory.math_fallbacks(cfg, base) == []  # bf16 on CUDA: flash
+    assert layers.math_fallbacks(cfg, base) == []  # bf16 on CUDA: flash
     fp32 = base.replace(mixed_precision="fp32")
-    (call,) = memory.math_fallbacks(cfg, fp32)
+    (call,) = layers.math_fallbacks(cfg, fp32)
     assert (call.api, call.mask, call.dtype, call.q_heads, call.kv_heads) == ("sdpa", "causal", "float32", 16, 4)
     probabilities = 4 * 16 * 4096 * 4096  # fp32 [1, 16 heads, 4096, 4096]
-    extra = memory.attention_fallback_bytes_per_token(cfg, fp32) * 4096
+    extra = layers.attention_fallback_bytes_per_token(cfg, fp32) * 4096
     assert probabilities < extra < 1.1 * probabilities
     assert saved_bytes_per_token(cfg, fp32, "none") - saved_bytes_per_token(
         cfg, fp32.replace(device_type="cpu"), "none") == pytest.approx(extra / 4096)
@@ -574,7 +574,7 @@ def test_a_math_fallback_is_counted_where_the_device_runs_one():
     assert saved_bytes_per_token(cfg, fp32, "selective") == saved_bytes_per_token(
         cfg, fp32.replace(device_type="cpu"), "selective")
     # the context-parallel chunk under bf16 is flash's lower-right causal mode, not a masked math call
-    assert memory.math_fallbacks(cfg, base.replace(cp=8, seq_length=32768)) == []
+    assert layers.math_fallbacks(cfg, base.replace(cp=8, seq_length=32768)) == []
 
 
 def test_the_search_skips_layouts_the_sequence_does_not_split_over(capsys):
@@ -708,8 +708,8 @@ def _tp_rank_params(cfg: Qwen3Config, tp: int, pp: int) -> list[int]:
     try:
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
         counts = []
-        for stage, layers in enumerate(stage_layer_ranges(cfg.num_hidden_layers, pp)):
-            part = build_stage(cfg, PartSpec(stage, pp, layers), cfg.vocab_size, 4096)
+        for stage, owned in enumerate(stage_layer_ranges(cfg.num_hidden_layers, pp)):
+            part = build_stage(cfg, PartSpec(stage, pp, owned), cfg.vocab_size, 4096)
             apply_tensor_parallel(part, mesh)
             counts.append(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters()))
         return counts

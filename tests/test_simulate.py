@@ -157,14 +157,14 @@ def test_the_played_math_kernel_keeps_what_the_planner_counts():
     """What a call played as the target's math fallback keeps for backward (beyond its inputs) is the
     planner's count for that call; played as flash it keeps only the output and the log-sum-exp."""
     from qwen3_pretrain.models.qwen3.attention import attention_kernel
-    from qwen3_pretrain.plan import memory
+    from qwen3_pretrain.plan import layers
     from qwen3_pretrain.plan.layout import Layout
     from qwen3_pretrain.simulate.attention import KernelRecord, SimulatedAttention
 
     model = get_preset("qwen3-8b")
     model = type(model)(**{**model.__dict__, **TINY, "layer_types": []})
     layout = Layout(tp=1, seq_length=64, mixed_precision="fp32", activation_checkpointing="none")
-    per_token = memory.attention_fallback_bytes_per_token(model, layout)
+    per_token = layers.attention_fallback_bytes_per_token(model, layout)
     for dtype, expected in ((torch.float32, per_token * 64), (torch.bfloat16, None)):
         record = KernelRecord()
         kernel = SimulatedAttention(attention_kernel("cuda"), "cuda", record)

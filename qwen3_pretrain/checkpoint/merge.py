@@ -41,7 +41,7 @@ from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shapes, parse_size
-from qwen3_pretrain.models.qwen3.model import HEAD, VOCAB_TENSORS
+from qwen3_pretrain.models.qwen3.model import HEAD, MTP_PREFIX, VOCAB_TENSORS
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")
 
@@ -104,7 +104,7 @@ def tensors_to_merge(metadata: Metadata, config: Qwen3Config, checkpoint: Path) 
     """Internal name -> output shape of each tensor to write, after checking the checkpoint against ``config``."""
     saved = {key[len(_MODEL_PREFIX):]: md for key, md in metadata.state_dict_metadata.items()
              if key.startswith(_MODEL_PREFIX)}
-    expected = expected_shapes(config, mtp=any(name.startswith("mtp.") for name in saved))
+    expected = expected_shapes(config, mtp=any(name.startswith(MTP_PREFIX) for name in saved))
     where = f"checkpoint {checkpoint}"
     for name, shape in expected.items():
         md = saved.get(name)
@@ -194,7 +194,7 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
     reader = DCPTensorReader(checkpoint, metadata)
     num_bytes = 0
     carried = checkpoint.parent / meta["carried"] if meta.get("carried") else None
-    mtp = any(name.startswith("mtp.") for name in shapes)  # a trained multi-token-prediction layer
+    mtp = any(name.startswith(MTP_PREFIX) for name in shapes)  # a trained multi-token-prediction layer
     with _open_writer(output_path, config, dtype, max_shard_size, carried, mtp) as writer:
         for name in tqdm(shapes, desc="merge", unit="tensor", file=sys.stderr, disable=not progress):
             tensor = reader.read(_MODEL_PREFIX + name, rows=shapes[name][0], dtype=dtype)

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, TorchDeltaRule
+from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel
 from qwen3_pretrain.models.ops.loss import TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
@@ -101,7 +101,7 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                            router_observer=router_observer, moe_force_balance=moe_force_balance,
                            head_split=ContextParallelHeads(cp_mesh) if cp_mesh is not None else None,
                            multi_token_prediction=multi_token_prediction,
-                           delta_rule=delta_rule or TorchDeltaRule())
+                           delta_rule=delta_rule)
     part = ModelPart(layers=spec.layers, embedding=spec.stage_index == 0, head=last)
     with torch.device("meta"):
         return Qwen3Model(cfg, options, part)

@@ -47,9 +47,6 @@ from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.layers import (backward_gradient_bytes_per_token, cp_mask_bytes, largest_tensor,
                                         layer_params, recomputed_bytes_per_token, saved_bytes_per_token)
-# what one layer keeps, moved to plan/layers.py, where the trainer and the tests still read it from here
-from qwen3_pretrain.plan.layers import attention_calls, attention_fallback_bytes_per_token  # noqa: F401
-from qwen3_pretrain.plan.layers import context_parallel_bytes_per_token, math_fallbacks  # noqa: F401
 from qwen3_pretrain.plan.layout import LayerKind, Layout, StageShape, check_model_fits_layout, stage_shapes
 
 GiB = 1024**3

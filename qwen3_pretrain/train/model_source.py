@@ -9,8 +9,8 @@ import torch
 
 from qwen3_pretrain.config.loader import nearest
 from qwen3_pretrain.errors import ConfigError
-from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
-from qwen3_pretrain.models.qwen3.model import TIED_ALIASES, init_param
+from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, interval_layer_types, is_preset_name
+from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES, init_param
 from qwen3_pretrain.train.config import TrainConfig
 
 # Keys a preset and a checkpoint's config.json must agree on for model_name to describe model_path.
@@ -46,7 +46,7 @@ class ModelSource:
             if rows.stop <= rows.start:
                 return out
             want = (rows,) + tuple(slices[1:])
-            if self.reader is not None and (name in stored or not name.startswith("mtp.")):
+            if self.reader is not None and (name in stored or not name.startswith(MTP_PREFIX)):
                 values = self.reader.read_slice(name, want)
             else:
                 values = init_param(name, real, cfg, seed)[want]
@@ -76,10 +76,10 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
                 hint = nearest(key, fields)
                 raise ConfigError(f"model_overrides: unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else ""))
         overrides = dict(cfg.model_overrides)
-        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
-            # a hybrid's pattern (3 Gated DeltaNet layers, then full attention) continues over the new depth
-            pattern = model_cfg.layer_types[:model_cfg.layer_types.index("full_attention") + 1]
-            overrides["layer_types"] = [pattern[i % len(pattern)] for i in range(overrides["num_hidden_layers"])]
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides and model_cfg.is_hybrid:
+            # the preset's pattern (3 Gated DeltaNet layers, then full attention) continues over the new depth
+            interval = model_cfg.layer_types.index("full_attention") + 1
+            overrides["layer_types"] = interval_layer_types(overrides["num_hidden_layers"], interval)
         model_cfg = dataclasses.replace(model_cfg, **overrides)
     overrides = f" with model_overrides {', '.join(f'{k}={v}' for k, v in cfg.model_overrides.items())}" \
         if cfg.model_overrides else ""

@@ -15,20 +15,20 @@ import torch
 from torch import nn
 
 from qwen3_pretrain.hardware import optimizer_impl
-from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, is_norm_weight
 from qwen3_pretrain.train.config import TrainConfig
 
 
 # Gated DeltaNet's per-head decay parameters (the log of the decay rate and the time step's bias) are not
 # weights of a projection: like norms, decaying them would pull the decay towards a constant, not regularise.
-_NO_DECAY_SUFFIXES = ("norm.weight", "linear_attn.A_log", "linear_attn.dt_bias")
+_DECAY_PARAMETERS = ("linear_attn.A_log", "linear_attn.dt_bias")
 
 
 def _no_decay(name: str, tied: bool, qk_norm_decay: bool = False) -> bool:
     """``qk_norm_decay``: the attention's q/k norms are decayed (``apply_wd_to_qk_layernorm``)."""
     if qk_norm_decay and name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
         return False
-    return name.endswith(_NO_DECAY_SUFFIXES) or name == EMBEDDING or (tied and name == HEAD)
+    return is_norm_weight(name) or name.endswith(_DECAY_PARAMETERS) or name == EMBEDDING or (tied and name == HEAD)
 
 
 def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) -> torch.optim.AdamW:

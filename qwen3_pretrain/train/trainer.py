@@ -32,10 +32,11 @@ from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.models.qwen3.hf_io import write_carried
-from qwen3_pretrain.models.qwen3.model import TIED_ALIASES
+from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.plan.layout import Layout
-from qwen3_pretrain.plan.memory import math_fallbacks, predict_memory
+from qwen3_pretrain.plan.layers import math_fallbacks
+from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
@@ -356,7 +357,7 @@ class Trainer:
                      reader.path)
         if self.resumed_from is None and write_carried(reader, carried, mtp_trained=trained) is not None:
             groups: dict[str, int] = {}
-            for name in (n for n in reader.carried if not (trained and n.startswith("mtp."))):
+            for name in (n for n in reader.carried if not (trained and n.startswith(MTP_PREFIX))):
                 prefix = ".".join(name.split(".")[:2]) if name.startswith("model.") else name.split(".")[0]
                 groups[prefix] = groups.get(prefix, 0) + 1
             log.info("carried unchanged, not trained: %d tensors of %s (%s) -> %s; merge writes them back",

@@ -46,17 +46,18 @@ class FlaDeltaRule:
         if group > 1:  # each key head serves consecutive value heads
             q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         flat = [t.reshape(1, batch * seq, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        out, _ = fla_chunk(*flat, cu_seqlens=cu_seqlens(starts, batch, seq), use_qk_l2norm_in_kernel=True)
+        out, _ = fla_chunk(*flat, cu_seqlens=cu_seqlens(starts, batch, seq, q.device), use_qk_l2norm_in_kernel=True)
         return out.view(batch, seq, v_heads, -1)
 
 
-def cu_seqlens(starts: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
-    """The offsets (int32, from 0 to batch * seq) of the sequences of a batch flattened into one row: every
-    row starts one, and so does every document start."""
-    first = torch.zeros(batch, seq, dtype=torch.bool, device=starts.device if starts is not None else None)
+def cu_seqlens(starts: torch.Tensor | None, batch: int, seq: int, device: torch.device | None = None
+               ) -> torch.Tensor:
+    """The offsets (int32, from 0 to batch * seq, on ``device``) of the sequences of a batch flattened into one
+    row: every row starts one, and so does every document start."""
+    first = torch.zeros(batch, seq, dtype=torch.bool, device=device)
     first[:, 0] = True
     if starts is not None:
-        first |= starts
+        first |= starts.to(first.device)
     bounds = first.flatten().nonzero().flatten()
     end = torch.tensor([batch * seq], device=bounds.device)
     return torch.cat([bounds, end]).to(torch.int32)

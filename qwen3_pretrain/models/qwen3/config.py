@@ -96,7 +96,7 @@ class Qwen3Config:
     mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (the releases ship 1; trained with mtp_loss_weight)
 
     def __post_init__(self) -> None:
-        if not self.model_type:
+        if self.model_type in ("", "qwen3", "qwen3_moe"):  # a preset given experts by overrides becomes MoE
             self.model_type = "qwen3_moe" if self.num_experts else "qwen3"
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
@@ -355,6 +355,11 @@ class Qwen3Config:
         return 6.0 * self.num_matmul_params() + attn + self.num_linear_layers * self.linear_attention_flops_per_token()
 
 
+def interval_layer_types(num_layers: int, interval: int) -> list[str]:
+    """The hybrids' pattern: every ``interval``-th layer full attention, the others Gated DeltaNet."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
 def _family_defaults(model_type: str, data: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a family's ``config.json`` leaves to its transformers class's defaults (and drops what it does
     not use)."""
@@ -372,10 +377,13 @@ def _family_defaults(model_type: str, data: dict[str, Any], kwargs: dict[str, An
         out["mlp_only_layers"] = list(kwargs.get("mlp_only_layers") or [])
     if model_type in HYBRID_TYPES:
         if not kwargs.get("layer_types"):
-            interval = data.get("full_attention_interval", 4)
-            out["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                  for i in range(data["num_hidden_layers"])]
+            out["layer_types"] = interval_layer_types(data["num_hidden_layers"], data.get("full_attention_interval", 4))
         kwargs.setdefault("partial_rotary_factor", 0.25)  # the classes' default
+        if data.get("attn_output_gate") is False or data.get("mtp_use_dedicated_embeddings"):
+            raise UserError(f"{model_type}: attn_output_gate false and mtp_use_dedicated_embeddings true are not "
+                            "supported (no released checkpoint has them)")
+        if "rope_theta" not in kwargs:
+            kwargs["rope_theta"] = 10_000.0  # transformers' default where the file names none
     if model_type == "qwen3_5_moe_text":  # transformers' class defaults; every layer sparse, top-k renormalised
         out.update(num_experts=data.get("num_experts", 256), num_experts_per_tok=data.get("num_experts_per_tok", 8),
                    moe_intermediate_size=data.get("moe_intermediate_size", 512),
@@ -424,18 +432,19 @@ QWEN3_5_VOCAB_SIZE = 248320
 
 
 def _hybrid_preset(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-                   value_heads: int, tied: bool = False, experts: int = 0, top_k: int = 0) -> Qwen3Config:
+                   value_heads: int, tied: bool = False, experts: int = 0, top_k: int = 0,
+                   dense_ffn: int | None = None) -> Qwen3Config:
     """A released hybrid: head_dim 256 with a quarter rotated, Gated DeltaNet with 16 key heads of 128, a
     full-attention layer every 4th; ``ffn`` is the MLP width, or with ``experts`` each expert's and the
-    shared expert's."""
+    shared expert's (``dense_ffn``: the config's intermediate_size where it names one no layer uses)."""
     moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn,
                shared_expert_intermediate_size=ffn, norm_topk_prob=True) if experts else {}
     return Qwen3Config(
         model_type=model_type, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=256, intermediate_size=ffn, tie_word_embeddings=tied,
+        num_key_value_heads=kv_heads, head_dim=256, intermediate_size=dense_ffn or ffn, tie_word_embeddings=tied,
         vocab_size=QWEN3_VOCAB_SIZE if model_type == "qwen3_next" else QWEN3_5_VOCAB_SIZE,
         max_position_embeddings=262144, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        layer_types=interval_layer_types(layers, 4),
         linear_num_key_heads=16, linear_num_value_heads=value_heads, mtp_num_hidden_layers=1,
         bos_token_id=QWEN3_5_ENDOFTEXT_ID if model_type != "qwen3_next" else ENDOFTEXT_ID,
         eos_token_id=QWEN3_5_ENDOFTEXT_ID if model_type != "qwen3_next" else 151645, **moe)
@@ -453,7 +462,8 @@ PRESETS.update({
     "qwen3.5-35b-a3b": _hybrid_preset("qwen3_5_moe_text", 2048, 40, 16, 2, 512, 32, experts=256, top_k=8),
     "qwen3.5-122b-a10b": _hybrid_preset("qwen3_5_moe_text", 3072, 48, 32, 2, 1024, 64, experts=256, top_k=8),
     "qwen3.5-397b-a17b": _hybrid_preset("qwen3_5_moe_text", 4096, 60, 32, 2, 1024, 64, experts=512, top_k=10),
-    "qwen3-next-80b-a3b": _hybrid_preset("qwen3_next", 2048, 48, 16, 2, 512, 32, experts=512, top_k=10),
+    "qwen3-next-80b-a3b": _hybrid_preset("qwen3_next", 2048, 48, 16, 2, 512, 32, experts=512, top_k=10,
+                                         dense_ffn=5120),
 })
 
 

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import MULTIMODAL_TYPES, Qwen3Config
-from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, ModelOptions, Qwen3Model
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, MTP_PREFIX, ModelOptions, Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
 NAME_TABLE: list[tuple[str, str]] = [
@@ -71,7 +71,6 @@ NAME_TABLE: list[tuple[str, str]] = [
 # Tensors of a checkpoint that are not the text model's: Qwen3.5's vision tower and the multi-token-prediction
 # layer the releases ship. Training carries them unchanged into its output (``write_carried``); the merged
 # model holds them again, bit for bit.
-MTP_PREFIX = "mtp."
 CARRIED_PREFIXES = ("model.visual.", MTP_PREFIX)
 # Where a multimodal checkpoint (Qwen3_5ForConditionalGeneration) nests the text model.
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
@@ -121,7 +120,7 @@ def expert_hf_name(name: str, expert: int) -> str:
 
 def _internal_prefix(hf_prefix: str) -> str:
     """The internal names' prefix of a layer under HF's ``model.`` (none) or ``mtp.`` (the same)."""
-    return "mtp." if hf_prefix == "mtp." else ""
+    return MTP_PREFIX if hf_prefix == MTP_PREFIX else ""
 
 
 def _translate(name: str, rules: list[tuple[re.Pattern[str], str]], kind: str) -> str:

@@ -60,6 +60,14 @@ EMBEDDING = "embed_tokens.weight"
 HEAD = "lm_head.weight"
 VOCAB_TENSORS = (EMBEDDING, HEAD)
 TIED_ALIASES = {HEAD: EMBEDDING}
+# The multi-token-prediction layer's parameters (``Qwen3Model.mtp``), named as in the HF files.
+MTP_PREFIX = "mtp."
+# The weights of norms (a scale per channel): initialized to one (zero where zero-centred), never decayed.
+_NORM_SUFFIXES = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+
+
+def is_norm_weight(name: str) -> bool:
+    return name.endswith(_NORM_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
-        nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
+        if self.zero_centered:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -448,12 +459,15 @@ def init_param(name: str, shape: tuple[int, ...], cfg: Qwen3Config, seed: int) -
     Each parameter draws from its own generator seeded by its name, so a
     sharded or pipelined model initializes each rank's slice to exactly what
     the single-process model holds, whatever the parallel layout. Norms start
-    at one; matrices are normal(0, initializer_range), with the projections
+    at one (a hybrid's zero-centred norms at zero, their scale being 1 +
+    weight); matrices are normal(0, initializer_range), with the projections
     that write into the residual stream (o_proj, down_proj, the experts'
-    down_proj) scaled down by
-    sqrt(2 * num_layers) so the residual's variance does not grow with depth.
+    down_proj, Gated DeltaNet's out_proj) scaled down by sqrt(2 * num_layers)
+    so the residual's variance does not grow with depth. Gated DeltaNet's
+    decay parameters start as the releases' recipe (``A`` uniform in [1, 16],
+    ``dt_bias`` one) and its convolution as PyTorch's default.
     """
-    if name.endswith("norm.weight"):  # zero-centred norms (1 + weight) start at 0; the gated norm at 1
+    if is_norm_weight(name):  # zero-centred norms (1 + weight) start at 0; the gated norm at 1
         zero = cfg.is_hybrid and not name.endswith("linear_attn.norm.weight")
         return torch.zeros(shape) if zero else torch.ones(shape)
     if name.endswith("dt_bias"):
