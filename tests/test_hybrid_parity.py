@@ -142,14 +142,19 @@ def _with_mtp(path, config, seed: int):
     neither makes nor loads one), with random values."""
     from safetensors.torch import load_file, save_file
 
-    from qwen3_pretrain.models.qwen3.hf_io import expected_shapes, internal_to_hf
+    from qwen3_pretrain.models.qwen3.hf_io import expected_shapes, expert_hf_name, internal_to_hf
 
     tensors = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
     config = dataclasses.replace(config, mtp_num_hidden_layers=1)
     for name, shape in expected_shapes(config, mtp=True).items():
-        if name.startswith("mtp."):
-            tensors[internal_to_hf(name)] = 0.2 * torch.randn(shape, generator=gen)
+        if not name.startswith("mtp."):
+            continue
+        values = 0.2 * torch.randn(shape, generator=gen)
+        if ".mlp.experts." in name:  # one tensor per expert, as the releases store them
+            tensors.update({expert_hf_name(name, e): values[e] for e in range(shape[0])})
+        else:
+            tensors[internal_to_hf(name)] = values
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -47,6 +47,9 @@ LAYOUTS = {
     "dp2-ep2-moe": (2, ["batch_size=2", "ep=2", "moe_aux_loss=global_batch"]),
     # ep borrowing the tp ranks: the MoE layers, shared expert included, on each tp rank's share of the tokens
     "tp2-ep2-moe": (2, ["batch_size=4", "tp=2", "ep=2", "moe_aux_loss=global_batch"]),
+    # with its MTP layer trained (a MoE layer too, its experts split as the others')
+    "single-moe-mtp": (1, ["batch_size=4", "moe_aux_loss=global_batch", "mtp_loss_weight=0.1"]),
+    "dp2-ep2-moe-mtp": (2, ["batch_size=2", "ep=2", "moe_aux_loss=global_batch", "mtp_loss_weight=0.1"]),
 }
 TINY_HYBRID_MOE = dict({k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
@@ -97,12 +100,25 @@ class HybridRuns:
         _with_mtp(path, load_hf_model(path).config, seed=3)
         return path
 
+    @functools.cached_property
+    def hf_init_moe_mtp(self):
+        import shutil
+
+        from qwen3_pretrain.models.qwen3.hf_io import load_hf_model
+        from tests.test_hybrid_parity import _with_mtp
+
+        path = self.root / "hf_init_moe_mtp"
+        shutil.copytree(self.hf_init_moe, path)
+        _with_mtp(path, load_hf_model(path).config, seed=4)
+        return path
+
     def records(self, name: str) -> list[dict]:
         if name not in self._done:
             nproc, overrides = LAYOUTS[name]
             run = self.root / name
             run.mkdir()
-            init = {"mtp": self.hf_init_mtp, "moe": self.hf_init_moe}.get(name.rsplit("-", 1)[-1], self.hf_init)
+            init = self.hf_init_moe_mtp if name.endswith("-moe-mtp") else \
+                {"mtp": self.hf_init_mtp, "moe": self.hf_init_moe}.get(name.rsplit("-", 1)[-1], self.hf_init)
             config = write_config(run / "c.yaml", self.corpus, run / "out", model_name="tiny-qwen3.5",
                                   model_path=str(init), model_overrides={}, document_mask=True, **OPTIMIZER)
             check_ok(run_train(config, nproc, *overrides, timeout=600))
@@ -137,9 +153,10 @@ def test_hybrid_layout_matches_single_process(name, hybrid_runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["dp2-ep2-moe", "tp2-ep2-moe"])
+@pytest.mark.parametrize("name", ["dp2-ep2-moe", "tp2-ep2-moe", "dp2-ep2-moe-mtp"])
 def test_hybrid_moe_with_expert_parallelism_matches_single_process(name, hybrid_runs):
-    got, want = hybrid_runs.records(name), hybrid_runs.records("single-moe")
+    got, want = hybrid_runs.records(name), hybrid_runs.records(name.replace("dp2-ep2", "single").replace(
+        "tp2-ep2", "single"))
     assert_same_training(got, want, label=f"hybrid {name}")
     assert_same_training([{**r, "loss": r["moe_aux_loss"]} for r in got],
                          [{**r, "loss": r["moe_aux_loss"]} for r in want], label=f"hybrid {name} aux loss")

@@ -129,7 +129,7 @@ class AllReduceScatter:
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
                reduce_scatter_device: str | None = None, experts_mesh: DeviceMesh | None = None,
                keep_params_gathered: bool = False, grad_reduce_dtype: str = "fp32") -> None:
-    """FSDP2 units: the embedding, each decoder layer, the LM head (its forward runs in the loss, outside
+    """FSDP2 units: the embedding, each decoder layer (the MTP layer's too), the LM head (its forward runs in the loss, outside
     the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
     root. The embedding is a unit of its own so that it is gathered only around its own forward and
     backward, not for the whole backward pass as part of the root. Under expert parallelism a MoE layer's
@@ -146,7 +146,8 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         # A tied head applies the embedding's weight in the loss: it stays gathered from the
         # embedding's forward to its backward, the end of the step, and both gradients meet there.
         fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free and not tied_head)
-    for unit in model.layers.values():
+    mtp_layers = model.mtp.layers.values() if model.mtp is not None else ()
+    for unit in (*model.layers.values(), *mtp_layers):  # the multi-token-prediction layer's as the others
         if experts_mesh is not None and isinstance(unit.mlp, MoE):
             fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=free)
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free)
