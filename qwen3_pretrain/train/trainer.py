@@ -31,7 +31,7 @@ from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
-from qwen3_pretrain.models.qwen3.hf_io import write_carried
+from qwen3_pretrain.models.qwen3.hf_carried import write_carried
 from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
 from qwen3_pretrain.plan.layout import Layout
@@ -237,6 +237,7 @@ class Trainer:
         cfg = self.cfg
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
+        self._carry_untrained()
         self._log_start()
         history: list[dict] = []
         if self.step >= cfg.total_steps:
@@ -366,7 +367,6 @@ class Trainer:
 
     def _log_start(self) -> None:
         cfg, dims, m = self.cfg, self.dims, self.source.config
-        self._carry_untrained()
         if self.launch.rank == 0:
             save_config(cfg, Path(cfg.output_path) / "config.yaml")
         if self.is_log_rank:

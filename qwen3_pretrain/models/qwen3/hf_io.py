@@ -37,7 +37,8 @@ from safetensors.torch import save_file
 
 from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
-from qwen3_pretrain.models.qwen3.config import MULTIMODAL_TYPES, Qwen3Config
+from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.hf_carried import CARRIED_PREFIXES, MULTIMODAL_TEXT_PREFIX, Carried
 from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, MTP_PREFIX, ModelOptions, Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
@@ -67,14 +68,6 @@ NAME_TABLE: list[tuple[str, str]] = [
     ("norm.weight", "model.norm.weight"),
     (HEAD, HEAD),  # ... under "model.", not the head
 ]
-
-# Tensors of a checkpoint that are not the text model's: Qwen3.5's vision tower and the multi-token-prediction
-# layer the releases ship. Training carries them unchanged into its output (``write_carried``); the merged
-# model holds them again, bit for bit.
-CARRIED_PREFIXES = ("model.visual.", MTP_PREFIX)
-# Where a multimodal checkpoint (Qwen3_5ForConditionalGeneration) nests the text model.
-MULTIMODAL_TEXT_PREFIX = "model.language_model."
-CARRIED_FILE = "carried.safetensors"
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -480,9 +473,9 @@ class HFCheckpointWriter:
     holds either the previous model or the complete new one. Used as a
     context manager, an exception before ``finalize`` removes the temp files.
 
-    ``carried``: a directory ``write_carried`` made from the checkpoint training started from; its tensors
-    (a vision tower, an MTP layer) are written back as they were, and a multimodal source's layout and
-    config.json are kept (the text model nested under ``model.language_model.``, the vision config).
+    ``carried``: a directory ``hf_carried.write_carried`` made from the checkpoint training started from; its
+    tensors (a vision tower, an MTP layer) are written back as they were, and a multimodal source's layout
+    and config.json are kept (the text model nested under ``model.language_model.``, the vision config).
     """
 
     def __init__(self, path: str | os.PathLike, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
@@ -492,9 +485,7 @@ class HFCheckpointWriter:
             raise UserError(f"cannot save weights as {dtype}; use one of {', '.join(map(str, _SAVE_DTYPES))}")
         self.path = Path(path)
         self.config = config
-        self.carried = Path(carried) if carried is not None else None
-        self.source_config = _read_carried_config(self.carried) if self.carried is not None else None
-        self.multimodal = bool(self.source_config) and self.source_config.get("model_type") in MULTIMODAL_TYPES
+        self.carried = Carried(carried) if carried is not None else None
         self.dtype = dtype
         self.max_shard_bytes = parse_size(max_shard_size)
         self._expected = expected_shapes(config, mtp)  # mtp: the model holds a trained MTP layer
@@ -531,16 +522,7 @@ class HFCheckpointWriter:
             self._queue(self._nested(internal_to_hf(name)), tensor)
 
     def _nested(self, hf_name: str) -> str:
-        """A text model's HF name, nested under ``model.language_model.`` in a multimodal checkpoint."""
-        if self.multimodal and hf_name.startswith("model."):
-            return MULTIMODAL_TEXT_PREFIX + hf_name[len("model."):]
-        return hf_name
-
-    def _add_carried(self) -> None:
-        """The carried tensors, as they were (names, dtypes, values)."""
-        with safe_open(str(self.carried / CARRIED_FILE), framework="pt") as f:
-            for hf_name in f.keys():
-                self._queue(hf_name, f.get_tensor(hf_name), keep_dtype=True)
+        return self.carried.nested(hf_name) if self.carried is not None else hf_name
 
     def _queue(self, hf_name: str, tensor: torch.Tensor, keep_dtype: bool = False) -> None:
         tensor = tensor.to("cpu", None if keep_dtype else self.dtype).contiguous()
@@ -572,8 +554,9 @@ class HFCheckpointWriter:
         if missing:
             raise UserError(f"{self.path}: cannot finalize, {len(missing)} tensor(s) never added, "
                             f"first {missing[0]!r}")
-        if self.carried is not None:
-            self._add_carried()
+        if self.carried is not None:  # as they were: names, dtypes, values
+            for hf_name, tensor in self.carried.tensors():
+                self._queue(hf_name, tensor, keep_dtype=True)
         if self._shard or not self._shards:
             self._flush()
         weight_map = self._name_shards()
@@ -603,17 +586,7 @@ class HFCheckpointWriter:
     def _hf_config(self) -> dict:
         out = dataclasses.replace(self.config, torch_dtype=str(self.dtype).removeprefix("torch.")).to_hf_dict()
         out["dtype"] = out["torch_dtype"]  # transformers >= 5 reads "dtype", older versions "torch_dtype"
-        if not self.multimodal:
-            return out
-        # The source's config.json with the trained text model's keys in text_config; what this project does
-        # not model (the vision config, the multimodal RoPE's sections) stays as it was.
-        source = dict(self.source_config)
-        text = dict(source["text_config"])
-        rope = {**text.get("rope_parameters", {}), **out.pop("rope_parameters", {})}
-        out.pop("architectures"), out.pop("model_type")
-        text.update(out, rope_parameters=rope) if rope else text.update(out)
-        source.update(text_config=text, dtype=out["dtype"])
-        return source
+        return self.carried.config(out) if self.carried is not None else out
 
     def abort(self) -> None:
         """Drop everything written so far; ``path`` is left untouched."""
@@ -625,33 +598,6 @@ class HFCheckpointWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is not None:
             self.abort()
-
-
-def write_carried(reader: HFCheckpointReader, directory: str | os.PathLike, mtp_trained: bool = False
-                  ) -> Path | None:
-    """Keep what ``reader``'s checkpoint holds beyond the text model (``CARRIED_PREFIXES``; the MTP layer
-    unless ``mtp_trained``) in ``directory``: its tensors, as stored, and its config.json, for the merged
-    model to hold them again. None when there are none and the layout is the text model's own."""
-    names = [n for n in reader.carried if not (mtp_trained and n.startswith(MTP_PREFIX))]
-    if not names and not reader.multimodal:
-        return None
-    directory = Path(directory)
-    tmp = directory.parent / f"{directory.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({name: reader.read_carried(name) for name in names}, str(tmp / CARRIED_FILE),
-              metadata={"format": "pt"})
-    write_json_atomic(tmp / CONFIG_FILE, reader.hf_config)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
-    return directory
-
-
-def _read_carried_config(directory: Path) -> dict:
-    if not (directory / CARRIED_FILE).is_file() or not (directory / CONFIG_FILE).is_file():
-        raise MissingFileError(f"{directory}: no {CARRIED_FILE} and {CONFIG_FILE}; the tensors carried from the "
-                               "checkpoint training started from are missing (it was written at the run's start)")
-    return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
 
 
 def _check_replaceable(target: Path) -> None:
