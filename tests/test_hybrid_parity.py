@@ -203,3 +203,19 @@ def _reference_mtp_logits(reference, path, ids, next_ids):
     causal = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
     x = layer(x, position_embeddings=cos_sin, attention_mask=causal, position_ids=positions)
     return reference.lm_head(norms["norm"](x))
+
+
+@pytest.mark.parametrize("preset, pattern", [("qwen3-0.6b", ["full_attention"] * 4),
+                                             ("qwen3.5-0.8b", ["linear_attention"] * 3 + ["full_attention"]),
+                                             ("qwen3-next-80b-a3b", ["linear_attention"] * 3 + ["full_attention"])])
+def test_model_overrides_change_the_depth_of_a_preset(preset, pattern, tmp_path):
+    """``model_overrides: {num_hidden_layers: 5}`` on a preset: a dense one stays all attention, a hybrid keeps
+    its pattern (three Gated DeltaNet layers, then full attention) over the new depth."""
+    from qwen3_pretrain.config.loader import from_dict
+    from qwen3_pretrain.train.config import TrainConfig
+    from qwen3_pretrain.train.model_source import resolve_model
+
+    cfg = from_dict(TrainConfig, {"model_name": preset, "data_path": str(tmp_path), "output_path": str(tmp_path),
+                                  "model_overrides": {"num_hidden_layers": 5, "hidden_size": 64}}, source="test")
+    model = resolve_model(cfg).config
+    assert model.num_hidden_layers == 5 and model.layer_types == pattern + pattern[:1]

@@ -98,7 +98,7 @@ class Qwen3Config:
     def __post_init__(self) -> None:
         if self.model_type in ("", "qwen3", "qwen3_moe"):  # a preset given experts by overrides becomes MoE
             self.model_type = "qwen3_moe" if self.num_experts else "qwen3"
-        if not self.layer_types:
+        if not self.layer_types or not self.is_hybrid:  # every layer attention (whatever a copied config held)
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.validate()
 
