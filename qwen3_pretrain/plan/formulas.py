@@ -236,12 +236,13 @@ def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_head
     * q and k in fp32 with their l2 norms' roots, ``8 K + 8 key_heads`` (under
       fp32 the silu output they are views of instead, ``4 Q``);
     * the chunked delta rule (``models/ops/gated_delta.py``, fp32): per value head
-      and token five ``C``-wide rows (the pairwise decays before and after
-      masking, ``K K^T beta``, the triangular system and the chunk's attention)
-      and two per key head (``K K^T``, ``Q K^T``): ``20 a C + 8 key_heads C``;
-      the chunked q, k (``8 K``), v, the solve's result, the writes per chunk and
-      stacked (``16 V``), the decayed keys and queries and the solve's key part
-      (``12 a dk``), six decay rows (``24 a``), the state entering each chunk,
+      and token six ``C``-wide rows (the pairwise decays before and after
+      masking, ``K K^T beta``, the triangular system, its inverse and the chunk's
+      attention) and two per key head (``K K^T``, ``Q K^T``): ``24 a C + 8
+      key_heads C``; the chunked q, k (``8 K``), v, the values' right-hand side,
+      the writes per chunk and stacked (``16 V``), the decayed keys and queries,
+      the keys' right-hand side and their writes (``16 a dk``), six decay rows
+      (``24 a``), the state entering each chunk,
       kept twice (``8 a dk dv / C``), the chunk decays (``8 a / C``), and the
       boolean document masks (``C + 2``, per token of the whole sequence);
     * the gated RMSNorm and ``out_proj``: ``12 V + 4 a + 3 d V``.
@@ -259,7 +260,7 @@ def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_head
     conv = 2 * k_dim + v_dim
     qk = 8 * k_dim if d < 4 else 4 * conv
     mixing = d * hidden + 2 * d * conv + d * a + 8 * a + qk + 8 * key_heads
-    rule = (20 * a * chunk + 8 * key_heads * chunk + 8 * k_dim + 16 * v_dim + 12 * a * dk + 24 * a
+    rule = (24 * a * chunk + 8 * key_heads * chunk + 8 * k_dim + 16 * v_dim + 16 * a * dk + 24 * a
             + 8 * a * dk * dv / chunk + 8 * a / chunk + cp * (chunk + 2))
     return mixing + rule + 12 * v_dim + 4 * a + 3 * d * v_dim
 

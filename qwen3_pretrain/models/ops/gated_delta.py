@@ -71,6 +71,18 @@ def _documents_in_chunks(starts: torch.Tensor | None, batch: int, seq: int, chun
     return starts.view(batch, -1, chunk_size).cumsum(-1).transpose(0, 1)[:, :, None, None, :]
 
 
+def _unit_lower_inverse(system: torch.Tensor) -> torch.Tensor:
+    """``(I + strictly_lower(system)) ** -1`` over any leading dims.
+
+    Solving against the identity (chunk_size columns) and then multiplying is cheaper than solving against
+    the values and keys (dv + dk columns), in backward too. The batch is flattened first: on CPU the solve
+    over several batch dims takes a much slower path than the same solve over one.
+    """
+    flat = system.flatten(0, -3)
+    eye = torch.eye(flat.shape[-1], dtype=flat.dtype, device=flat.device).expand_as(flat)
+    return torch.linalg.solve_triangular(flat, eye, upper=False, unitriangular=True).view(system.shape)
+
+
 def _chunk_terms(q, k, v, g, beta, doc):
     """The quantities of each chunk that do not depend on the carried state, all chunks at once.
 
@@ -90,9 +102,9 @@ def _chunk_terms(q, k, v, g, beta, doc):
     from_start = _masked_exp(cum, carried)
 
     ut = (k @ k.transpose(-1, -2)) * beta[..., :, None] * pair  # diagonal ignored: the solve is unitriangular
-    rhs = torch.cat([v * beta[..., None], k * (beta * from_start)[..., None]], dim=-1)
-    u, w = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], dim=-1)
+    inverse = _unit_lower_inverse(ut)
+    u = inverse @ (v * beta[..., None])
+    w = inverse @ (k * (beta * from_start)[..., None])
 
     attn = (q @ k.transpose(-1, -2)) * pair
     q_carried = q * from_start[..., None]
