@@ -219,3 +219,36 @@ def test_model_overrides_change_the_depth_of_a_preset(preset, pattern, tmp_path)
                                   "model_overrides": {"num_hidden_layers": 5, "hidden_size": 64}}, source="test")
     model = resolve_model(cfg).config
     assert model.num_hidden_layers == 5 and model.layer_types == pattern + pattern[:1]
+
+
+# The released sizes, as REFERENCE.md lists them from the checkpoints' config.json (written out here, not read
+# from the presets): hidden, layers, attention heads / KV heads, MLP (or expert) width, Gated DeltaNet key /
+# value heads, experts / top-k, tied, vocabulary.
+PUBLISHED = {
+    "qwen3.5-0.8b": (1024, 24, 8, 2, 3584, 16, 16, 0, 0, True, 248320),
+    "qwen3.5-2b": (2048, 24, 8, 2, 6144, 16, 16, 0, 0, True, 248320),
+    "qwen3.5-4b": (2560, 32, 16, 4, 9216, 16, 32, 0, 0, True, 248320),
+    "qwen3.5-9b": (4096, 32, 16, 4, 12288, 16, 32, 0, 0, False, 248320),
+    "qwen3.5-27b": (5120, 64, 24, 4, 17408, 16, 48, 0, 0, False, 248320),
+    "qwen3.5-35b-a3b": (2048, 40, 16, 2, 512, 16, 32, 256, 8, False, 248320),
+    "qwen3.5-122b-a10b": (3072, 48, 32, 2, 1024, 16, 64, 256, 8, False, 248320),
+    "qwen3.5-397b-a17b": (4096, 60, 32, 2, 1024, 16, 64, 512, 10, False, 248320),
+    "qwen3-next-80b-a3b": (2048, 48, 16, 2, 512, 16, 32, 512, 10, False, 151936),
+}
+
+
+@pytest.mark.parametrize("name", HYBRID_PRESETS)
+def test_presets_have_the_published_sizes(name):
+    from qwen3_pretrain.models.qwen3.config import get_preset
+
+    cfg = get_preset(name)
+    width = cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    got = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, width,
+           cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.num_experts,
+           cfg.num_experts_per_tok if cfg.is_moe else 0, cfg.tie_word_embeddings, cfg.vocab_size)
+    assert got == PUBLISHED[name]
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.linear_key_head_dim) == (256, 64, 1e7, 128)
+    assert cfg.layer_types[3::4] == ["full_attention"] * (cfg.num_hidden_layers // 4)
+    assert cfg.num_linear_layers == 3 * cfg.num_hidden_layers // 4
+    if cfg.is_moe:
+        assert cfg.shared_expert_intermediate_size == width and cfg.norm_topk_prob

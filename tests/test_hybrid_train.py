@@ -47,6 +47,10 @@ LAYOUTS = {
     "dp2-ep2-moe": (2, ["batch_size=2", "ep=2", "moe_aux_loss=global_batch"]),
     # ep borrowing the tp ranks: the MoE layers, shared expert included, on each tp rank's share of the tokens
     "tp2-ep2-moe": (2, ["batch_size=4", "tp=2", "ep=2", "moe_aux_loss=global_batch"]),
+    # Qwen3-Next: the fused, per-key-head grouped projections, under cp's head split and tp
+    "single-next": (1, ["gradient_accumulation_steps=2"]),
+    "cp2-next": (2, ["cp=2", "gradient_accumulation_steps=2"]),
+    "tp2-next": (2, ["tp=2", "gradient_accumulation_steps=2"]),
     # with its MTP layer trained (a MoE layer too, its experts split as the others')
     "single-moe-mtp": (1, ["batch_size=4", "moe_aux_loss=global_batch", "mtp_loss_weight=0.1"]),
     "dp2-ep2-moe-mtp": (2, ["batch_size=2", "ep=2", "moe_aux_loss=global_batch", "mtp_loss_weight=0.1"]),
@@ -101,6 +105,16 @@ class HybridRuns:
         return path
 
     @functools.cached_property
+    def hf_init_next(self):
+        import transformers
+
+        torch.manual_seed(0)
+        path = self.root / "hf_init_next"
+        config = transformers.Qwen3NextConfig(**dict(TINY_HYBRID_MOE, intermediate_size=96, mlp_only_layers=[1]))
+        transformers.Qwen3NextForCausalLM(config).save_pretrained(path)
+        return path
+
+    @functools.cached_property
     def hf_init_moe_mtp(self):
         import shutil
 
@@ -118,7 +132,8 @@ class HybridRuns:
             run = self.root / name
             run.mkdir()
             init = self.hf_init_moe_mtp if name.endswith("-moe-mtp") else \
-                {"mtp": self.hf_init_mtp, "moe": self.hf_init_moe}.get(name.rsplit("-", 1)[-1], self.hf_init)
+                {"mtp": self.hf_init_mtp, "moe": self.hf_init_moe, "next": self.hf_init_next}.get(
+                    name.rsplit("-", 1)[-1], self.hf_init)
             config = write_config(run / "c.yaml", self.corpus, run / "out", model_name="tiny-qwen3.5",
                                   model_path=str(init), model_overrides={}, document_mask=True, **OPTIMIZER)
             check_ok(run_train(config, nproc, *overrides, timeout=600))
@@ -160,6 +175,14 @@ def test_hybrid_moe_with_expert_parallelism_matches_single_process(name, hybrid_
     assert_same_training(got, want, label=f"hybrid {name}")
     assert_same_training([{**r, "loss": r["moe_aux_loss"]} for r in got],
                          [{**r, "loss": r["moe_aux_loss"]} for r in want], label=f"hybrid {name} aux loss")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["cp2-next", "tp2-next"])
+def test_qwen3_next_layout_matches_single_process(name, hybrid_runs):
+    """Qwen3-Next's fused projections (q, k, v, z and b, a grouped per key head) under cp's head split (its
+    convolution rows and decay parameters sliced to the rank's heads) and tp; a MoE model with a dense layer."""
+    assert_same_training(hybrid_runs.records(name), hybrid_runs.records("single-next"), label=f"qwen3-next {name}")
 
 
 def test_multi_token_prediction_trains_beside_the_model(hybrid_runs):
