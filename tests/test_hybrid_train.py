@@ -34,6 +34,8 @@ LAYOUTS = {
     "tp2": (2, ["tp=2", "gradient_accumulation_steps=2"]),
     "cp2": (2, ["cp=2", "gradient_accumulation_steps=2"]),
     "cp2-tp2": (4, ["cp=2", "tp=2", "gradient_accumulation_steps=2"]),
+    # selective recompute: the delta rule (and attention's kernel call) run again in backward
+    "single-ac-selective": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=selective"]),
     # the multi-token-prediction layer trained beside (from a checkpoint that ships one)
     "single-mtp": (1, ["gradient_accumulation_steps=2", "mtp_loss_weight=0.1"]),
     "dp2-mtp": (2, ["mtp_loss_weight=0.1"]),
@@ -159,6 +161,11 @@ def test_document_mask_changes_the_hybrid(hybrid_runs):
     """The packed documents' boundaries matter: with the mask the losses differ from without it."""
     masked, plain = hybrid_runs.records("single"), hybrid_runs.records("single-no-document-mask")
     assert abs(masked[-1]["loss"] - plain[-1]["loss"]) > 10 * FP32_LOSS_RTOL * plain[-1]["loss"]
+
+
+def test_selective_recompute_replays_the_delta_rule_exactly(hybrid_runs):
+    assert_same_training(hybrid_runs.records("single-ac-selective"), hybrid_runs.records("single"), 1e-6, 1e-6,
+                         label="hybrid selective recompute")
 
 
 @pytest.mark.distributed

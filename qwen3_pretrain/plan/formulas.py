@@ -260,9 +260,29 @@ def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_head
     conv = 2 * k_dim + v_dim
     qk = 8 * k_dim if d < 4 else 4 * conv
     mixing = d * hidden + 2 * d * conv + d * a + 8 * a + qk + 8 * key_heads
-    rule = (24 * a * chunk + 8 * key_heads * chunk + 8 * k_dim + 16 * v_dim + 16 * a * dk + 24 * a
+    return mixing + _delta_rule_bytes(key_heads, a, dk, dv, chunk, cp) + 12 * v_dim + 4 * a + 3 * d * v_dim
+
+
+def _delta_rule_bytes(key_heads: int, a: int, dk: int, dv: int, chunk: int, cp: int) -> float:
+    """The chunked delta rule's fp32 terms per token (``gated_deltanet_saved_bytes_per_token``'s list)."""
+    k_dim, v_dim = key_heads * dk, a * dv
+    return (24 * a * chunk + 8 * key_heads * chunk + 8 * k_dim + 16 * v_dim + 16 * a * dk + 24 * a
             + 8 * a * dk * dv / chunk + 8 * a / chunk + cp * (chunk + 2))
-    return mixing + rule + 12 * v_dim + 4 * a + 3 * d * v_dim
+
+
+def gated_deltanet_recomputed_bytes_per_token(hidden: int, key_heads: int, value_heads: int, key_head_dim: int,
+                                              value_head_dim: int, dtype_bytes: int = BF16, chunk: int = 64,
+                                              cp: int = 1) -> float:
+    """What selective recompute drops from a Gated DeltaNet block per token (its delta rule runs again in
+    backward, keeping only its inputs): the rule's chunk terms (``gated_deltanet_saved_bytes_per_token``'s
+    ``rule``) and its l2 norms' roots (``8 key_heads``), less what the checkpoint keeps that nothing else did,
+    the fp32 decay (``4 a``); under a low-precision dtype the rule's fp32 copies of q and k (``8 K``) go too,
+    and the convolution's outputs, its inputs, stay (``d (2 K + V)``). Measured with saved-tensor hooks on the
+    real layer (tests/test_plan.py)."""
+    d, a, dk, dv = dtype_bytes, value_heads, key_head_dim, value_head_dim
+    k_dim, v_dim = key_heads * dk, a * dv
+    copies = 8 * k_dim - d * (2 * k_dim + v_dim) if d < 4 else 0
+    return _delta_rule_bytes(key_heads, a, dk, dv, chunk, cp) + 8 * key_heads - 4 * a + copies
 
 
 def gated_deltanet_backward_working_bytes_per_token(value_heads: int, value_head_dim: int,

@@ -143,9 +143,13 @@ def moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
 def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str,
                                kind: LayerKind = LayerKind()) -> float:
     """What selective (attention core) or MLP recompute drops from a layer's saved bytes: a MoE block's whole
-    (its checkpoint keeps the gathered input), a dense MLP's SwiGLU; selective recompute checkpoints only the
-    attention kernel's call, so it drops nothing from a Gated DeltaNet layer."""
+    (its checkpoint keeps the gathered input), a dense MLP's SwiGLU; selective recompute checkpoints the
+    attention kernel's call, and in a Gated DeltaNet layer its delta rule's."""
     d, t = layout.dtype_bytes, layout.tp
+    if checkpointing == "selective" and kind.linear:
+        return F.gated_deltanet_recomputed_bytes_per_token(
+            cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, d, DELTA_RULE_CHUNK, layout.cp)
     if checkpointing == "mlp" and kind.sparse:
         return moe_bytes_per_token(cfg, layout)
     if checkpointing == "mlp":

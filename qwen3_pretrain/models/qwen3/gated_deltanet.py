@@ -32,6 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from qwen3_pretrain.models.ops.causal_conv import causal_conv1d
 from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, TorchDeltaRule
@@ -55,11 +56,15 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """``split``: the cp split (model.py: ``HeadSplit``), None without context parallelism; ``kernel``: the
-    delta rule's (models/ops/delta_rule.py), ours in plain torch when None."""
+    delta rule's (models/ops/delta_rule.py), ours in plain torch when None; ``recompute``: the delta rule runs
+    again in backward (selective recompute)."""
 
     def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, split=None,
-                 kernel: DeltaRuleKernel | None = None) -> None:
+                 kernel: DeltaRuleKernel | None = None, recompute: bool = False) -> None:
         super().__init__()
+        # the delta rule keeps only its inputs and runs again in backward (selective recompute, as attention's
+        # kernel call): its fp32 chunk terms are most of what the layer keeps
+        self.recompute = recompute
         self.kernel = kernel or TorchDeltaRule()  # models/ops/delta_rule.py, chosen for the device
         # context parallelism (model.py: HeadSplit): the sequence's tokens traded for heads and back
         self.split = split
@@ -111,6 +116,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = (t.view(shape) for t, shape in zip(qkv.split([s[2] * s[3] for s in shapes], dim=-1), shapes))
         beta = b.sigmoid()
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # log decay, <= 0
+        if self.recompute:
+            return checkpoint(self.kernel, q, k, v, g, beta, starts, use_reentrant=False)
         return self.kernel(q, k, v, g, beta, starts)
 
     def _rank_parameters(self, key_heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:

@@ -108,7 +108,8 @@ class ModelOptions:
     linear: type[nn.Linear] = nn.Linear
     # Recomputed in backward instead of kept (config.RECOMPUTE): "full" (each decoder layer keeps only its
     # input), "selective" (the attention core, the kernel call: what the kernel saves beyond its inputs, e.g.
-    # scores or softmax statistics, as Megatron's selective recompute), "mlp" (each MLP's intermediate
+    # scores or softmax statistics, as Megatron's selective recompute; a Gated DeltaNet layer's delta rule),
+    # "mlp" (each MLP's intermediate
     # activations, 3 x intermediate_size per token), or "none".
     recompute: str = "none"
     # Attention stays within each packed document (the positions restart at 0 where one starts).
@@ -283,7 +284,8 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
         self.linear = not full_attention and cfg.is_linear_layer(index)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split, options.delta_rule)
+            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split, options.delta_rule,
+                                             recompute=options.recompute == "selective")
         else:
             self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
