@@ -96,15 +96,7 @@ class HybridRuns:
     @functools.cached_property
     def hf_init_mtp(self):
         """The same weights, plus an MTP layer (mtp.*) as the released checkpoints ship one."""
-        import shutil
-
-        from qwen3_pretrain.models.qwen3.hf_io import load_hf_model
-        from tests.test_hybrid_parity import _with_mtp
-
-        path = self.root / "hf_init_mtp"
-        shutil.copytree(self.hf_init, path)
-        _with_mtp(path, load_hf_model(path).config, seed=3)
-        return path
+        return self._with_mtp(self.hf_init, "hf_init_mtp", seed=3)
 
     @functools.cached_property
     def hf_init_next(self):
@@ -118,14 +110,18 @@ class HybridRuns:
 
     @functools.cached_property
     def hf_init_moe_mtp(self):
+        return self._with_mtp(self.hf_init_moe, "hf_init_moe_mtp", seed=4)
+
+    def _with_mtp(self, source, name: str, seed: int):
+        """A copy of ``source`` with an MTP layer added."""
         import shutil
 
-        from qwen3_pretrain.models.qwen3.hf_io import load_hf_model
+        from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointReader
         from tests.test_hybrid_parity import _with_mtp
 
-        path = self.root / "hf_init_moe_mtp"
-        shutil.copytree(self.hf_init_moe, path)
-        _with_mtp(path, load_hf_model(path).config, seed=4)
+        path = self.root / name
+        shutil.copytree(source, path)
+        _with_mtp(path, HFCheckpointReader(path).config, seed=seed)
         return path
 
     def records(self, name: str) -> list[dict]:

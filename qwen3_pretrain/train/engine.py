@@ -96,7 +96,7 @@ class StepResult:
     flagged: bool  # some rank raised the step's flag (a stop request)
     # further figures of the step: a MoE model's balancing loss and expert load (moe_*), the
     # multi-token-prediction loss (mtp_loss)
-    moe: dict[str, float] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:

@@ -228,7 +228,7 @@ class Trainer:
         self.tokens_seen += self.global_tokens
         return {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "step_time_s": time.perf_counter() - start,
-                "consumed_samples": self.loader.consumed_samples, **result.moe}
+                "consumed_samples": self.loader.consumed_samples, **result.figures}
 
     # --- the loop -------------------------------------------------------------------
 
