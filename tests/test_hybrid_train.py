@@ -33,7 +33,9 @@ LAYOUTS = {
     "pp2": (2, ["pp=2", "gradient_accumulation_steps=2"]),
     "tp2": (2, ["tp=2", "gradient_accumulation_steps=2"]),
     "cp2": (2, ["cp=2", "gradient_accumulation_steps=2"]),
-    "cp2-tp2": (4, ["cp=2", "tp=2", "gradient_accumulation_steps=2"]),
+    # tp x cp splitting the Gated DeltaNet heads twice: 4 key heads (8 value heads) in place of 2
+    "single-wide": (1, ["gradient_accumulation_steps=2"]),
+    "cp2-tp2-wide": (4, ["cp=2", "tp=2", "gradient_accumulation_steps=2"]),
     # selective recompute: the delta rule (and attention's kernel call) run again in backward
     "single-ac-selective": (1, ["gradient_accumulation_steps=2", "activation_checkpointing=selective"]),
     # the multi-token-prediction layer trained beside (from a checkpoint that ships one)
@@ -77,6 +79,16 @@ class HybridRuns:
         torch.manual_seed(0)
         path = self.root / "hf_init"
         transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TINY_HYBRID)).save_pretrained(path)
+        return path
+
+    @functools.cached_property
+    def hf_init_wide(self):
+        import transformers
+
+        torch.manual_seed(0)
+        path = self.root / "hf_init_wide"
+        config = transformers.Qwen3_5TextConfig(**dict(TINY_HYBRID, linear_num_key_heads=4, linear_num_value_heads=8))
+        transformers.Qwen3_5ForCausalLM(config).save_pretrained(path)
         return path
 
     @functools.cached_property
@@ -129,9 +141,10 @@ class HybridRuns:
             nproc, overrides = LAYOUTS[name]
             run = self.root / name
             run.mkdir()
-            init = self.hf_init_moe_mtp if name.endswith("-moe-mtp") else \
-                {"mtp": self.hf_init_mtp, "moe": self.hf_init_moe, "next": self.hf_init_next}.get(
-                    name.rsplit("-", 1)[-1], self.hf_init)
+            # the initial model named by the layout's suffix (made only when first asked for)
+            suffix = "moe_mtp" if name.endswith("-moe-mtp") else name.rsplit("-", 1)[-1]
+            init = getattr(self, f"hf_init_{suffix}") if suffix in ("mtp", "moe", "next", "wide", "moe_mtp") \
+                else self.hf_init
             config = write_config(run / "c.yaml", self.corpus, run / "out", model_name="tiny-qwen3.5",
                                   model_path=str(init), model_overrides={}, document_mask=True, **OPTIMIZER)
             check_ok(run_train(config, nproc, *overrides, timeout=600))
@@ -165,9 +178,12 @@ def test_selective_recompute_replays_the_delta_rule_exactly(hybrid_runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["dp2", "pp2", "tp2", "cp2", "cp2-tp2"])
+@pytest.mark.parametrize("name", ["dp2", "pp2", "tp2", "cp2", "cp2-tp2-wide"])
 def test_hybrid_layout_matches_single_process(name, hybrid_runs):
-    assert_same_training(hybrid_runs.records(name), hybrid_runs.records("single"), label=f"hybrid {name}")
+    """Under tp the Gated DeltaNet heads are split over the tp ranks, under cp over the cp ranks, under both
+    over tp x cp (each tp rank's share split again)."""
+    single = "single-wide" if name.endswith("-wide") else "single"
+    assert_same_training(hybrid_runs.records(name), hybrid_runs.records(single), label=f"hybrid {name}")
 
 
 @pytest.mark.distributed

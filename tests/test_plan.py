@@ -638,12 +638,13 @@ HYBRID_CFG = dict(model_type="qwen3_5_text", hidden_size=256, num_hidden_layers=
 def _per_call_bytes(cfg: Qwen3Config, linear: bool, d: int, seq: int) -> float:
     """What a hybrid layer keeps once per call, not per token (the formulas leave it out), per token of
     ``seq``: each zero-centred norm's fp32 ``1 + weight``; a Gated DeltaNet's convolution padding (``K - 1``
-    tokens of its channels) and the fp32 copies of its decay parameters, less its last chunk's writes (kept
-    only for the state after the sequence, which is dropped); attention's q and k norms' scales."""
+    tokens of its channels), its weight's rows regrouped from per key head to [q | k | v], the fp32 copies
+    of its decay parameters, less its last chunk's writes (kept only for the state after the sequence,
+    which is dropped); attention's q and k norms' scales."""
     norms = 2 * 4 * cfg.hidden_size
     if linear:  # less the delta rule's last chunk's writes (4 bytes x 64 tokens x its value width), dropped
         conv = 2 * cfg.linear_key_dim + cfg.linear_value_dim
-        return (norms + d * conv * (cfg.linear_conv_kernel_dim - 1) + 2 * 4 * cfg.linear_num_value_heads
+        return (norms + d * conv * (2 * cfg.linear_conv_kernel_dim - 1) + 2 * 4 * cfg.linear_num_value_heads
                 - 4 * 64 * cfg.linear_value_dim) / seq
     return (norms + 2 * 4 * cfg.head_dim) / seq
 

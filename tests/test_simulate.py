@@ -240,8 +240,8 @@ def test_weights_kept_gathered_move_and_hold_what_the_planner_says(layout):
 
 
 HYBRID = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "linear_num_key_heads": 2,
-          "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 64,
+          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "linear_num_key_heads": 4,
+          "linear_num_value_heads": 8, "linear_key_head_dim": 32, "linear_value_head_dim": 64,
           "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
 
 
@@ -250,7 +250,8 @@ HYBRID = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, 
                                      "gradient_checkpointing=false", "seq_length=1024"]])
 def test_hybrid_simulates_within_the_planner(layout):
     """A Qwen3.5-like hybrid (3 Gated DeltaNet layers, then gated attention) under tp 2 x cp 2: a Gated DeltaNet
-    runs whole on every tp rank (one all-gather each way) and trades tokens for heads over cp (all-to-alls);
+    splits its heads over tp (its input gathered, its output reduce-scattered) and each tp rank's heads
+    again over cp, trading tokens for heads (all-to-alls);
     the planner's tp bytes (the stage without the loss) and cp bytes are the simulation's, FSDP's bytes (the
     stage's parameters) too, and the peak is its own within 7% at this size."""
     cfg = load_config(TrainConfig, None, ["model_name=qwen3.5-0.8b", f"model_overrides={json.dumps(HYBRID)}",

@@ -229,9 +229,11 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 
 def valid_tp_degrees(cfg: Qwen3Config) -> list[int]:
-    """tp degrees that split query and key/value heads evenly (no KV-head replication)."""
+    """tp degrees that split query and key/value heads evenly (no KV-head replication), and a hybrid's Gated
+    DeltaNet key heads."""
     return [t for t in range(1, cfg.num_key_value_heads + 1)
-            if cfg.num_key_value_heads % t == 0 and cfg.num_attention_heads % t == 0]
+            if cfg.num_key_value_heads % t == 0 and cfg.num_attention_heads % t == 0
+            and not (cfg.num_linear_layers and cfg.linear_num_key_heads % t)]
 
 
 def check_expert_split(cfg: Qwen3Config, ep: int) -> None:
@@ -247,10 +249,11 @@ def check_expert_split(cfg: Qwen3Config, ep: int) -> None:
 def check_model_split(cfg: Qwen3Config, tp: int, num_stages: int, cp: int = 1) -> None:
     """Raise UserError when ``tp`` cannot split the heads, ``num_stages`` pipeline stages the layers of
     ``cfg``, or ``cp`` a hybrid's Gated DeltaNet heads (the engine and the planner ask the same question)."""
-    if cfg.num_linear_layers and cfg.linear_num_key_heads % cp:
-        raise UserError(f"cp = {cp} does not divide linear_num_key_heads = {cfg.linear_num_key_heads} (under context "
-                        "parallelism each rank runs the Gated DeltaNet layers' share of the heads over the whole "
-                        f"sequence); choose a cp that divides {cfg.linear_num_key_heads}")
+    if cfg.num_linear_layers and cfg.linear_num_key_heads % (tp * cp):
+        both = f"tp x cp = {tp} x {cp}" if tp > 1 and cp > 1 else (f"tp = {tp}" if tp > 1 else f"cp = {cp}")
+        raise UserError(f"{both} does not divide linear_num_key_heads = {cfg.linear_num_key_heads} (each rank runs "
+                        "its share of the Gated DeltaNet layers' heads, over the whole sequence under context "
+                        f"parallelism); choose tp x cp dividing {cfg.linear_num_key_heads}")
     for name in ("num_attention_heads", "num_key_value_heads"):
         if getattr(cfg, name) % tp:
             raise UserError(f"tp = {tp} does not divide {name} = {getattr(cfg, name)}; choose tp among "

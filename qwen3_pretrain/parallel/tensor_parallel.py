@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -77,11 +78,51 @@ def _replicated(num_inputs: int, sequence_dim: int = 1) -> PrepareModuleInputOut
         use_local_output=True)
 
 
-def _mixer_plan(linear: bool) -> dict:
-    """The token mixer's plan: attention split by heads; a hybrid's Gated DeltaNet (``linear_attn``) run whole
-    on every tp rank (its heads are not split yet), as a MoE layer's experts are."""
-    if linear:
-        return {"linear_attn": _replicated(num_inputs=2)}
+class TensorParallelHeads:
+    """The tp split as a Gated DeltaNet layer sees it (``models/qwen3/model.py``: ``HeadSplit``): its
+    column-parallel projections already give this rank its heads of the whole sequence, so nothing travels;
+    its per-head parameters are DTensors sharded by heads, of which the layer takes this rank's rows."""
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def rank_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions
+
+
+class _SharedWeightNorm(ParallelStyle):
+    """A norm over each head's features whose one weight every head shares (the gated RMSNorm after Gated
+    DeltaNet), run on this rank's heads: its inputs ([batch, seq, local heads, d], two of them) taken as
+    sharded on the heads, its weight replicated, so autograd sums the weight's gradient over tp (what
+    SequenceParallel does for the q/k norms, which take one input)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(_module, args, mesh):
+            return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in args)
+
+        return distribute_module(module, device_mesh, input_fn=inputs,
+                                 output_fn=lambda _module, out, _mesh: out.to_local())
+
+
+def _mixer_plan(linear: nn.Module | None) -> dict:
+    """The token mixer's plan: attention split by heads; a hybrid's Gated DeltaNet (``linear``) too, its
+    sequence gathered in, its input projections column-parallel (each rank's rows are whole heads: the layer
+    holds its [q | k | v] rows grouped per key head), its gated norm on the rank's heads, ``out_proj``
+    row-parallel; ``split_gated_deltanet`` shards its per-head parameters."""
+    if linear is not None:
+        projections = ("in_proj_qkvz", "in_proj_ba") if linear.fused else \
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        return {"linear_attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                  desired_input_layouts=(Replicate(), None)),
+                **{f"linear_attn.{name}": ColwiseParallel() for name in projections},
+                "linear_attn.norm": _SharedWeightNorm(),
+                "linear_attn.out_proj": RowwiseParallel(output_layouts=Shard(1))}
     gather = dict(desired_input_layouts=(Replicate(), None, None, None), input_layouts=(Shard(1), None, None, None))
     return {
         "attn": PrepareModuleInput(**gather),
@@ -95,9 +136,10 @@ def _mixer_plan(linear: bool) -> dict:
     }
 
 
-def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: bool = False, shared: bool = False) -> dict:
-    """``sparse``: the MLP is a MoE (with a ``shared`` expert: a hybrid's); ``linear``: the token mixer is a Gated
-    DeltaNet."""
+def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: nn.Module | None = None,
+                shared: bool = False) -> dict:
+    """``sparse``: the MLP is a MoE (with a ``shared`` expert: a hybrid's); ``linear``: the layer's Gated
+    DeltaNet, None when its token mixer is attention."""
     common = {"attn_norm": SequenceParallel(), **_mixer_plan(linear), "mlp_norm": SequenceParallel()}
     if sparse and moe_local_tokens:
         # Under expert parallelism (which borrows the tp ranks) a MoE layer runs on this tp rank's share
@@ -141,6 +183,18 @@ def _mtp_plan(mtp: nn.Module, moe_local_tokens: bool) -> dict:
     return plan
 
 
+def split_gated_deltanet(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard a Gated DeltaNet layer's per-head parameters (the convolution's rows, grouped per key head; the
+    decay parameters, one per value head) by heads over ``tp_mesh``, as its projections are, and give it its
+    view of the split (a cp split already there takes the tp rank's rows first: ``ContextParallelHeads``)."""
+    for module, name in ((layer.conv1d, "weight"), (layer, "A_log"), (layer, "dt_bias")):
+        param = getattr(module, name)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(0)]),
+                                                     requires_grad=param.requires_grad))
+    if layer.split is None:
+        layer.split = TensorParallelHeads()
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_tokens: bool = False) -> None:
     """Shard ``model`` (one pipeline stage of a Qwen3Model) over ``tp_mesh`` in place; ``moe_local_tokens``:
     MoE layers run on each tp rank's share of the sequence (expert parallelism borrows the tp ranks)."""
@@ -149,11 +203,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_token
         plan["norm"] = SequenceParallel(use_local_output=True)
     for name, layer in model.layers.items():
         sparse, shared = isinstance(layer.mlp, MoE), getattr(layer.mlp, "shared_expert", None) is not None
-        plan.update({f"layers.{name}.{k}": v
-                     for k, v in _layer_plan(sparse, moe_local_tokens, layer.linear, shared).items()})
+        linear = layer.linear_attn if layer.linear else None
+        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens, linear, shared).items()})
     if getattr(model, "mtp", None) is not None:
         plan.update(_mtp_plan(model.mtp, moe_local_tokens))
     parallelize_module(model, tp_mesh, plan)
+    for layer in model.layers.values():
+        if layer.linear:
+            split_gated_deltanet(layer.linear_attn, tp_mesh)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_mesh)
     if isinstance(model.lm_head, TiedLMHead):  # no weight of its own: it applies the new embedding's

@@ -222,7 +222,7 @@ def zero_centred_norm_saved_bytes_per_token(hidden: int) -> float:
 
 def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_heads: int, key_head_dim: int,
                                          value_head_dim: int, dtype_bytes: int = BF16, chunk: int = 64,
-                                         cp: int = 1) -> float:
+                                         cp: int = 1, tp: int = 1) -> float:
     """Bytes autograd keeps per token for one Gated DeltaNet block (``models/qwen3/gated_deltanet.py``), from
     its input (the norm's output, which the input projections keep) to ``out_proj``'s input.
 
@@ -252,10 +252,11 @@ def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_head
     same bytes per local token, but for the document masks, which are per token of
     the whole sequence: ``cp`` times theirs. (Per micro-batch, left out: the
     convolution's ``K - 1`` padding tokens and the decay parameters' fp32 copies.)
-    Tensor parallelism does not split the block (it runs whole on every tp rank:
-    ``parallel/tensor_parallel.py``), so nothing here is divided by ``t``.
+    Tensor parallelism (``tp``) splits the heads (``parallel/tensor_parallel.py``):
+    everything but the gathered input and the document masks is per head.
     """
-    d, a, dk, dv = dtype_bytes, value_heads, key_head_dim, value_head_dim
+    d, a, dk, dv = dtype_bytes, value_heads / tp, key_head_dim, value_head_dim
+    key_heads = key_heads / tp
     k_dim, v_dim = key_heads * dk, a * dv
     conv = 2 * k_dim + v_dim
     qk = 8 * k_dim if d < 4 else 4 * conv
@@ -272,14 +273,15 @@ def _delta_rule_bytes(key_heads: int, a: int, dk: int, dv: int, chunk: int, cp: 
 
 def gated_deltanet_recomputed_bytes_per_token(hidden: int, key_heads: int, value_heads: int, key_head_dim: int,
                                               value_head_dim: int, dtype_bytes: int = BF16, chunk: int = 64,
-                                              cp: int = 1) -> float:
+                                              cp: int = 1, tp: int = 1) -> float:
     """What selective recompute drops from a Gated DeltaNet block per token (its delta rule runs again in
     backward, keeping only its inputs): the rule's chunk terms (``gated_deltanet_saved_bytes_per_token``'s
     ``rule``) and its l2 norms' roots (``8 key_heads``), less what the checkpoint keeps that nothing else did,
     the fp32 decay (``4 a``); under a low-precision dtype the rule's fp32 copies of q and k (``8 K``) go too,
     and the convolution's outputs, its inputs, stay (``d (2 K + V)``). Measured with saved-tensor hooks on the
-    real layer (tests/test_plan.py)."""
-    d, a, dk, dv = dtype_bytes, value_heads, key_head_dim, value_head_dim
+    real layer (tests/test_plan.py). Per head: divided by ``tp`` but for the document masks."""
+    d, a, dk, dv = dtype_bytes, value_heads / tp, key_head_dim, value_head_dim
+    key_heads = key_heads / tp
     k_dim, v_dim = key_heads * dk, a * dv
     copies = 8 * k_dim - d * (2 * k_dim + v_dim) if d < 4 else 0
     return _delta_rule_bytes(key_heads, a, dk, dv, chunk, cp) + 8 * key_heads - 4 * a + copies
@@ -290,7 +292,7 @@ def gated_deltanet_backward_working_bytes_per_token(value_heads: int, value_head
     """The peak of a Gated DeltaNet block's backward beyond what it saved, per token (measured, not derived:
     the block alone, its backward's highest allocation above its start, ``(16 - d) V`` at any of the widths
     tried, fp32 and bf16): three fp32 value-wide gradients around the gated norm, and under bf16 one more in
-    the compute dtype. The block runs whole on every tp rank: not divided by ``t``."""
+    the compute dtype. Under tp, of the rank's value heads."""
     return (16 - dtype_bytes) * value_heads * value_head_dim
 
 

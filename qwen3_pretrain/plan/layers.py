@@ -5,10 +5,10 @@ A layer is a token mixer and an MLP (models/qwen3/model.py ``DecoderLayer``), ea
 (``LayerKind``): attention, or a hybrid's Gated DeltaNet (``linear``); a dense MLP, or a mixture of experts
 (``sparse``). How the engine parallelizes each part decides the arithmetic:
 
-* tp: attention and a dense MLP split by heads and by width, with sequence-parallel norms between them
-  (parallel/tensor_parallel.py); a MoE block and a Gated DeltaNet run whole on every tp rank, on the
-  gathered sequence (the MoE block on the rank's share when ep borrows the tp ranks), so their weights,
-  saved bytes and FLOPs are not divided by ``t``;
+* tp: attention, a Gated DeltaNet and a dense MLP split by heads and by width, with sequence-parallel norms
+  between them (parallel/tensor_parallel.py); a MoE block runs whole on every tp rank, on the gathered
+  sequence (on the rank's share when ep borrows the tp ranks), so its weights, saved bytes and FLOPs are
+  not divided by ``t``;
 * cp: attention gathers the whole sequence's K and V (parallel/context_parallel.py); a Gated DeltaNet
   trades its tokens of all heads for the whole sequence of ``1 / cp`` of the heads (one all-to-all each
   way) and computes there, so per local token it keeps and computes what it would unsplit.
@@ -60,15 +60,16 @@ def _attention_widths(cfg: Qwen3Config) -> tuple[int, int]:
 
 
 def layer_params(cfg: Qwen3Config, layout: Layout, kind: LayerKind = LayerKind(), all_experts: bool = False) -> float:
-    """Parameters of one decoder layer on a tp rank: attention (less its q/k norms) and a dense MLP split over
-    ``tp``; a Gated DeltaNet and a MoE block (router, shared expert) whole on every tp rank, the experts split
+    """Parameters of one decoder layer on a tp rank: attention (less its q/k norms), a Gated DeltaNet (less its
+    gated norm's shared weight) and a dense MLP split over ``tp``; a MoE block (router, shared expert) whole
+    on every tp rank, the experts split
     over ``ep`` (``all_experts``: the tp rank's share of them as the ranks that shard them hold it between
     them: all of them, or ``1 / tp`` when ep borrows the tp ranks)."""
     mixer_index, mlp_index = _index(cfg, kind)
     mixer = cfg.mixer_params(mixer_index)
-    if not kind.linear:
-        matmul = cfg.mixer_params(mixer_index, matmul_only=True)
-        mixer += matmul / layout.tp - matmul
+    # split by heads: attention's matmuls; all of a Gated DeltaNet but the weight its heads share
+    split = mixer - cfg.linear_value_head_dim if kind.linear else cfg.mixer_params(mixer_index, matmul_only=True)
+    mixer += split / layout.tp - split
     mlp = cfg.mlp_params(mlp_index)
     if kind.sparse:
         experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts
@@ -82,8 +83,8 @@ def layer_params(cfg: Qwen3Config, layout: Layout, kind: LayerKind = LayerKind()
 def largest_tensor(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
     """The largest parameter of one layer of ``kind`` on a tp rank (AdamW's per-tensor loop works on it)."""
     h, t = cfg.hidden_size, layout.tp
-    if kind.linear:  # in_proj_qkv (Qwen3-Next: in_proj_qkvz), whole
-        mixer = h * (2 * cfg.linear_key_dim + cfg.linear_value_dim * (2 if cfg.fused_linear_projections else 1))
+    if kind.linear:  # in_proj_qkv (Qwen3-Next: in_proj_qkvz), split by heads
+        mixer = h * (2 * cfg.linear_key_dim + cfg.linear_value_dim * (2 if cfg.fused_linear_projections else 1)) / t
     else:
         mixer = h * cfg.num_attention_heads * cfg.head_dim * (2 if cfg.is_hybrid else 1) / t
     if kind.sparse:  # the experts' stacked projection, the shared expert's
@@ -119,12 +120,12 @@ def saved_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str, 
 
 
 def _linear_layer_bytes_per_token(cfg: Qwen3Config, layout: Layout, intermediate: int) -> float:
-    """A Gated DeltaNet layer without recompute: its zero-centred norms on the sequence shard, the block whole
-    (on the gathered sequence, from its input on), the MLP's gathered input and, split, its SwiGLU."""
+    """A Gated DeltaNet layer without recompute: its zero-centred norms on the sequence shard, the block (its
+    gathered input, the rest split by heads), the MLP's gathered input and, split, its SwiGLU."""
     d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
     mixer = F.gated_deltanet_saved_bytes_per_token(h, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                                    cfg.linear_key_head_dim, cfg.linear_value_head_dim, d,
-                                                   DELTA_RULE_CHUNK, layout.cp)
+                                                   DELTA_RULE_CHUNK, layout.cp, t)
     return 2 * F.zero_centred_norm_saved_bytes_per_token(h) / t + mixer + d * h + 3 * d * intermediate / t
 
 
@@ -149,7 +150,7 @@ def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: 
     if checkpointing == "selective" and kind.linear:
         return F.gated_deltanet_recomputed_bytes_per_token(
             cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim, d, DELTA_RULE_CHUNK, layout.cp)
+            cfg.linear_value_head_dim, d, DELTA_RULE_CHUNK, layout.cp, t)
     if checkpointing == "mlp" and kind.sparse:
         return moe_bytes_per_token(cfg, layout)
     if checkpointing == "mlp":
@@ -164,7 +165,7 @@ def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: 
 
 def backward_gradient_bytes_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
     """Gradients alive at once at the widest point of one layer's backward: the MLP's (a MoE block's pairs'
-    ``k I``-wide ones, unsplit by tp), or a Gated DeltaNet's, unsplit by tp, when wider."""
+    ``k I``-wide ones, unsplit by tp), or a Gated DeltaNet's, split by heads, when wider."""
     d, h = layout.dtype_bytes, cfg.hidden_size
     if kind.sparse:
         grads = F.qwen3_backward_working_bytes_per_token(h, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
@@ -173,7 +174,7 @@ def backward_gradient_bytes_per_token(cfg: Qwen3Config, layout: Layout, kind: La
         grads = F.qwen3_backward_working_bytes_per_token(h, cfg.intermediate_size, layout.tp, d)
     if kind.linear:
         grads = max(grads, F.gated_deltanet_backward_working_bytes_per_token(
-            cfg.linear_num_value_heads, cfg.linear_value_head_dim, d))
+            cfg.linear_num_value_heads, cfg.linear_value_head_dim, d) / layout.tp)
     return grads
 
 
@@ -242,17 +243,16 @@ def flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> tuple[
     """Hardware FLOPs of one layer of ``kind`` per local token, forward, backward and recomputation, all tp
     ranks together: (matmuls, at the compute dtype's peak; the chunked delta rule, which computes in fp32).
     The PaLM count: 6 per matmul weight, and attention's ``Q K^T`` and ``A V`` over the whole square; a
-    Gated DeltaNet or a MoE block (its active parameters) runs whole on every tp rank: ``tp`` times over."""
+    MoE block (its active parameters) runs whole on every tp rank: ``tp`` times over."""
     mixer_index, mlp_index = _index(cfg, kind)
     mixer = cfg.mixer_params(mixer_index, matmul_only=True)
     mlp = cfg.mlp_params(mlp_index, active=True)
     if kind.sparse and not layout.moe_tokens_split_by_tp:
         mlp *= layout.tp
-    mixer *= layout.tp if kind.linear else 1
     core = 0 if kind.linear else cfg.num_attention_heads * cfg.head_dim  # the attention core's width
     ac, seq = layout.activation_checkpointing, layout.seq_length
     matmul = 6.0 * (mixer + mlp) + 12.0 * core * seq + F.recompute_flops_per_token(1, mixer, mlp, core, seq, ac)
-    rule = layout.tp * cfg.linear_attention_flops_per_token(DELTA_RULE_CHUNK) if kind.linear else 0.0
+    rule = cfg.linear_attention_flops_per_token(DELTA_RULE_CHUNK) if kind.linear else 0.0
     return matmul, rule * (4 / 3 if ac == "full" else 1)
 
 
@@ -268,14 +268,14 @@ def host_ops_per_layer(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> flo
 
 def tp_collectives(layout: Layout, kind: LayerKind) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of ``[tokens, hidden]`` activations one layer issues per micro-batch
-    under tp. Attention and a dense MLP gather their input and reduce-scatter their output in forward, the
-    reverse in backward; a block run whole (Gated DeltaNet, MoE) gathers its input in forward and its
-    output's gradient in backward and cuts the rest out locally; a MoE block on the rank's share of the
-    tokens (ep borrowing tp) none. Full recompute repeats the forward's, stopping before the MLP's output
+    under tp. Attention, a Gated DeltaNet and a dense MLP gather their input and reduce-scatter their output
+    in forward, the reverse in backward; a MoE block run whole gathers its input in forward and its output's
+    gradient in backward and cuts the rest out locally; a MoE block on the rank's share of the tokens (ep
+    borrowing tp) none. Full recompute repeats the forward's, stopping before the MLP's output
     scatter (checkpointing's early stop); MLP recompute re-gathers a dense MLP's input."""
     ac = layout.activation_checkpointing
     full = int(ac == "full")
-    gathers, scatters = 2 + full, (0 if kind.linear else 2 + full)
+    gathers, scatters = 2 + full, 2 + full
     if kind.sparse and not layout.moe_tokens_split_by_tp:
         gathers += 2 + full
     elif not kind.sparse:
@@ -287,15 +287,15 @@ def tp_collectives(layout: Layout, kind: LayerKind) -> tuple[int, int]:
 def cp_calls(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> list[tuple[F.Collective, float]]:
     """(kind, bytes of the whole buffer) of one layer's context-parallel collectives per micro-batch.
     Attention: the all-gather of the whole sequence's K and V (again when recompute reruns attention) and the
-    reduce-scatter of their gradients. Gated DeltaNet: its all-to-alls of this rank's tokens of q, k, v, b, a
-    to heads and of the output back, forward, again in backward for the gradients, and again under full
-    recompute (``parallel/context_parallel.py``: ``ContextParallelHeads``)."""
+    reduce-scatter of their gradients. Gated DeltaNet: its all-to-alls of this rank's tokens of its tp rank's
+    heads of [q | k | v] and of [b, a] to heads and of the output back, forward, again in backward for the
+    gradients, and again under full recompute (``parallel/context_parallel.py``: ``ContextParallelHeads``)."""
     if layout.cp == 1:
         return []
     ac, d = layout.activation_checkpointing, layout.dtype_bytes
     if kind.linear:
         key, value, heads = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
-        forward = [d * layout.microbatch_tokens * width for width in (key, key, value, heads, heads, value)]
+        forward = [d * layout.microbatch_tokens * width / layout.tp for width in (2 * key + value, 2 * heads, value)]
         return [("all_to_all", b) for b in forward * (3 if ac == "full" else 2)]
     kv = cfg.num_key_value_heads * cfg.head_dim / layout.tp
     whole = 2 * d * kv * layout.samples_per_microbatch * layout.seq_length  # K and V, gathered

@@ -6,8 +6,8 @@ Per micro-batch on the slowest pipeline stage:
   ``layers.flops_per_token``) / (tp x peak x efficiency), with the peak of the
   precision the matmuls run in (bf16, or fp32 for ``mixed_precision: fp32``,
   against which MFU is then reported too) and a Gated DeltaNet's chunked delta
-  rule at the fp32 peak (it computes in fp32); a Gated DeltaNet or a MoE block
-  runs whole on every tp rank, its FLOPs repeated; the FLOPs are the PaLM count
+  rule at the fp32 peak (it computes in fp32); a MoE block runs whole on every
+  tp rank, its FLOPs repeated; the FLOPs are the PaLM count
   of ``formulas``; or, when longer, the host's time to issue the stage's layers
   (``Hardware.host_seconds_per_layer``: eager or compiled, with or without
   tensor parallelism's DTensors; a third more with full recompute; a Gated
@@ -16,17 +16,17 @@ Per micro-batch on the slowest pipeline stage:
   device cannot run ahead of;
 * tensor parallelism = every sequence-parallel all-gather and reduce-scatter of
   ``[tokens, hidden]`` activations, on the critical path (not overlapped), per
-  layer kind (``layers.tp_collectives``): attention and a dense MLP 2 + 2 in
-  forward, 2 + 2 in backward, 2 + 1 more for full recompute (it stops before the
-  MLP's output scatter) and 1 gather for MLP recompute (none for selective, the
-  attention core); a block run whole on every tp rank (Gated DeltaNet, MoE) one
+  layer kind (``layers.tp_collectives``): attention (or Gated DeltaNet) and a
+  dense MLP 2 + 2 in forward, 2 + 2 in backward, 2 + 1 more for full recompute
+  (it stops before the MLP's output scatter) and 1 gather for MLP recompute (none
+  for selective, the attention core); a MoE block run whole on every tp rank one
   gather each way and none under a MoE block on each rank's tokens; the
   embedding's reduce-scatter, the loss's gather of the hidden states and
   all-reduce of its gradient, and the loss's per-chunk statistics all-reduces;
 * context parallelism = per attention layer an all-gather of the whole
   sequence's K and V over the cp ranks (twice with selective or full recompute,
   which rerun attention) and a reduce-scatter of their gradients; per Gated
-  DeltaNet layer six all-to-alls each way (tokens to heads and back, again under
+  DeltaNet layer three all-to-alls each way (tokens to heads and back, again under
   full recompute: ``layers.cp_calls``); not overlapped; every token count above
   is a rank's share of the sequence (``seq / cp``);
 * pipeline = one activation (``[tokens / tp, hidden]`` and the int64 RoPE
@@ -281,8 +281,8 @@ def _host_seconds(cfg: Qwen3Config, layout: Layout, hardware: Hardware, shape: S
     recomputed whole is compiled only in parts (its norms stay eager DTensor code: parallel/parallelize.py
     compile_layer), so it is counted as eager; full recompute issues the forward twice. A Gated DeltaNet
     layer issues more operators than the Qwen3 layer the figures were timed on
-    (``layers.host_ops_per_layer``); those beyond it are plain tensors under tp (the block runs whole) and
-    cost what a layer's operators cost without tp."""
+    (``layers.host_ops_per_layer``); those beyond it are plain tensors under tp (the delta rule on the rank's
+    own heads) and cost what a layer's operators cost without tp."""
     compiled = layout.compile and not (layout.tp > 1 and layout.activation_checkpointing == "full")
     per_layer = hardware.host_seconds_per_layer(layout.tp > 1, compiled)
     per_extra_layer = hardware.host_seconds_per_layer(False, compiled)

@@ -8,21 +8,29 @@ value head, decayed by ``exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)
 and written with strength ``beta = sigmoid(b)``; its read-out goes through a
 gated RMSNorm (``weight * norm(o) * silu(z)``) and ``out_proj``.
 
-Under context parallelism (``split``, model.py: ``HeadSplit``) a rank holds a share of the sequence: the
-layer projects its own tokens, then trades them (one all-to-all) for the whole sequence of its share of the
-heads, runs the convolution and the delta rule on those, and trades the outputs back (Megatron's scheme):
-exact, each rank doing 1 / cp of the work.
+The layer holds its [q | k | v] channels grouped per key head: for each key head its q, its k, then its value
+heads' v (the rows of Qwen3.5's ``in_proj_qkv`` and of the convolution; ``hf_row_order`` maps them to the HF
+files' [q of all heads | k of all heads | v of all heads]). So any contiguous share of the rows is a share of
+the heads with everything they need, and tensor parallelism splits every parameter of the layer by heads
+(the gated norm's weight, shared by the heads, aside) with plain row shards; the files keep HF's layout.
+
+Under tensor or context parallelism (``split``, model.py: ``HeadSplit``) a rank runs a share of the heads.
+Tensor parallelism: the projections are column-parallel, so a rank projects its heads of the whole sequence.
+Context parallelism: a rank holds a share of the sequence; the layer projects its own tokens, then trades them
+(one all-to-all) for the whole sequence of its share of the heads, runs the convolution and the delta rule on
+those, and trades the outputs back (Megatron's scheme). Both are exact, each rank doing its share of the work;
+under both, cp splits each tp rank's heads further.
 
 Exact on packed documents: ``starts`` (where positions restart at 0) restarts
 the state at zero and hides the previous document from the convolution, so a
 packed row computes each document as if it ran alone.
 
 Two layouts of the input projections, each read and written under its own
-names: Qwen3.5's four (``in_proj_qkv`` = [q | k | v], ``in_proj_z``,
-``in_proj_b``, ``in_proj_a``) and Qwen3-Next's two fused ones, grouped per key
-head (``in_proj_qkvz``: for each key head its q, k, then its value heads' v and
-z; ``in_proj_ba``: for each key head its value heads' b then a). The layer
-computes in the unfused order. Head counts come from the projected shapes.
+names: Qwen3.5's four (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``) and Qwen3-Next's two fused ones, grouped per key head in its
+files already (``in_proj_qkvz``: for each key head its q, k, then its value
+heads' v and z; ``in_proj_ba``: for each key head its value heads' b then a).
+Head counts come from the projected shapes.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """``split``: the cp split (model.py: ``HeadSplit``), None without context parallelism; ``kernel``: the
+    """``split``: the heads' split over tp or cp ranks (model.py: ``HeadSplit``), None on one rank; ``kernel``: the
     delta rule's (models/ops/delta_rule.py), ours in plain torch when None; ``recompute``: the delta rule runs
     again in backward (selective recompute)."""
 
@@ -66,7 +74,7 @@ class GatedDeltaNet(nn.Module):
         # kernel call): its fp32 chunk terms are most of what the layer keeps
         self.recompute = recompute
         self.kernel = kernel or TorchDeltaRule()  # models/ops/delta_rule.py, chosen for the device
-        # context parallelism (model.py: HeadSplit): the sequence's tokens traded for heads and back
+        # tensor or context parallelism (model.py: HeadSplit): this rank's share of the heads
         self.split = split
         h = cfg.hidden_size
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -92,71 +100,68 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [batch, seq, hidden]; ``starts`` [batch, whole seq] (bool): where packed documents begin."""
         bsz, seq, _ = x.shape
-        q, k, v, z, b, a = self.project(x)
-        q, k = q.view(bsz, seq, -1, self.dk), k.view(bsz, seq, -1, self.dk)
-        v, b, a = v.view(bsz, seq, -1, self.dv), b.unsqueeze(-1), a.unsqueeze(-1)  # [batch, seq, heads, ...]
+        qkv, z, b, a = self.project(x)
+        ba = torch.stack([b, a], dim=-1)  # [batch, seq, value heads, 2]: one trade under cp, not two
         conv, a_log, dt_bias = self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias
-        if self.split is not None:  # context parallelism: this rank's heads over the whole sequence
-            q, k, v, b, a = (self.split.to_heads(t) for t in (q, k, v, b, a))
-            conv, a_log, dt_bias = self._rank_parameters(q.shape[2], v.shape[2])
-        out = self.mix(q, k, v, b.squeeze(-1), a.squeeze(-1), conv, a_log, dt_bias, starts)
+        if self.split is not None:  # this rank's heads (over the whole sequence under cp)
+            qkv, ba = self.split.to_heads(qkv), self.split.to_heads(ba)
+            conv, a_log, dt_bias = (self.split.rank_rows(t) for t in (conv, a_log, dt_bias))
+        out = self.mix(qkv, ba[..., 0], ba[..., 1], conv, a_log, dt_bias, starts)
         if self.split is not None:
             out = self.split.to_sequence(out)
-        out = self.norm(out, z.view(bsz, seq, -1, self.dv))
+        out = self.norm(out, z)
         return self.out_proj(out.reshape(bsz, seq, -1))
 
-    def mix(self, q, k, v, b, a, conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-            starts: torch.Tensor | None) -> torch.Tensor:
-        """The convolution and the gated delta rule over heads ``q``, ``k`` [batch, seq, key heads, dk], ``v``
-        [batch, seq, value heads, dv], ``b``, ``a`` [batch, seq, value heads] with those heads' ``conv`` rows
-        ([q | k | v] channels) and decay parameters -> [batch, seq, value heads, dv]."""
-        shapes = [t.shape for t in (q, k, v)]
-        # q, k and v share one convolution, channel-concatenated as the weight is laid out: [q | k | v].
-        qkv = causal_conv1d(torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1), conv, starts=starts)
-        q, k, v = (t.view(shape) for t, shape in zip(qkv.split([s[2] * s[3] for s in shapes], dim=-1), shapes))
+    def mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, a_log: torch.Tensor,
+            dt_bias: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+        """The convolution and the gated delta rule over heads: ``qkv`` [batch, seq, key heads, 2 dk + group
+        dv] (per key head its q, k and value heads' v), ``b``, ``a`` [batch, seq, value heads], with those
+        heads' ``conv`` rows and decay parameters -> [batch, seq, value heads, dv]."""
+        bsz, seq, key_heads, width = qkv.shape
+        widths = [self.dk, self.dk, self.group * self.dv]
+        # computed as [q | k | v] of these heads (the rows of each a view of the result, as the kernel takes
+        # them): the input and the (small) weight regrouped; the convolution is per channel
+        x = torch.cat([t.flatten(2) for t in qkv.split(widths, dim=-1)], dim=-1)
+        conv = torch.cat([t.flatten(0, 1) for t in conv.view(key_heads, width, -1).split(widths, dim=1)])
+        mixed = causal_conv1d(x, conv, starts=starts)
+        q, k, v = (t.view(bsz, seq, -1, d) for t, d in zip(mixed.split([key_heads * w for w in widths], dim=-1),
+                                                              (self.dk, self.dk, self.dv)))
         beta = b.sigmoid()
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # log decay, <= 0
         if self.recompute:
             return checkpoint(self.kernel, q, k, v, g, beta, starts, use_reentrant=False)
         return self.kernel(q, k, v, g, beta, starts)
 
-    def _rank_parameters(self, key_heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
-        """The convolution rows and decay parameters of this cp rank's ``key_heads`` and ``value_heads`` (the
-        rank's contiguous share of each)."""
-        rank, size = self.split.rank, self.split.size
-        conv = self.conv1d.weight.squeeze(1)
-        q_rows = key_heads * self.dk  # per rank; the weight's rows are [q | k | v] of all heads
-        v_rows = value_heads * self.dv
-        rows = [conv[rank * q_rows:(rank + 1) * q_rows],
-                conv[(size + rank) * q_rows:(size + rank + 1) * q_rows],
-                conv[2 * size * q_rows + rank * v_rows:2 * size * q_rows + (rank + 1) * v_rows]]
-        heads = slice(rank * value_heads, (rank + 1) * value_heads)
-        return torch.cat(rows), self.A_log[heads], self.dt_bias[heads]
-
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v, z [batch, seq, local width] and b, a [batch, seq, local value heads], in the head order
-        of the unfused layout whichever layout the weights have."""
-        if not self.fused:
-            q, k, v = self.in_proj_qkv(x).split(self._qkv_split(), dim=-1)
-            return q, k, v, self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        """``qkv`` [batch, seq, local key heads, 2 dk + group dv] (grouped per key head), ``z`` [batch, seq,
+        local value heads, dv], ``b``, ``a`` [batch, seq, local value heads], whichever layout the weights
+        have."""
         bsz, seq, _ = x.shape
-        per_key_head = 2 * self.dk + 2 * self.group * self.dv
-        qkvz = self.in_proj_qkvz(x).view(bsz, seq, -1, per_key_head)  # [batch, seq, key heads, ...]
-        q, k, v, z = qkvz.split([self.dk, self.dk, self.group * self.dv, self.group * self.dv], dim=-1)
+        qkv_width = 2 * self.dk + self.group * self.dv
+        if not self.fused:
+            qkv = self.in_proj_qkv(x).view(bsz, seq, -1, qkv_width)
+            return qkv, self.in_proj_z(x).view(bsz, seq, -1, self.dv), self.in_proj_b(x), self.in_proj_a(x)
+        qkvz = self.in_proj_qkvz(x).view(bsz, seq, -1, qkv_width + self.group * self.dv)
+        qkv, z = qkvz.split([qkv_width, self.group * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(bsz, seq, -1, 2 * self.group).split(self.group, dim=-1)
-        return tuple(t.reshape(bsz, seq, -1) for t in (q, k, v, z, b, a))
-
-    def _qkv_split(self) -> list[int]:
-        """The widths of q, k and v in ``in_proj_qkv``'s (local) output: key heads * dk twice, then their
-        value heads * dv."""
-        rows = self.in_proj_qkv.weight.shape[0]
-        key_heads = rows // (2 * self.dk + self.group * self.dv)
-        return [key_heads * self.dk, key_heads * self.dk, key_heads * self.group * self.dv]
+        return qkv, z.reshape(bsz, seq, -1, self.dv), b.reshape(bsz, seq, -1), a.reshape(bsz, seq, -1)
 
     @staticmethod
     def init_a_log(num_heads: int, generator: torch.Generator) -> torch.Tensor:
         """``log(A)`` with ``A`` uniform in [1, 16] as the releases' recipe (decay rates spread over heads)."""
         return torch.empty(num_heads).uniform_(1, 16, generator=generator).log()
+
+
+def hf_row_order(cfg: Qwen3Config) -> torch.Tensor:
+    """For each row of the layer's [q | k | v] channels as it holds them (grouped per key head: its q, its k,
+    its value heads' v), the row of the HF files' layout (q of all heads, then k, then v) it is: the order of
+    the convolution's rows, and of Qwen3.5's ``in_proj_qkv``'s."""
+    dk, key_dim = cfg.linear_key_head_dim, cfg.linear_key_dim
+    values = cfg.linear_num_value_heads // cfg.linear_num_key_heads * cfg.linear_value_head_dim
+    rows = [torch.cat([torch.arange(h * dk, (h + 1) * dk), key_dim + torch.arange(h * dk, (h + 1) * dk),
+                       2 * key_dim + torch.arange(h * values, (h + 1) * values)])
+            for h in range(cfg.linear_num_key_heads)]
+    return torch.cat(rows)
 
 
 def conv_init_bound(kernel: int) -> float:

@@ -15,6 +15,11 @@ this is what is written. Reading also takes transformers' packed form
 ``mlp.experts.down_proj`` [E, H, I]). Either way a slice of the stacked tensor
 reads only the experts, and the rows, it covers.
 
+A Gated DeltaNet layer holds its [q | k | v] channels (the convolution's rows, Qwen3.5's
+``in_proj_qkv``'s) grouped per key head, so that tensor parallelism splits them by heads with plain
+row shards (models/qwen3/gated_deltanet.py); the files keep HF's order, q of all heads, then k, then v.
+Reading and writing reorder those rows (``regrouped_rows``), and a slice reads only its rows.
+
 Loading never holds two copies of the model: the model is built on the
 ``meta`` device, materialized empty, and filled tensor by tensor. Saving
 holds one shard at a time and becomes visible only once complete (written
@@ -39,6 +44,7 @@ from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.fsutil import write_json_atomic
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_carried import CARRIED_PREFIXES, MULTIMODAL_TEXT_PREFIX, Carried
+from qwen3_pretrain.models.qwen3.gated_deltanet import hf_row_order
 from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, MTP_PREFIX, ModelOptions, Qwen3Model
 
 # (internal name, HF name); "{i}" is the layer index.
@@ -109,6 +115,26 @@ def expert_hf_name(name: str, expert: int) -> str:
     match = _STACKED.match(name)
     assert match, f"{name!r} is not a stacked expert tensor"
     return f"{match['mtp'] or 'model.'}layers.{match['i']}.mlp.experts.{expert}.{match['proj']}.weight"
+
+
+_REGROUPED = ("linear_attn.conv1d.weight", "linear_attn.in_proj_qkv.weight")
+
+
+def regrouped_rows(config: Qwen3Config, name: str) -> torch.Tensor | None:
+    """For a tensor whose rows the model holds in another order than the files (a Gated DeltaNet layer's
+    [q | k | v] channels, grouped per key head), the file's row of each of its rows; None for the others."""
+    return hf_row_order(config) if name.endswith(_REGROUPED) else None
+
+
+def _runs(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """``rows`` as [start, stop) runs of consecutive integers, in their order."""
+    runs: list[tuple[int, int]] = []
+    for row in rows.tolist():
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
 
 
 def _internal_prefix(hf_prefix: str) -> str:
@@ -229,12 +255,14 @@ def check_not_training_output(path: Path) -> None:
 
 @dataclasses.dataclass
 class _Stored:
-    """Where the values of one internal tensor are: one tensor of a file; a range of a packed tensor's dim 1
-    (``rows``: a packed ``gate_up_proj``'s gate or up half); or, ``stacked``, one tensor per expert."""
+    """Where the values of one internal tensor are: one tensor of a file, its rows in the file's order or
+    (``order``: the file's row of each row) another; a range of a packed tensor's dim 1 (``rows``: a packed
+    ``gate_up_proj``'s gate or up half); or, ``stacked``, one tensor per expert."""
 
     pieces: list[tuple[str, str]]  # (file name, HF name); per expert in expert order when stacked
     rows: tuple[int, int] | None = None
     stacked: bool = False
+    order: torch.Tensor | None = None
 
 
 class HFCheckpointReader:
@@ -277,7 +305,7 @@ class HFCheckpointReader:
                     name = hf_to_internal(text_name)
                 except UserError as exc:
                     raise UserError(f"{self.path / file_name}: {exc}") from None
-                self._stored[name] = _Stored([(file_name, hf_name)])
+                self._stored[name] = _Stored([(file_name, hf_name)], order=regrouped_rows(self.config, name))
         for name, by_expert in experts.items():
             gap = next(e for e in range(len(by_expert) + 1) if e not in by_expert)
             if gap < len(by_expert):
@@ -395,6 +423,11 @@ class HFCheckpointReader:
             start, stop, _ = wanted.indices(last - first)
             tensor = self._slice(stored.pieces[0])[(slices[0], slice(first + start, first + max(start, stop)),
                                                     *slices[2:])]
+        elif stored.order is not None:
+            piece, rest = self._slice(stored.pieces[0]), slices[1:]
+            runs = _runs(stored.order[slices[0]])
+            tensor = torch.cat([piece[(slice(start, stop), *rest)] for start, stop in runs]) if runs else \
+                torch.empty(self.shape(name))[slices]
         else:
             tensor = self._slice(stored.pieces[0])[slices]
         return tensor if dtype is None else tensor.to(dtype)
@@ -519,6 +552,9 @@ class HFCheckpointWriter:
             for expert in range(tensor.shape[0]):
                 self._queue(self._nested(expert_hf_name(name, expert)), tensor[expert])
         else:
+            order = regrouped_rows(self.config, name)
+            if order is not None:  # back to the files' order
+                tensor = tensor.index_select(0, order.argsort().to(tensor.device))
             self._queue(self._nested(internal_to_hf(name)), tensor)
 
     def _nested(self, hf_name: str) -> str:

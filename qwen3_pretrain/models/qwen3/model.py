@@ -81,18 +81,20 @@ class LossHead:
 
 
 class HeadSplit(Protocol):
-    """A sequence split over ``size`` ranks (context parallelism) as a Gated DeltaNet layer sees it: its
-    recurrence needs the whole sequence, so a rank trades its tokens of all heads for all tokens of its
-    share of the heads (parallel/context_parallel.py)."""
-
-    rank: int
-    size: int
+    """A Gated DeltaNet layer's heads split over ranks, as the layer sees it: tensor parallelism (its
+    column-parallel projections give a rank its heads already; parallel/tensor_parallel.py) or context
+    parallelism, whose sequence is split too while the recurrence needs all of it, so a rank trades its
+    tokens of all heads for all tokens of its share of the heads (parallel/context_parallel.py)."""
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, local seq, heads, d] -> [batch, seq, heads / size, d]: this rank's heads, in sequence order."""
 
     def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of ``to_heads``."""
+
+    def rank_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a parameter laid out by heads (rows grouped per key head, or one per value
+        head), as a plain tensor: the rows of ``to_heads``'s heads."""
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The whole sequence's positions [batch, seq] (no autograd)."""
