@@ -90,6 +90,40 @@ def test_ours_to_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen3.5-untied", "qwen3-next"])
+def test_gated_deltanet_rows_are_held_per_key_head(case, tmp_path):
+    """The layer holds its [q | k | v] channels (the convolution's rows; Qwen3.5's in_proj_qkv's) grouped per
+    key head, so that any contiguous block of rows is whole heads, as tensor parallelism splits them; the
+    files keep transformers' order (q of all heads, then k, then v). Reading reorders them (a slice reads its
+    rows), writing restores the files bit for bit."""
+    from safetensors.torch import load_file
+
+    from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointReader
+
+    reference = reference_model(case, seed=6)
+    reference.save_pretrained(tmp_path / "hf")
+    heads, dk = COMMON["linear_num_key_heads"], COMMON["linear_key_head_dim"]
+    values = COMMON["linear_num_value_heads"] // heads * COMMON["linear_value_head_dim"]  # per key head
+    layer = reference.model.layers[0].linear_attn
+    names = {"conv1d.weight": layer.conv1d.weight}
+    if case.startswith("qwen3.5"):
+        names["in_proj_qkv.weight"] = layer.in_proj_qkv.weight
+    with HFCheckpointReader(tmp_path / "hf") as reader:
+        for name, files in names.items():
+            files = files.detach()
+            q, k, v = files[:heads * dk], files[heads * dk:2 * heads * dk], files[2 * heads * dk:]
+            held = torch.cat([torch.cat([q[h * dk:(h + 1) * dk], k[h * dk:(h + 1) * dk],
+                                         v[h * values:(h + 1) * values]]) for h in range(heads)])
+            assert torch.equal(reader.read(f"layers.0.linear_attn.{name}"), held), name
+            rows = (slice(5, 3 * len(held) // 4),) + (slice(None),) * (held.dim() - 1)
+            assert torch.equal(reader.read_slice(f"layers.0.linear_attn.{name}", rows), held[rows]), name
+    save_hf_model(load_hf_model(tmp_path / "hf"), tmp_path / "out", dtype=torch.float32)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    source = load_file(tmp_path / "hf" / "model.safetensors")
+    assert written.keys() == source.keys()
+    assert all(torch.equal(written[n], source[n]) for n in source)
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-untied", "qwen3-next"])
 def test_packed_documents_equal_each_document_alone(case, tmp_path):
     reference = reference_model(case, seed=6)
     reference.save_pretrained(tmp_path / "hf")

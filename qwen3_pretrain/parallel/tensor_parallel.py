@@ -1,10 +1,10 @@
 """Tensor parallelism (Megatron-style, on DTensor) with sequence parallelism for the norms.
 
 Between blocks the residual stream is a plain local tensor holding 1/tp of the
-sequence ([batch, seq/tp, hidden]). Each attention/MLP block all-gathers its
-input, runs column-parallel input projections (each rank owns whole heads) and
-a row-parallel output projection that reduce-scatters back to the sequence
-shard. The embedding is vocabulary-parallel. The LM head is not planned here:
+sequence ([batch, seq/tp, hidden]). Each attention (or a hybrid's Gated DeltaNet)
+and MLP block all-gathers its input, runs column-parallel input projections (each
+rank owns whole heads) and a row-parallel output projection that reduce-scatters
+back to the sequence shard. The embedding is vocabulary-parallel. The LM head is not planned here:
 its weight is sharded on the vocabulary and the fused loss handles it.
 """
 
