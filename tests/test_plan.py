@@ -729,8 +729,8 @@ def _tp_rank_params(cfg: Qwen3Config, tp: int, pp: int) -> list[int]:
                                           ("qwen3-next-80b-a3b", 2, 1)])
 def test_hybrid_stage_parameters_are_the_real_stages(name, tp, pp):
     """Each pipeline stage's parameters on a tp rank, as the planner counts them, are those the engine's stage
-    holds after its tensor-parallel plan: attention and dense MLPs split, Gated DeltaNet layers, norms and MoE
-    blocks (their shared expert too) whole. The presets are cut to 8 layers (6 Gated DeltaNet, 2 attention)
+    holds after its tensor-parallel plan: attention, Gated DeltaNet layers (but their gated norm) and dense
+    MLPs split, norms and MoE blocks (their shared expert too) whole. The presets are cut to 8 layers (6 Gated DeltaNet, 2 attention)
     and 16 experts; their largest tensor and, unsplit, FLOPs per token follow the config."""
     cfg = get_preset(name)
     cfg = dataclasses.replace(cfg, num_hidden_layers=8, layer_types=cfg.layer_types[:8],
@@ -752,7 +752,7 @@ def test_hybrid_stage_parameters_are_the_real_stages(name, tp, pp):
 
 
 def test_hybrid_plan_rows_are_configs_train_accepts(capsys, tmp_path):
-    """Qwen3.5-27B at seq 32768 on 8 x H100: the search splits the sequence (cp, which must divide the Gated
+    """Qwen3.5-27B at seq 32768 on 8 x H100: the search splits the sequence (cp; tp x cp must divide the Gated
     DeltaNet's 16 key heads), and every row, written into a training config, loads and is the layout the
     engine describes."""
     from qwen3_pretrain.config.loader import from_dict

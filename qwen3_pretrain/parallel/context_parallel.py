@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from qwen3_pretrain.models.qwen3.attention import AttentionCall, AttentionKernel, document_ids
+from qwen3_pretrain.parallel.tensor_parallel import local_tensor
 
 
 def local_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -137,8 +137,8 @@ class ContextParallelAttention(AttentionKernel):
 class ContextParallelHeads:
     """The cp split as a hybrid's Gated DeltaNet layer sees it (``models/qwen3/model.py``: ``HeadSplit``): its
     recurrence and convolution run over every earlier token, so, as Megatron does, a rank trades its tokens
-    of all heads for the whole sequence of ``1 / cp`` of the heads (one all-to-all), runs the layer's core on
-    those, and trades the outputs back. Each rank does ``1 / cp`` of the work; the heads must divide by cp
+    of all heads for the whole sequence of ``1 / cp`` of the heads (an all-to-all per tensor traded), runs the
+    layer's core on those, and trades the outputs back. Each rank does ``1 / cp`` of the work; the heads must divide by cp
     (by tp x cp under tensor parallelism, which gives each tp rank its heads first)."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
@@ -159,8 +159,7 @@ class ContextParallelHeads:
 
     def rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         # under tp too, the tp rank's rows (a DTensor sharded by heads), then this cp rank's share of them
-        local = t.to_local() if isinstance(t, DTensor) else t
-        return local.chunk(self.size)[self.rank]
+        return local_tensor(t).chunk(self.size)[self.rank]
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(positions) for _ in range(self.size)]

@@ -248,12 +248,14 @@ def check_expert_split(cfg: Qwen3Config, ep: int) -> None:
 
 def check_model_split(cfg: Qwen3Config, tp: int, num_stages: int, cp: int = 1) -> None:
     """Raise UserError when ``tp`` cannot split the heads, ``num_stages`` pipeline stages the layers of
-    ``cfg``, or ``cp`` a hybrid's Gated DeltaNet heads (the engine and the planner ask the same question)."""
+    ``cfg``, or ``tp x cp`` a hybrid's Gated DeltaNet heads (the engine and the planner ask the same question)."""
     if cfg.num_linear_layers and cfg.linear_num_key_heads % (tp * cp):
-        both = f"tp x cp = {tp} x {cp}" if tp > 1 and cp > 1 else (f"tp = {tp}" if tp > 1 else f"cp = {cp}")
-        raise UserError(f"{both} does not divide linear_num_key_heads = {cfg.linear_num_key_heads} (each rank runs "
-                        "its share of the Gated DeltaNet layers' heads, over the whole sequence under context "
-                        f"parallelism); choose tp x cp dividing {cfg.linear_num_key_heads}")
+        degrees = f"tp x cp = {tp} x {cp}" if cp > 1 else f"tp = {tp}"
+        choose = f"tp among {', '.join(map(str, valid_tp_degrees(cfg)))}" if cp == 1 else \
+            f"tp and cp whose product divides {cfg.linear_num_key_heads}"
+        raise UserError(f"{degrees} does not divide linear_num_key_heads = {cfg.linear_num_key_heads} (each rank "
+                        "runs its share of the Gated DeltaNet layers' heads, over the whole sequence under context "
+                        f"parallelism); choose {choose}")
     for name in ("num_attention_heads", "num_key_value_heads"):
         if getattr(cfg, name) % tp:
             raise UserError(f"tp = {tp} does not divide {name} = {getattr(cfg, name)}; choose tp among "

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_pretrain.models.ops.moe import GroupedExperts
+from qwen3_pretrain.parallel.tensor_parallel import local_tensor
 
 
 class ExpertParallel:
@@ -65,14 +66,10 @@ class ExpertParallel:
         order = expert_of_row.argsort(stable=True)
         x, w = arrived[:, :-1].index_select(0, order), arrived[:, -1:].index_select(0, order)
         per_expert = torch.tensor([sum(row[j] for row in recv) for j in range(local)], device=device)
-        y = experts.kernel(x, per_expert, w, _local(experts.gate_proj), _local(experts.up_proj),
-                           _local(experts.down_proj))
+        y = experts.kernel(x, per_expert, w, local_tensor(experts.gate_proj), local_tensor(experts.up_proj),
+                           local_tensor(experts.down_proj))
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         return all_to_all_single_autograd(y.index_select(0, back), send_splits, recv_splits, self.group)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

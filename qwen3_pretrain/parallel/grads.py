@@ -11,9 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from qwen3_pretrain.parallel.tensor_parallel import local_tensor
 
 
 class TiedWeights:
@@ -39,7 +37,7 @@ class TiedWeights:
     def sync_grads(self) -> None:
         mine = self.embed if self.embed is not None else self.head
         if mine is not None and self.group is not None:
-            dist.all_reduce(_local(mine.grad), group=self.group)
+            dist.all_reduce(local_tensor(mine.grad), group=self.group)
 
 
 def global_grad_norm(params: list[torch.Tensor], ranks_per_stage: int) -> torch.Tensor:
@@ -56,8 +54,8 @@ def global_grad_norm(params: list[torch.Tensor], ranks_per_stage: int) -> torch.
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            by_copies[ranks_per_stage // _num_shards(p.grad)].append(_local(p.grad))
-    device = next((_local(p).device for p in params), torch.device("cpu"))
+            by_copies[ranks_per_stage // _num_shards(p.grad)].append(local_tensor(p.grad))
+    device = next((local_tensor(p).device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for copies, grads in by_copies.items():
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)

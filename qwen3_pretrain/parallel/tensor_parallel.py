@@ -1,11 +1,12 @@
 """Tensor parallelism (Megatron-style, on DTensor) with sequence parallelism for the norms.
 
 Between blocks the residual stream is a plain local tensor holding 1/tp of the
-sequence ([batch, seq/tp, hidden]). Each attention (or a hybrid's Gated DeltaNet)
-and MLP block all-gathers its input, runs column-parallel input projections (each
-rank owns whole heads) and a row-parallel output projection that reduce-scatters
-back to the sequence shard. The embedding is vocabulary-parallel. The LM head is not planned here:
-its weight is sharded on the vocabulary and the fused loss handles it.
+sequence ([batch, seq/tp, hidden]). Each attention (or a hybrid's Gated
+DeltaNet) and MLP block all-gathers its input, runs column-parallel input
+projections (each rank owns whole heads) and a row-parallel output projection
+that reduce-scatters back to the sequence shard. The embedding is
+vocabulary-parallel. The LM head is not planned here: its weight is sharded on
+the vocabulary and the fused loss handles it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class VocabParallelEmbedding(nn.Module):
         return partial.redistribute(mesh, [Shard(1)]).to_local()
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` when it is a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _replicated(num_inputs: int, sequence_dim: int = 1) -> PrepareModuleInputOutput:
     """A module run whole on every tp rank: its first input's sequence gathered in, its output cut out again
     (its weights replicated; each rank computes the same, with the same gradients)."""
@@ -90,7 +96,7 @@ class TensorParallelHeads:
         return x
 
     def rank_rows(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
+        return local_tensor(t)
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions

@@ -264,7 +264,7 @@ def gated_deltanet_saved_bytes_per_token(hidden: int, key_heads: int, value_head
     return mixing + _delta_rule_bytes(key_heads, a, dk, dv, chunk, cp) + 12 * v_dim + 4 * a + 3 * d * v_dim
 
 
-def _delta_rule_bytes(key_heads: int, a: int, dk: int, dv: int, chunk: int, cp: int) -> float:
+def _delta_rule_bytes(key_heads: float, a: float, dk: int, dv: int, chunk: int, cp: int) -> float:
     """The chunked delta rule's fp32 terms per token (``gated_deltanet_saved_bytes_per_token``'s list)."""
     k_dim, v_dim = key_heads * dk, a * dv
     return (24 * a * chunk + 8 * key_heads * chunk + 8 * k_dim + 16 * v_dim + 16 * a * dk + 24 * a

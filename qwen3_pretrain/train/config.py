@@ -38,7 +38,8 @@ class TrainConfig:
     master_port: int = field_help(29500, "Port of rank 0 for the rendezvous under mpirun.")
     hostfile: str | None = field_help(None, "mpirun hostfile of this run; recorded for reference (mpirun reads its "
                                       "own -hostfile argument).")
-    tp: int = field_help(1, "Tensor-parallel degree (splits attention heads, MLP and vocabulary).")
+    tp: int = field_help(1, "Tensor-parallel degree (splits attention heads, a hybrid's Gated DeltaNet heads, MLP and "
+                            "vocabulary).")
     pp: int = field_help(1, "Pipeline-parallel degree (splits the layers into contiguous stages).")
     cp: int = field_help(1, "Context-parallel degree: splits every sequence over this many ranks (each holds two "
                          "mirrored chunks of 2 x cp, for causal load balance); attention all-gathers keys and "

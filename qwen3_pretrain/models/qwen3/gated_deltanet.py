@@ -17,7 +17,7 @@ the heads with everything they need, and tensor parallelism splits every paramet
 Under tensor or context parallelism (``split``, model.py: ``HeadSplit``) a rank runs a share of the heads.
 Tensor parallelism: the projections are column-parallel, so a rank projects its heads of the whole sequence.
 Context parallelism: a rank holds a share of the sequence; the layer projects its own tokens, then trades them
-(one all-to-all) for the whole sequence of its share of the heads, runs the convolution and the delta rule on
+(two all-to-alls: [q | k | v], [b, a]) for the whole sequence of its share of the heads, runs the convolution and the delta rule on
 those, and trades the outputs back (Megatron's scheme). Both are exact, each rank doing its share of the work;
 under both, cp splits each tp rank's heads further.
 
@@ -35,6 +35,7 @@ Head counts come from the projected shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -119,8 +120,8 @@ class GatedDeltaNet(nn.Module):
         heads' ``conv`` rows and decay parameters -> [batch, seq, value heads, dv]."""
         bsz, seq, key_heads, width = qkv.shape
         widths = [self.dk, self.dk, self.group * self.dv]
-        # computed as [q | k | v] of these heads (the rows of each a view of the result, as the kernel takes
-        # them): the input and the (small) weight regrouped; the convolution is per channel
+        # convolved as [q | k | v] of these heads, so that q, k and v are views of its output: the input and
+        # the (small) weight reordered to that first (the convolution is per channel)
         x = torch.cat([t.flatten(2) for t in qkv.split(widths, dim=-1)], dim=-1)
         conv = torch.cat([t.flatten(0, 1) for t in conv.view(key_heads, width, -1).split(widths, dim=1)])
         mixed = causal_conv1d(x, conv, starts=starts)
@@ -155,13 +156,17 @@ class GatedDeltaNet(nn.Module):
 def hf_row_order(cfg: Qwen3Config) -> torch.Tensor:
     """For each row of the layer's [q | k | v] channels as it holds them (grouped per key head: its q, its k,
     its value heads' v), the row of the HF files' layout (q of all heads, then k, then v) it is: the order of
-    the convolution's rows, and of Qwen3.5's ``in_proj_qkv``'s."""
-    dk, key_dim = cfg.linear_key_head_dim, cfg.linear_key_dim
+    the convolution's rows, and of Qwen3.5's ``in_proj_qkv``'s. (Shared between calls: not to be modified.)"""
     values = cfg.linear_num_value_heads // cfg.linear_num_key_heads * cfg.linear_value_head_dim
-    rows = [torch.cat([torch.arange(h * dk, (h + 1) * dk), key_dim + torch.arange(h * dk, (h + 1) * dk),
-                       2 * key_dim + torch.arange(h * values, (h + 1) * values)])
-            for h in range(cfg.linear_num_key_heads)]
-    return torch.cat(rows)
+    return _row_order(cfg.linear_num_key_heads, cfg.linear_key_head_dim, values)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_order(key_heads: int, dk: int, values: int) -> torch.Tensor:
+    key_dim = key_heads * dk
+    return torch.cat([torch.cat([torch.arange(h * dk, (h + 1) * dk), key_dim + torch.arange(h * dk, (h + 1) * dk),
+                                 2 * key_dim + torch.arange(h * values, (h + 1) * values)])
+                      for h in range(key_heads)])
 
 
 def conv_init_bound(kernel: int) -> float:

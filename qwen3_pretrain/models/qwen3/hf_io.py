@@ -427,7 +427,7 @@ class HFCheckpointReader:
             piece, rest = self._slice(stored.pieces[0]), slices[1:]
             runs = _runs(stored.order[slices[0]])
             tensor = torch.cat([piece[(slice(start, stop), *rest)] for start, stop in runs]) if runs else \
-                torch.empty(self.shape(name))[slices]
+                torch.empty((0, *self.shape(name)[1:]))[(slice(None), *rest)]
         else:
             tensor = self._slice(stored.pieces[0])[slices]
         return tensor if dtype is None else tensor.to(dtype)

@@ -87,7 +87,8 @@ class HeadSplit(Protocol):
     tokens of all heads for all tokens of its share of the heads (parallel/context_parallel.py)."""
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, local seq, heads, d] -> [batch, seq, heads / size, d]: this rank's heads, in sequence order."""
+        """[batch, local seq, heads, d] -> [batch, seq, this rank's heads, d], in sequence order (under tp alone
+        the input already is that)."""
 
     def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of ``to_heads``."""
