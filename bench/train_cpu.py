@@ -89,6 +89,11 @@ VARIANTS = {
     "dp2-replicated": ("engine", 2, 1, {"mixed_precision": "bf16", "distributed_optimizer": False}),
     # the same global batch with every layer split over 2 tp ranks (sequence parallel between blocks)
     "tp2": ("engine", 2, 1, {"mixed_precision": "bf16", "tp": 2, "batch_size": BATCH}),
+    # the decoder layers compiled (torch.compile); the first steps pay for compilation (warm-up)
+    "fp32-compile": ("engine", 1, 2, {"mixed_precision": "fp32", "compile": True}),
+    "bf16-compile": ("engine", 1, 2, {"mixed_precision": "bf16", "compile": True}),
+    "bf16-ac-compile": ("engine", 1, 2, {"mixed_precision": "bf16", "activation_checkpointing": "full",
+                                         "compile": True}),
 }
 INDEPENDENT = {"dp1-1t-pair"}  # variants whose processes are separate single-process runs
 DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c4096,bf16-c512,dp1-1t,dp1-1t-pair,dp2"
