@@ -201,6 +201,40 @@ def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
             pytest.approx(91.5), 0.80, 0.412, 42.0)  # fmt: skip
 
 
+def test_reserved_memory_beside_allocated_reads_back_and_the_old_form_still_does(tmp_path: Path, monkeypatch) -> None:
+    """On an accelerator the record holds the allocator's peak reserved bytes beside the peak allocated and the
+    line shows both (``mem 42.0/44.0 GiB``); a CPU run's line and older logs keep ``mem 0.8 GiB``."""
+    import types
+
+    import torch
+
+    from qwen3_pretrain.train import metrics
+
+    gib = 2**30
+    fake = types.SimpleNamespace(max_memory_allocated=lambda device=None: 41.96 * gib,
+                                 max_memory_reserved=lambda device=None: 44.04 * gib)
+    monkeypatch.setattr(torch, "cuda", fake)
+    assert metrics.step_memory(torch.device("cuda", 0)) == {"memory_gib": 41.96, "memory_reserved_gib": 44.04}
+    monkeypatch.undo()
+    assert set(metrics.step_memory(torch.device("cpu"))) == {"memory_gib"}
+    base = {"total_steps": 9, "loss": 2.5, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_sec": 10.0,
+            "tokens_per_sec_per_device": 5.0, "step_time_s": 0.5, "mfu": 0.1, "eta_s": 5.0}  # fmt: skip
+    device_line = format_line({**base, "step": 1, "memory_gib": 41.96, "memory_reserved_gib": 44.04})
+    cpu_line = format_line({**base, "step": 2, "memory_gib": 0.77})
+    assert "| mem 42.0/44.0 GiB |" in device_line and "| mem 0.8 GiB |" in cpu_line
+    mib_line = device_line.replace("step 1/9", "step 3/9").replace("42.0/44.0 GiB", "512 / 1024 MiB")
+    (tmp_path / "a.log").write_text("\n".join([device_line, cpu_line, mib_line]) + "\n")
+    r1, r2, r3 = parse_metrics(tmp_path / "a.log").rows
+    assert (r1["memory_gib"], r1["memory_reserved_gib"]) == (42.0, 44.0)
+    assert r2["memory_gib"] == 0.8 and "memory_reserved_gib" not in r2
+    assert (r3["memory_gib"], r3["memory_reserved_gib"], r3["eta_s"]) == (0.5, 1.0, 5)
+    main(["--log_path", str(tmp_path / "a.log"), "--output_path", str(tmp_path / "a.csv")])
+    with open(tmp_path / "a.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["memory_gib"], r["memory_reserved_gib"]) for r in rows] == [("42.0", "44.0"), ("0.8", ""),
+                                                                           ("0.5", "1.0")]
+
+
 def test_plot_png(tmp_path: Path) -> None:
     log = _resumed_log(tmp_path / "pretrain.log")
     assert main(["--log_path", str(log), "--plot", str(tmp_path / "m.png")]) == 0

@@ -69,6 +69,12 @@ def _eta_seconds(m: re.Match) -> dict[str, int | None]:
     return {"eta_s": ((days * 24 + hours) * 60 + minutes) * 60 + seconds}
 
 
+def _memory(m: re.Match) -> dict[str, float]:
+    unit = _GIB_PER_UNIT[m[3]]
+    reserved = {"memory_reserved_gib": float(m[2]) * unit} if m[2] else {}
+    return {"memory_gib": float(m[1]) * unit, **reserved}
+
+
 # name in the log -> (pattern its whole value must match, columns from the match)
 _KNOWN: dict[str, tuple[re.Pattern, Callable[[re.Match], dict[str, Any]]]] = {
     name: (re.compile(pattern), columns)
@@ -81,7 +87,8 @@ _KNOWN: dict[str, tuple[re.Pattern, Callable[[re.Match], dict[str, Any]]]] = {
         # The log shows a percentage; the CSV, like metrics.jsonl, holds a fraction
         # (divided in decimal so that 41.2% is written 0.412, not 0.41200000000000003).
         ("mfu", rf"({_NUM})\s*(%?)", lambda m: {"mfu": float(Decimal(m[1]) / (100 if m[2] else 1))}),
-        ("mem", rf"({_NUM})\s*(GiB|MiB|TiB|GB|MB)", lambda m: {"memory_gib": float(m[1]) * _GIB_PER_UNIT[m[2]]}),
+        # peak allocated, or allocated/reserved (accelerators since reserved was logged): "mem 41.2/44.0 GiB"
+        ("mem", rf"({_NUM})(?:\s*/\s*({_NUM}))?\s*(GiB|MiB|TiB|GB|MB)", _memory),
         ("eta", r"\?|(?=\d)(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", _eta_seconds),
         # a MoE model's balancing losses and expert load, named as in metrics.jsonl
         ("aux", f"({_NUM})", lambda m: {"moe_aux_loss": float(m[1])}),

@@ -93,6 +93,24 @@ def memory_gib(device: torch.device) -> float:
     return kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
 
 
+def step_memory(device: torch.device) -> dict[str, float]:
+    """The memory fields of a step record: ``memory_gib`` (``memory_gib`` above) and, on accelerators,
+    ``memory_reserved_gib``, the caching allocator's peak reserved bytes. Reserved is what the device
+    cannot give to anything else (fragmentation included), so it is the figure that approaches
+    out-of-memory while allocated still looks comfortable."""
+    record = {"memory_gib": memory_gib(device)}
+    if device.type in ("cuda", "npu"):
+        record["memory_reserved_gib"] = getattr(torch, device.type).max_memory_reserved(device) / 2**30
+    return record
+
+
+def format_memory(r: dict) -> str:
+    """``mem 41.2/44.0 GiB`` (peak allocated/reserved) on accelerators, ``mem 0.8 GiB`` (peak RSS) on a CPU."""
+    if r.get("memory_reserved_gib") is None:
+        return f"mem {r['memory_gib']:.1f} GiB"
+    return f"mem {r['memory_gib']:.1f}/{r['memory_reserved_gib']:.1f} GiB"
+
+
 def device_capacity(device: torch.device) -> float | None:
     """The device's memory in bytes (None on a CPU)."""
     if device.type not in ("cuda", "npu"):
@@ -154,7 +172,7 @@ def format_line(r: dict) -> str:
     line = (f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad_norm {r['grad_norm']:.3g} | tokens/s {r['tokens_per_sec']:.0f} "
             f"({r['tokens_per_sec_per_device']:.1f}/device) | step {r['step_time_s']:.2f} s | "
-            f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.1f} GiB | eta {format_eta(r['eta_s'])}")
+            f"mfu {100 * r['mfu']:.1f}% | {format_memory(r)} | eta {format_eta(r['eta_s'])}")
     if "mtp_loss" in r:  # a hybrid's multi-token-prediction loss, beside the LM loss
         line = line.replace(" | lr ", f" | mtp_loss {r['mtp_loss']:.4f} | lr ", 1)
     mix = r.get("samples_by_dataset", {})

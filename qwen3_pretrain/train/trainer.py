@@ -40,8 +40,8 @@ from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
-                                          device_peak_tflops, format_line, measure_cpu_tflops, memory_gib,
-                                          memory_warning, runtime_reserved_gib, synchronize)
+                                          device_peak_tflops, format_line, measure_cpu_tflops,
+                                          memory_warning, runtime_reserved_gib, step_memory, synchronize)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import lr_at
 
@@ -327,7 +327,7 @@ class Trainer:
             "step": rec["step"], "total_steps": self.cfg.total_steps, "loss": rec["loss"], "lr": rec["lr"],
             "grad_norm": rec["grad_norm"], "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world,
             "step_time_s": rec["step_time_s"], "mfu": flops_per_token * tps / (peak_tflops * 1e12 * world),
-            "memory_gib": memory_gib(self.device), "tokens_seen": self.tokens_seen,
+            **step_memory(self.device), "tokens_seen": self.tokens_seen,
             "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
             "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
         }
