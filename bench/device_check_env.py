@@ -67,12 +67,28 @@ def cann_version() -> str | None:
     return None
 
 
+def visible_accelerators() -> tuple[str, int]:
+    """(kind, count) of the accelerators this process may use, as torch counts them: CUDA first, then an
+    Ascend NPU, as ``device: auto`` picks. torch honours CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES and
+    sees a MIG slice as one device, where ``nvidia-smi -L`` lists every GPU of the node and a line more for
+    each MIG slice."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.device_count()
+    from qwen3_pretrain.parallel.env import _npu_available
+
+    if _npu_available():
+        return "npu", torch.npu.device_count()
+    return "cpu", 0
+
+
 def accelerator(device) -> dict:
     import torch
 
     module = getattr(torch, device.type)
     props = module.get_device_properties(device)
-    facts = {"device_name": module.get_device_name(device), "device_count": module.device_count(),
+    facts = {"device_name": module.get_device_name(device), "device_count": visible_accelerators()[1],
              "memory_gib": round(props.total_memory / 2**30, 2)}
     if device.type == "cuda":
         facts["capability"] = fact(lambda: version_text(torch.cuda.get_device_capability(device)))

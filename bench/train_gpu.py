@@ -3,10 +3,11 @@
     python bench/train_gpu.py data --out DIR                  # synthetic data (full Qwen3 vocab)
     torchrun --nproc_per_node N bench/train_gpu.py run --config C.yaml --steps 12
     python bench/train_gpu.py table --runs DIR                # one line per run from its metrics.jsonl
+    python bench/train_gpu.py devices                         # "COUNT NAME" of the devices torch sees
 
 ``run`` drives the engine's ``Trainer.train_step`` and writes the same
 ``metrics.jsonl`` records as ``qwen3-pretrain train`` (tokens/s, tokens/s per
-device, MFU, peak memory) but skips the end-of-run checkpoint, which for a
+device, MFU, peak memory allocated and reserved) but skips the end-of-run checkpoint, which for a
 1.7B model with its optimizer state would write ~20 GB and take longer than
 the steps measured.
 """
@@ -40,7 +41,7 @@ def run(config: str, steps: int, warmup: int) -> None:
 
     from qwen3_pretrain.config.loader import load_config
     from qwen3_pretrain.train.config import TrainConfig
-    from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, memory_gib
+    from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, step_memory
     from qwen3_pretrain.models.ops.precision import matmul_dtype
     from qwen3_pretrain.train.trainer import Trainer
 
@@ -57,7 +58,7 @@ def run(config: str, steps: int, warmup: int) -> None:
             tps = trainer.global_tokens / rec["step_time_s"]
             record = {"step": rec["step"], "loss": rec["loss"], "tokens_per_sec": tps,
                       "tokens_per_sec_per_device": tps / world, "step_time_s": rec["step_time_s"],
-                      "mfu": flops_per_token * tps / (peak * 1e12 * world), "memory_gib": memory_gib(trainer.device),
+                      "mfu": flops_per_token * tps / (peak * 1e12 * world), **step_memory(trainer.device),
                       "warmup": rec["step"] <= warmup}
             if writer is not None:
                 writer.write(record)
@@ -75,25 +76,42 @@ def summarize(metrics: Path) -> dict | None:
     if not timed:
         return None
     summary = {k: statistics.median(r[k] for r in timed) for k in ("step_time_s", "tokens_per_sec_per_device", "mfu")}
+    reserved = [r["memory_reserved_gib"] for r in timed if "memory_reserved_gib" in r]
     return {"steps": len(timed), **summary, "memory_gib": max(r["memory_gib"] for r in timed),
-            "last_loss": timed[-1]["loss"]}
+            "memory_reserved_gib": max(reserved, default=None), "last_loss": timed[-1]["loss"]}
 
 
 def table(runs: Path) -> None:
-    print(f"{'run':<34} {'steps':>5} {'step s':>7} {'tokens/s/device':>15} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'run':<34} {'steps':>5} {'step s':>7} {'tokens/s/device':>15} {'MFU':>6} {'peak GiB':>9} "
+          f"{'reserved':>8}")
     for metrics in sorted(runs.glob("*/metrics.jsonl")):
         med = summarize(metrics)
         if med is None:
             print(f"{metrics.parent.name:<34} no timed steps (see {metrics.parent}/log.txt)")
             continue
         print(f"{metrics.parent.name:<34} {med['steps']:>5} {med['step_time_s']:>7.3f} "
-              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% {med['memory_gib']:>9.1f}")
+              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% {med['memory_gib']:>9.1f} "
+              f"{med['memory_reserved_gib'] or float('nan'):>8.1f}")
     print("target: >= 45% MFU (bf16 dense peak: H100/H200 989 TFLOP/s)")
+
+
+def devices() -> None:
+    """``COUNT NAME``: how many accelerators torch sees (honouring CUDA_VISIBLE_DEVICES /
+    ASCEND_RT_VISIBLE_DEVICES) and the first one's name; ``0 none`` without one."""
+    from device_check_env import visible_accelerators
+
+    kind, count = visible_accelerators()
+    if count == 0:
+        print("0 none")
+        return
+    import torch
+
+    print(count, getattr(torch, kind).get_device_name(0))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["data", "run", "table"])
+    parser.add_argument("what", choices=["data", "run", "table", "devices"])
     parser.add_argument("--out", type=Path, help="data: folder to write")
     parser.add_argument("--tokens", type=int, default=4_000_000, help="data: tokens to write")
     parser.add_argument("--config", help="run: training config YAML")
@@ -105,8 +123,10 @@ def main(argv: list[str]) -> int:
         write_data(args.out, args.tokens)
     elif args.what == "run":
         run(args.config, args.steps, args.warmup)
-    else:
+    elif args.what == "table":
         table(args.runs)
+    else:
+        devices()
     return 0
 
 

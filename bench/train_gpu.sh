@@ -31,15 +31,16 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 OUT="${OUT:-$(mktemp -d -t train_gpu.XXXXXX)}"
 DATA="$OUT/data"
-if command -v nvidia-smi >/dev/null 2>&1; then NGPU=$(nvidia-smi -L | wc -l); else NGPU=0; fi
+# Counted by torch, which honours CUDA_VISIBLE_DEVICES (ASCEND_RT_VISIBLE_DEVICES on an NPU) and sees a MIG
+# slice as one device; `nvidia-smi -L` lists every GPU of the node and a line more per MIG slice.
+read -r NGPU GPU_NAME < <("$PY" bench/train_gpu.py devices 2>/dev/null || echo "0 none")
 if [[ $NGPU -eq 0 && $DRY_RUN -eq 0 ]]; then
-  echo "error: no GPU found (nvidia-smi); use --dry-run to see the commands" >&2
+  echo "error: torch sees no GPU or NPU (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}); use --dry-run to see" \
+       "the commands" >&2
   exit 2
 fi
-NPROC=$(( NGPU > 0 ? NGPU : 1 ))
 mkdir -p "$OUT"
-echo "output: $OUT | GPUs: $NGPU | steps: $WARMUP warm-up + $STEPS timed per case"
-[[ $NGPU -gt 0 ]] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+echo "output: $OUT | devices: $NGPU ($GPU_NAME) | steps: $WARMUP warm-up + $STEPS timed per case"
 
 # case name, processes, preset, seq, batch per rank, activation checkpointing, model_overrides (YAML flow),
 # compile (true/false, default false)

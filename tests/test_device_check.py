@@ -215,3 +215,19 @@ def test_runs_that_differ_before_any_resume_are_compared_within_the_stated_toler
     write_metrics(tmp_path / "late", interrupted, exact_before.get)
     with pytest.raises(StageFailed, match="first at step 5"):
         compare_runs(tmp_path / "ref", tmp_path / "late", 6)
+
+
+def test_train_gpu_counts_the_devices_torch_sees_not_nvidia_smi_lines(tmp_path):
+    """``nvidia-smi -L`` lists every GPU of the node (and a line per MIG slice) whatever CUDA_VISIBLE_DEVICES
+    says; bench/train_gpu.sh asks torch instead. A fake nvidia-smi listing 8 GPUs must not be believed."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H100 (UUID: GPU-$i)\"; done\n")
+    fake.chmod(0o755)
+    env = {**script_env(), "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    script = [str(REPO / "bench" / "train_gpu.sh"), "--out", str(tmp_path / "out")]
+    dry = subprocess.run(["bash", *script, "--dry-run"], capture_output=True, text=True, timeout=300, env=env)
+    assert dry.returncode == 0 and "devices: 0 (none)" in dry.stdout, dry.stdout + dry.stderr
+    assert "fsdp8" not in dry.stdout  # the whole-model case is planned from the devices torch counts
+    real = subprocess.run(["bash", *script], capture_output=True, text=True, timeout=300, env=env)
+    assert real.returncode == 2 and "torch sees no GPU or NPU" in real.stderr, real.stdout + real.stderr
