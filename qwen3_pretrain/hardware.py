@@ -98,6 +98,8 @@ class Hardware:
     # how much slower than the measured host (HOST_MS_PER_LAYER) this device's host issues the same operators:
     # 1.0 (unmeasured) for all; an NPU's eager dispatch through torch_npu may cost more
     host_slowdown: float = 1.0
+    # dense TF32 tensor-core peak, TFLOP/s, where the device has one (None: fp32 matmuls run at the fp32 peak)
+    tf32_peak_tflops: float | None = None
 
     def host_seconds_per_layer(self, tensor_parallel: bool, compiled: bool) -> float:
         """Host time to issue one decoder layer's forward and backward for one micro-batch."""
@@ -108,9 +110,25 @@ class Hardware:
         """The engine's AdamW kernel on this device: the planner prices its temporaries."""
         return optimizer_impl(self.device_type)
 
-    def compute_flops(self, mixed_precision: str) -> float:
-        """The dense peak, FLOP/s, of the precision the matmuls run in."""
-        return (self.peak_tflops if mixed_precision == "bf16" else self.fp32_peak_tflops) * 1e12
+    def compute_flops(self, precision: str) -> float:
+        """The dense peak, FLOP/s, of ``precision``, what the matmuls run in (``matmul_precision``)."""
+        return self.peak_tflops_of(precision) * 1e12
+
+    def peak_tflops_of(self, precision: str) -> float:
+        """The dense peak, TFLOP/s, of "bf16", "tf32" (the fp32 peak where the device has no TF32) or "fp32"."""
+        if precision == "bf16":
+            return self.peak_tflops
+        if precision == "tf32" and self.tf32_peak_tflops:
+            return self.tf32_peak_tflops
+        return self.fp32_peak_tflops
+
+
+def matmul_precision(mixed_precision: str, allow_tf32: bool = False, device_type: str = "cuda") -> str:
+    """What the matmuls run in, the peak MFU divides by: bf16 under ``mixed_precision: bf16``; under fp32,
+    TF32 where ``allow_tf32`` lets CUDA's fp32 matmuls use it (the engine enables it only there), else fp32."""
+    if mixed_precision == "bf16":
+        return "bf16"
+    return "tf32" if allow_tf32 and device_type == "cuda" else "fp32"
 
 
 # Host milliseconds per decoder layer per micro-batch (forward and backward, the engine's FSDP and, under tp,
@@ -136,70 +154,71 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 
 # Keys are the planner's short names (--device); ``reported_names`` are the exact names the device
 # reports (torch.cuda/torch.npu.get_device_name), which metrics match for MFU. Peaks are dense (no
-# sparsity). Sources and what was verified on hardware: docs/planner.md, "Devices".
+# sparsity). TF32: each datasheet's TF32 tensor-core figure, published with sparsity, halved (B200: the HGX
+# B200's 18 PFLOP/s / 8 / 2); Ascend NPUs and CPUs have none, so mixed_precision fp32 runs at their fp32 peak. Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
         "h100", 79.6, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=3350.0,
-        reported_names=("NVIDIA H100 80GB HBM3",),
+        tf32_peak_tflops=494.7, reported_names=("NVIDIA H100 80GB HBM3",),
         source="H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3 (NVIDIA H100 datasheet); "
                "81,559 MiB as nvidia-smi reports; NVLink 4 at ~360 GB/s ring bus bandwidth; " + _HOPPER_NET),
     "h100-pcie": Hardware(
         "h100-pcie", 79.6, 756.0, 51.0, 50.0, 45.0, memory_bandwidth_gbps=2000.0,
-        reported_names=("NVIDIA H100 PCIe",),
+        tf32_peak_tflops=378.0, reported_names=("NVIDIA H100 PCIe",),
         source="H100 PCIe 80GB: 756 TFLOP/s dense bf16, 51 fp32, 2.0 TB/s HBM2e (NVIDIA H100 datasheet); "
                "PCIe Gen5 between GPUs (no NVLink bridge assumed)"),
     "h100-nvl": Hardware(
         "h100-nvl", 93.6, 835.0, 60.0, 50.0, 45.0, memory_bandwidth_gbps=3900.0,
-        reported_names=("NVIDIA H100 NVL",),
+        tf32_peak_tflops=417.5, reported_names=("NVIDIA H100 NVL",),
         source="H100 NVL 94GB: 835 TFLOP/s dense bf16, 60 fp32, 3.9 TB/s HBM3 (NVIDIA H100 datasheet); "
                "95,830 MiB as nvidia-smi reports; PCIe Gen5 between bridge pairs"),
     "h800": Hardware(
         "h800", 79.6, 989.0, 67.0, 160.0, 45.0, memory_bandwidth_gbps=3350.0,
-        reported_names=("NVIDIA H800", "NVIDIA H800 80GB HBM3"),
+        tf32_peak_tflops=494.7, reported_names=("NVIDIA H800", "NVIDIA H800 80GB HBM3"),
         source="H800 SXM5 80GB: the H100 SXM's compute and memory (989 dense bf16, 3.35 TB/s; NVIDIA H800 "
                "product brief) with NVLink cut to 400 GB/s, ~160 GB/s ring bus bandwidth"),
     "h20": Hardware(
         "h20", 95.0, 148.0, 44.0, 360.0, 45.0, memory_bandwidth_gbps=4000.0,
-        reported_names=("NVIDIA H20",),
+        tf32_peak_tflops=74.0, reported_names=("NVIDIA H20",),
         source="H20 96GB: 148 TFLOP/s dense bf16, 44 fp32, 4.0 TB/s HBM3, NVLink 900 GB/s (NVIDIA H20 "
                "product brief as published by OEMs; not on nvidia.com)"),
     "h200": Hardware(
         "h200", 140.4, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=4800.0,
-        reported_names=("NVIDIA H200",),
+        tf32_peak_tflops=494.7, reported_names=("NVIDIA H200",),
         source="H200 SXM 141GB: 989 TFLOP/s dense bf16, 67 fp32, 4.8 TB/s HBM3e (NVIDIA H200 datasheet); "
                "143,771 MiB as nvidia-smi reports; NVLink 4 and NDR networking as H100"),
     "a100": Hardware(
         "a100", 80.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=2039.0,
-        reported_names=("NVIDIA A100-SXM4-80GB",),
+        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100-SXM4-80GB",),
         source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 2.04 TB/s HBM2e (NVIDIA A100 datasheet); "
                "NVLink 3 at ~230 GB/s ring bus bandwidth; one 200 Gb/s HDR NIC per GPU"),
     "a100-40gb": Hardware(
         "a100-40gb", 40.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=1555.0,
-        reported_names=("NVIDIA A100-SXM4-40GB",),
+        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100-SXM4-40GB",),
         source="A100 SXM4 40GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.56 TB/s HBM2 (NVIDIA A100 datasheet)"),
     "a100-pcie": Hardware(
         "a100-pcie", 80.0, 312.0, 19.5, 25.0, 22.0, memory_bandwidth_gbps=1935.0,
-        reported_names=("NVIDIA A100 80GB PCIe",),
+        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100 80GB PCIe",),
         source="A100 PCIe 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.94 TB/s HBM2e (NVIDIA A100 datasheet); "
                "PCIe Gen4 between GPUs"),
     "a100-pcie-40gb": Hardware(
         "a100-pcie-40gb", 40.0, 312.0, 19.5, 25.0, 22.0, memory_bandwidth_gbps=1555.0,
-        reported_names=("NVIDIA A100-PCIE-40GB",),
+        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100-PCIE-40GB",),
         source="A100 PCIe 40GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.56 TB/s HBM2 (NVIDIA A100 datasheet)"),
     "a800": Hardware(
         "a800", 80.0, 312.0, 19.5, 160.0, 22.0, memory_bandwidth_gbps=2039.0,
-        reported_names=("NVIDIA A800-SXM4-80GB",),
+        tf32_peak_tflops=156.0, reported_names=("NVIDIA A800-SXM4-80GB",),
         source="A800 SXM4 80GB: the A100 SXM4's compute and memory (312 dense bf16; NVIDIA A800 product "
                "brief) with NVLink cut to 400 GB/s, ~160 GB/s ring bus bandwidth"),
     "b200": Hardware(
         "b200", 179.1, 2250.0, 75.0, 720.0, 45.0, memory_bandwidth_gbps=8000.0,
-        reported_names=("NVIDIA B200",),
+        tf32_peak_tflops=1125.0, reported_names=("NVIDIA B200",),
         source="B200 (HGX B200): 2,250 TFLOP/s dense bf16 and 75 fp32 per GPU (NVIDIA HGX B200 datasheet, "
                "8-GPU figures / 8, sparsity halved), 8 TB/s HBM3e; 183,359 MiB as nvidia-smi reports; "
                "NVLink 5 at ~720 GB/s ring bus bandwidth"),
     "l40s": Hardware(
         "l40s", 45.0, 362.0, 91.6, 25.0, 22.0, memory_bandwidth_gbps=864.0,
-        reported_names=("NVIDIA L40S",),
+        tf32_peak_tflops=91.6, reported_names=("NVIDIA L40S",),
         source="L40S 48GB: 362 TFLOP/s dense bf16, 91.6 fp32, 864 GB/s GDDR6 (NVIDIA L40S datasheet); "
                "46,068 MiB as nvidia-smi reports; PCIe Gen4 between GPUs"),
     "910b": Hardware(

@@ -39,7 +39,7 @@ from qwen3_pretrain.errors import MissingFileError, UserError
 
 EXAMPLE_LINE = (
     "2026-12-02 14:05:31 INFO step 100/100000 | loss 2.3412 | lr 1.00e-05 | grad_norm 0.91 | "
-    "tokens/s 732 (91.5/device) | step 0.80 s | mfu 41.2% | mem 42.0 GiB | eta 22h13m"
+    "tokens/s 732 (91.5/device) | step 0.80 s | mfu 41.2% | hfu 54.9% | mem 42.0 GiB | eta 22h13m"
 )
 # A MoE model's records go on with ``| aux 8.0123 | load 1.42 max/mean, 0% idle`` (and ``| z 3.2`` with a
 # z-loss, ``| routing forced (benchmark)`` in the benchmark mode).
@@ -69,6 +69,10 @@ def _eta_seconds(m: re.Match) -> dict[str, int | None]:
     return {"eta_s": ((days * 24 + hours) * 60 + minutes) * 60 + seconds}
 
 
+def _fraction(m: re.Match) -> float:
+    return float(Decimal(m[1]) / (100 if m[2] else 1))
+
+
 def _memory(m: re.Match) -> dict[str, float]:
     unit = _GIB_PER_UNIT[m[3]]
     reserved = {"memory_reserved_gib": float(m[2]) * unit} if m[2] else {}
@@ -86,7 +90,8 @@ _KNOWN: dict[str, tuple[re.Pattern, Callable[[re.Match], dict[str, Any]]]] = {
         ("step", rf"({_NUM})\s*(ms|s)", lambda m: {"step_time_s": float(m[1]) / (1000.0 if m[2] == "ms" else 1.0)}),
         # The log shows a percentage; the CSV, like metrics.jsonl, holds a fraction
         # (divided in decimal so that 41.2% is written 0.412, not 0.41200000000000003).
-        ("mfu", rf"({_NUM})\s*(%?)", lambda m: {"mfu": float(Decimal(m[1]) / (100 if m[2] else 1))}),
+        ("mfu", rf"({_NUM})\s*(%?)", lambda m: {"mfu": _fraction(m)}),
+        ("hfu", rf"({_NUM})\s*(%?)", lambda m: {"hfu": _fraction(m)}),  # MFU with recompute, logged beside it
         # peak allocated, or allocated/reserved (accelerators since reserved was logged): "mem 41.2/44.0 GiB"
         ("mem", rf"({_NUM})(?:\s*/\s*({_NUM}))?\s*(GiB|MiB|TiB|GB|MB)", _memory),
         ("eta", r"\?|(?=\d)(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", _eta_seconds),

@@ -58,6 +58,11 @@ class TrainConfig:
     save_steps: int = field_help(1000, "Save a checkpoint every this many steps (and at the end). 0: only at the end.")
     mixed_precision: Literal["bf16", "fp32"] = field_help("bf16", "bf16: bf16 compute, fp32 master weights, "
                                                           "gradient reduction and loss. fp32: everything fp32.")
+    allow_tf32: bool = field_help(
+        False, "Under mixed_precision fp32 on CUDA: fp32 matmuls run on the TF32 tensor cores "
+               "(torch.backends.cuda.matmul.fp32_precision tf32: 10-bit mantissa products, fp32 accumulation; "
+               "several times faster), and MFU divides by the TF32 peak. false: full fp32 products at the fp32 "
+               "peak. Ignored on other devices (Ascend has no TF32).")
     cpu_bf16_matmul: Literal["auto", "bf16", "fp32"] = field_help(
         "auto", "On a CPU under mixed_precision bf16: bf16 multiplies bf16 natively; fp32 multiplies fp32 copies of "
                 "the bf16 operands (same products, fp32 accumulation either way; 3-5x faster on x86 CPUs without "
@@ -139,9 +144,10 @@ class TrainConfig:
     async_save: bool = field_help(False, "Write checkpoints in the background while training goes on.")
     max_nonfinite_steps: int = field_help(5, "Stop cleanly after this many consecutive steps with a NaN/inf loss "
                                           "or gradient norm (each one is skipped).")
-    peak_tflops: float | None = field_help(None, "Peak bf16 TFLOP/s per device for MFU; empty: from the device "
-                                           "table, by the exact name the device reports (an unknown device "
-                                           "warns and MFU is nan; CPU: measured at start-up).")
+    peak_tflops: float | None = field_help(None, "Peak TFLOP/s per device for MFU, of what the matmuls run in "
+                                           "(bf16, TF32 with allow_tf32, fp32); empty: from the device table, by "
+                                           "the exact name the device reports (an unknown device warns and MFU "
+                                           "is nan; CPU: measured at start-up).")
     collective_timeout_s: int = field_help(600, "Timeout of collectives: a dead rank stops the others after this.")
     init_timeout_s: int = field_help(300, "Timeout for reaching master_addr:master_port at start-up.")
     tensorboard: bool = field_help(False, "Also write TensorBoard events to output_path/tensorboard.")
@@ -231,6 +237,9 @@ class TrainConfig:
         if self.reduce_grads_every_microbatch and self.pp > 1:
             raise ConfigError("reduce_grads_every_microbatch needs pp 1: the pipeline schedule accumulates "
                               "gradients unsharded and reduces them once per step; set it to False")
+        if self.allow_tf32 and self.mixed_precision != "fp32":
+            raise ConfigError(f"allow_tf32 true needs mixed_precision fp32 (it is {self.mixed_precision}, whose "
+                              "matmuls are bf16 already): set allow_tf32 false, or mixed_precision fp32")
         if self.mtp_loss_weight < 0:
             raise ConfigError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         if self.moe_aux_loss == "micro_batch" and self.pp > 1:

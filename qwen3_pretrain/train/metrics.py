@@ -1,13 +1,14 @@
-"""Step metrics: throughput, MFU, memory; one record per logged step, written as JSON and shown as a line.
+"""Step metrics: throughput, MFU and HFU, memory; one record per logged step, written as JSON and shown as a line.
 
 The record is the data (``metrics.jsonl``); the human log line is a view of it.
-MFU = achieved model FLOP/s / peak FLOP/s, with FLOPs per token from
-``Qwen3Config.flops_per_token`` (6 x matmul weights + attention, PaLM's
-convention) and the peak from the planner's device table, ``peak_tflops`` in
-the config, or, on a CPU, a matmul measured at start-up (bf16, or fp32 where
-the engine computes its bf16 matmuls in fp32: ``models/ops/precision.py``).
+MFU = model FLOP/s achieved / the peak of the precision the matmuls run in
+(bf16, TF32 where ``allow_tf32`` enables it, fp32); HFU adds what recompute runs
+again; ``mfu_full_square`` counts attention over the whole square, as PaLM and
+torchtitan do (the FLOP counts: ``plan/flops.py``, docs/monitoring.md). The peak
+comes from the planner's device table, ``peak_tflops`` in the config, or, on a
+CPU, a matmul measured at start-up (bf16, or fp32 where the engine computes its
+bf16 matmuls in fp32: ``models/ops/precision.py``).
 """
-
 from __future__ import annotations
 
 import json
@@ -22,28 +23,30 @@ from pathlib import Path
 import torch
 
 from qwen3_pretrain.hardware import Hardware, device_by_reported_name
+from qwen3_pretrain.plan.flops import TokenFlops
 
 log = logging.getLogger("qwen3_pretrain.train")
 _warned_unknown: set[str] = set()
 
 
 def device_peak_tflops(device: torch.device, configured: float | None,
-                       cpu_dtype: torch.dtype | None = None) -> tuple[float, str]:
+                       cpu_dtype: torch.dtype | None = None, precision: str = "bf16") -> tuple[float, str]:
     """(peak TFLOP/s per device, where the figure comes from). An accelerator is looked up by the exact
-    name it reports (a near name could be another SKU with another peak); an unknown one gives nan and
-    a warning, once per name, that names the ``peak_tflops`` key. On a CPU: a matmul in ``cpu_dtype``
-    (default bf16; fp32 where the engine computes its bf16 matmuls in fp32) measured now."""
+    name it reports (a near name could be another SKU with another peak) and gives the peak of
+    ``precision`` (``hardware.matmul_precision``); an unknown one gives nan and a warning, once per name,
+    that names the ``peak_tflops`` key. On a CPU: a matmul in ``cpu_dtype`` (default bf16; fp32 where the
+    engine computes its bf16 matmuls in fp32) measured now."""
     if configured:
         return configured, "config"
     if device.type in ("cuda", "npu"):
         name = getattr(torch, device.type).get_device_name(device)
         hw = device_by_reported_name(name)
         if hw is not None:
-            return hw.peak_tflops, f"device table: {hw.name} ({name})"
+            return hw.peak_tflops_of(precision), f"device table: {hw.name} ({name}), {precision}"
         if name not in _warned_unknown:
             _warned_unknown.add(name)
             log.warning("MFU is not computed: the device table (qwen3_pretrain/hardware.py) does not know %r; set "
-                        "peak_tflops in the training config to its dense bf16 peak in TFLOP/s", name)
+                        "peak_tflops in the training config to its dense %s peak in TFLOP/s", name, precision)
         return float("nan"), f"unknown device {name!r}: set peak_tflops"
     dtype = cpu_dtype or torch.bfloat16
     return measure_cpu_tflops(dtype=dtype), f"measured {str(dtype).removeprefix('torch.')} matmul"
@@ -53,6 +56,12 @@ def cpu_peak_per_process(per_core_tflops: float, cores: int, processes_on_node: 
     """A CPU "device" is one process: its share of the node's cores at the measured per-core peak. The same
     whatever the launcher and its thread settings, so the same tokens/s give the same MFU."""
     return per_core_tflops * cores / max(processes_on_node, 1)
+
+
+def utilization(flops: TokenFlops, tokens_per_sec_per_device: float, peak_tflops: float) -> dict[str, float]:
+    """The record's ``mfu``, ``hfu`` and ``mfu_full_square`` (fractions of the peak) at this throughput."""
+    per_token = {"mfu": flops.model, "hfu": flops.hardware, "mfu_full_square": flops.full_square}
+    return {key: value * tokens_per_sec_per_device / (peak_tflops * 1e12) for key, value in per_token.items()}
 
 
 def synchronize(device: torch.device) -> None:
@@ -172,7 +181,7 @@ def format_line(r: dict) -> str:
     line = (f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad_norm {r['grad_norm']:.3g} | tokens/s {r['tokens_per_sec']:.0f} "
             f"({r['tokens_per_sec_per_device']:.1f}/device) | step {r['step_time_s']:.2f} s | "
-            f"mfu {100 * r['mfu']:.1f}% | {format_memory(r)} | eta {format_eta(r['eta_s'])}")
+            f"mfu {100 * r['mfu']:.1f}%{format_hfu(r)} | {format_memory(r)} | eta {format_eta(r['eta_s'])}")
     if "mtp_loss" in r:  # a hybrid's multi-token-prediction loss, beside the LM loss
         line = line.replace(" | lr ", f" | mtp_loss {r['mtp_loss']:.4f} | lr ", 1)
     mix = r.get("samples_by_dataset", {})
@@ -187,6 +196,13 @@ def format_line(r: dict) -> str:
         if r.get("moe_force_balance"):
             line += " | routing forced (benchmark)"
     return line + (" | skipped" if r.get("skipped") else "")
+
+
+def format_hfu(r: dict) -> str:
+    """`` | hfu 41.0%`` beside MFU (a record written before HFU existed has none)."""
+    if "hfu" not in r:
+        return ""
+    return f" | hfu {100 * r['hfu']:.1f}%"
 
 
 def format_mix(samples_by_dataset: dict[str, int]) -> str:
