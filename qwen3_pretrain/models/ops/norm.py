@@ -12,6 +12,9 @@ Forward and backward run the same operators, in the same order and dtypes,
 as autograd runs for HuggingFace's ``Qwen3RMSNorm`` (fp32 normalization, cast
 back, then the weight), so values and gradients are bit-for-bit those of the
 unfused norm. Works on DTensors (the norms under sequence parallelism).
+
+``zero_centered_rms_norm`` is the hybrids' form, in plain operators. Which norm runs on which device (the
+fused ones of CUDA and NPUs) is chosen in elementwise.py.
 """
 
 from __future__ import annotations
@@ -48,3 +51,11 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))``, normalized in fp32 and cast back to ``x``'s dtype before the weight."""
     return _RMSNorm.apply(x, weight, eps)
+
+
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The hybrids' norm (transformers' ``Qwen3_5RMSNorm``): ``x / rms(x) * (1 + weight)``, all in fp32, then
+    cast back. Autograd's operators: what it keeps for backward is what the planner counts for it
+    (plan/layers.py), so it stays as written until both change together."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)

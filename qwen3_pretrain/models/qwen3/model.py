@@ -1,6 +1,6 @@
 """Qwen3 decoder in plain PyTorch, dense and mixture-of-experts (Qwen3-MoE).
 
-Reads top to bottom: RMSNorm, rotary embedding, attention, MLP, decoder layer,
+Reads top to bottom: RMSNorm, attention (RoPE in models/ops/rope.py), MLP, decoder layer,
 the model. A Qwen3-MoE model is the same model whose sparse layers
 (``Qwen3Config.is_sparse_layer``) hold a mixture of experts (models/ops/moe.py)
 in place of the MLP. Nothing here knows about ``torch.distributed``: tensor, pipeline and
@@ -14,7 +14,8 @@ data parallelism are applied from outside by module name. For that:
   shape, so it runs unchanged on a tensor-parallel shard of the heads.
 
 How the modules compute is chosen when the model is built, never patched in
-afterwards (``ModelOptions``): the attention kernel, the class of the
+afterwards (``ModelOptions``): the attention kernel, the elementwise kernels
+(norms, RoPE, SwiGLU: models/ops/elementwise.py), the class of the
 projections (numerics), which blocks are recomputed in backward, and whether
 attention stays within each packed document. The ``forward`` below is the one
 that runs.
@@ -44,11 +45,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel
+from qwen3_pretrain.models.ops.elementwise import CPU_KERNELS, ElementwiseKernels
 from qwen3_pretrain.models.ops.gated_delta import document_starts
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver
-from qwen3_pretrain.models.ops.norm import rms_norm
-from qwen3_pretrain.models.ops.swiglu import swiglu
+from qwen3_pretrain.models.ops.rope import rope_cos_sin
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 from qwen3_pretrain.models.qwen3.gated_deltanet import GatedDeltaNet, conv_init_bound
@@ -107,6 +108,8 @@ class ModelOptions:
 
     # The attention kernel every layer uses (attention.py: ``attention_kernel(device_type)``); SDPA when None.
     attention: AttentionKernel | None = None
+    # The norms', RoPE's and SwiGLU's kernels (models/ops/elementwise.py: ``elementwise_kernels(device_type)``).
+    elementwise: ElementwiseKernels = CPU_KERNELS
     # The class of every projection: ``nn.Linear``, or one with other numerics (models/ops/precision.py).
     linear: type[nn.Linear] = nn.Linear
     # Recomputed in backward instead of kept (config.RECOMPUTE): "full" (each decoder layer keeps only its
@@ -149,19 +152,17 @@ class ModelPart:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False,
+                 kernels: ElementwiseKernels = CPU_KERNELS) -> None:
         super().__init__()
         self.eps = eps
         # zero-centred (the hybrids): the scale is 1 + weight, applied in fp32 before the cast back
         self.zero_centered = zero_centered
+        self.kernel = kernels.zero_centered_norm if zero_centered else kernels.norm
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.zero_centered:
-            xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
-                    ).to(x.dtype)
-        return rms_norm(x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         if self.zero_centered:
@@ -170,32 +171,9 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables for ``positions`` [batch, seq] -> two [batch, 1, seq, head_dim] tensors."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # [batch, seq, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first ``cos.shape[-1]`` dims of each head of ``x`` [batch, heads, seq, head_dim]; the
-    rest pass through (partial RoPE)."""
-    rotary = cos.shape[-1]
-    if rotary == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: type[nn.Linear] = nn.Linear,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, elementwise: ElementwiseKernels = CPU_KERNELS) -> None:
         super().__init__()
         self.recompute = recompute  # the kernel call keeps only q, k, v and runs again in backward
         self.head_dim = cfg.head_dim
@@ -206,8 +184,9 @@ class Attention(nn.Module):
         self.k_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = linear(cfg.num_attention_heads * hd, h, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=cfg.is_hybrid)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=cfg.is_hybrid)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.is_hybrid, elementwise)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.is_hybrid, elementwise)
+        self.rope = elementwise.rope  # models/ops/rope.py, or the device's fused kernel
         self.kernel = kernel  # attention.py, chosen for the device the model runs on
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
@@ -219,7 +198,7 @@ class Attention(nn.Module):
         q = self.q_norm(q.reshape(bsz, seq, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(bsz, seq, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if self.recompute:
             out = checkpoint(self.kernel, q, k, v, mask, use_reentrant=False)
         else:
@@ -232,8 +211,9 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, recompute: bool = False,
-                 intermediate_size: int | None = None) -> None:
+                 intermediate_size: int | None = None, elementwise: ElementwiseKernels = CPU_KERNELS) -> None:
         super().__init__()
+        self.swiglu = elementwise.swiglu
         inter = intermediate_size or cfg.intermediate_size
         self.gate_proj = linear(cfg.hidden_size, inter, bias=False)
         self.up_proj = linear(cfg.hidden_size, inter, bias=False)
@@ -246,7 +226,7 @@ class MLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMLP(MoE):
@@ -284,16 +264,17 @@ class DecoderLayer(nn.Module):
                  full_attention: bool = False) -> None:
         super().__init__()
         zero_centered = cfg.is_hybrid
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered, options.elementwise)
         self.linear = not full_attention and cfg.is_linear_layer(index)
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split, options.delta_rule,
                                              recompute=options.recompute == "selective")
         else:
-            self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective")
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
+            self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective",
+                                  elementwise=options.elementwise)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered, options.elementwise)
         self.mlp = SparseMLP(cfg, index, options) if cfg.is_sparse_layer(index) \
-            else MLP(cfg, options.linear, recompute=options.recompute == "mlp")
+            else MLP(cfg, options.linear, recompute=options.recompute == "mlp", elementwise=options.elementwise)
         self.recompute = options.recompute == "full"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
@@ -322,14 +303,14 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.pre_fc_norm_embedding = RMSNorm(h, eps, cfg.is_hybrid)
-        self.pre_fc_norm_hidden = RMSNorm(h, eps, cfg.is_hybrid)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
         self.fc = options.linear(2 * h, h, bias=False)
         # its MoE routing is not balanced by the training's balancing loss (no observer)
         options = dataclasses.replace(options, router_observer=None)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, attention, 0, full_attention=True)
                                      for i in range(cfg.mtp_num_hidden_layers)})
-        self.norm = RMSNorm(h, eps, cfg.is_hybrid)
+        self.norm = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask=None) -> torch.Tensor:
@@ -367,7 +348,8 @@ class Qwen3Model(nn.Module):
             if part.embedding else None
         layers = part.layers if part.layers is not None else range(cfg.num_hidden_layers)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, self.attention, i) for i in layers})
-        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_hybrid) if part.head else None
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_hybrid,
+                                            options.elementwise) if part.head else None
         self.lm_head: nn.Module | None = self._head(cfg, options) if part.head else None
         if options.multi_token_prediction and not cfg.mtp_num_hidden_layers:
             raise ValueError("multi_token_prediction needs a config with mtp_num_hidden_layers >= 1")

@@ -1,0 +1,283 @@
+"""Every device's elementwise kernels (models/ops/elementwise.py) against transformers' own expressions, values
+and gradients, fp32 and bf16: ours bit for bit; CUDA's fused RMSNorm (its torch operator runs on the CPU too)
+within its rounding; the NPU's wrappers on a stand-in of torch_npu that computes what its documentation says
+(the operators themselves on an NPU: the ``device`` tests). Also: which kernels each device gets, that a model
+built with them runs them, what they keep for backward, and that ours compile without a graph break."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, apply_rotary_pos_emb
+
+from qwen3_pretrain.models.ops import elementwise as ew
+from qwen3_pretrain.models.ops.elementwise import (CPU_KERNELS, CUDA_EAGER_KERNELS, NPU_KERNELS, ElementwiseKernels,
+                                                   elementwise_kernels)
+from qwen3_pretrain.models.ops.rope import rope_cos_sin
+from tests.test_lean_ops import saved_bytes
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# --- references: transformers' modules and functions -----------------------------------------------------------
+
+def ref_norm(x, weight, eps, zero_centered=False):
+    module = (Qwen3_5RMSNorm if zero_centered else Qwen3RMSNorm)(x.shape[-1], eps)
+    return torch.func.functional_call(module, {"weight": weight}, (x,))
+
+
+def ref_rope(x, cos, sin):
+    return apply_rotary_pos_emb(x, x, cos[:, 0], sin[:, 0])[0]
+
+
+def ref_swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def grads(fn, inputs, seed=1):
+    """``fn``'s output and the gradients of <output, a fixed random direction> for each input."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    out.backward(probe.to(device=out.device, dtype=out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+def inputs(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 2).to(dtype)
+
+
+def norm_inputs(dtype, zero_centered):
+    x = inputs((2, 17, 3, 64), dtype, 0)  # [batch, seq, heads, head_dim]: the q/k norms' shape
+    w = 0.1 * inputs((64,), torch.float32, 1)
+    return x, (w if zero_centered else 1 + w).to(dtype)
+
+
+def rope_inputs(dtype, rotary):
+    x = inputs((2, 17, 3, 64), dtype, 2).transpose(1, 2)  # [batch, heads, seq, head_dim], as attention has it
+    positions = torch.cat([torch.arange(7), torch.arange(10)]).expand(2, 17)
+    cos, sin = rope_cos_sin(positions, rotary, 10000.0, dtype)
+    return x, cos, sin
+
+
+def assert_equal_within(got, want, dtype, ulps_bf16=1):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    else:  # one bf16 rounding apart at most (2^-7 relative)
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulps_bf16 * 2 ** -7, atol=1e-2)
+
+
+# --- the choice ----------------------------------------------------------------------------------------------
+
+def test_each_device_gets_its_kernels():
+    assert elementwise_kernels("cpu") == CPU_KERNELS == ElementwiseKernels()
+    assert elementwise_kernels("cuda") == CUDA_EAGER_KERNELS
+    assert elementwise_kernels("cuda", compiled=True) == CPU_KERNELS  # inductor fuses ours
+    assert elementwise_kernels("npu") == NPU_KERNELS
+    assert elementwise_kernels("npu", compiled=True) == NPU_KERNELS
+    assert CUDA_EAGER_KERNELS.describe()["norms"] == "fused_rms_norm, zero-centred fused_zero_centered_rms_norm"
+    assert NPU_KERNELS.describe() == {"norms": "npu_rms_norm, zero-centred npu_zero_centered_rms_norm",
+                                      "rope": "npu_apply_rope", "swiglu": "npu_swiglu"}
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_a_model_runs_the_kernels_it_was_built_with(tiny_config, hybrid):
+    from qwen3_pretrain.models.qwen3.model import MLP, Attention, ModelOptions, Qwen3Model, RMSNorm
+
+    extra = dict(layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.25,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                 linear_value_head_dim=8, linear_conv_kernel_dim=4, model_type="qwen3_5_text") if hybrid else {}
+    cfg = tiny_config(**extra)
+    model = Qwen3Model(cfg, ModelOptions(elementwise=CUDA_EAGER_KERNELS))
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    want = CUDA_EAGER_KERNELS.zero_centered_norm if hybrid else CUDA_EAGER_KERNELS.norm
+    assert norms and all(m.kernel is want for m in norms)
+    assert all(m.rope is CUDA_EAGER_KERNELS.rope for m in model.modules() if isinstance(m, Attention))
+    assert all(m.swiglu is CUDA_EAGER_KERNELS.swiglu for m in model.modules() if isinstance(m, MLP))
+    # and it computes what the model built with ours computes (fp32: the fused norm's sum order apart)
+    ours = Qwen3Model(cfg)
+    ours.load_state_dict(model.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids), ours(ids), rtol=1e-5, atol=1e-5)
+
+
+# --- ours: transformers' values bit for bit ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["norm", "zero-centred"])
+def test_our_norms_equal_transformers(dtype, zero_centered):
+    x, w = norm_inputs(dtype, zero_centered)
+    kernel = CPU_KERNELS.zero_centered_norm if zero_centered else CPU_KERNELS.norm
+    got = grads(lambda a, b: kernel(a, b, 1e-6), [x, w])
+    want = grads(lambda a, b: ref_norm(a, b, 1e-6, zero_centered), [x, w])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+    torch.testing.assert_close(got[1][1], want[1][1], rtol=1e-6, atol=1e-6)  # a sum over rows, any order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [64, 16], ids=["full", "partial"])
+def test_our_rope_equals_transformers(dtype, rotary):
+    x, cos, sin = rope_inputs(dtype, rotary)
+    got = grads(lambda a: CPU_KERNELS.rope(a, cos, sin), [x])
+    want = grads(lambda a: ref_rope(a, cos, sin), [x])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+
+
+# --- CUDA's fused RMSNorm (torch's operator, run here on the CPU) ------------------------------------------------
+
+def rel_err(got, want):
+    return ((got.double().cpu() - want.double().cpu()).norm() / want.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["norm", "zero-centred"])
+def test_cuda_fused_norms_equal_transformers_within_rounding(dtype, zero_centered):
+    """fp32: transformers' values but for the order of fp32 sums. bf16: the forward is transformers'; the
+    fused backward rounds once, at the end, where transformers' rounds each product to bf16: its gradients
+    are as close to a float64 computation as transformers' own, or closer."""
+    x, w = norm_inputs(dtype, zero_centered)
+    kernel = CUDA_EAGER_KERNELS.zero_centered_norm if zero_centered else CUDA_EAGER_KERNELS.norm
+    got = grads(lambda a, b: kernel(a, b, 1e-6), [x, w])
+    want = grads(lambda a, b: ref_norm(a, b, 1e-6, zero_centered), [x, w])
+    exact = grads(lambda a, b: ref_norm(a, b, 1e-6, zero_centered), [x.double(), w.double()])
+    if dtype == torch.float32:
+        for g, r in zip([got[0], *got[1]], [want[0], *want[1]]):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        return
+    assert_equal_within(got[0], want[0], dtype)
+    for g, r, e in zip(got[1], want[1], exact[1]):
+        assert rel_err(g, e) <= 1.05 * rel_err(r, e), (rel_err(g, e), rel_err(r, e))
+
+
+def test_cuda_fused_norm_normalizes_before_the_weight():
+    """transformers casts the normalized value, then multiplies by the weight; torch's fused norm given the
+    weight multiplies first (a quarter of bf16 values one unit apart): the kernel must not hand it over."""
+    x, w = norm_inputs(torch.bfloat16, False)
+    ref = ref_norm(x, w, 1e-6)
+    assert torch.equal(CUDA_EAGER_KERNELS.norm(x, w, 1e-6), ref)
+    assert not torch.equal(F.rms_norm(x, (64,), w, 1e-6), ref)
+
+
+def test_cuda_fused_norm_keeps_what_ours_keeps():
+    x, w = norm_inputs(torch.bfloat16, False)
+    rows = x.numel() // x.shape[-1]
+    assert saved_bytes(lambda a, b: CUDA_EAGER_KERNELS.norm(a, b, 1e-6), [x, w]) == rows * 4  # fp32 rstd
+    assert saved_bytes(lambda a, b: CPU_KERNELS.norm(a, b, 1e-6), [x, w]) == rows * 4
+    # the zero-centred form keeps the fp32 input: no more than ours
+    x, w = norm_inputs(torch.bfloat16, True)
+    fused = saved_bytes(lambda a, b: CUDA_EAGER_KERNELS.zero_centered_norm(a, b, 1e-6), [x, w])
+    assert fused <= saved_bytes(lambda a, b: CPU_KERNELS.zero_centered_norm(a, b, 1e-6), [x, w])
+
+
+# --- the NPU's wrappers, on a stand-in of torch_npu ---------------------------------------------------------------
+
+def _stand_in_rms_norm(x, gamma, epsilon=1e-6):
+    assert gamma.dtype == x.dtype, "torch_npu's gamma takes the input's dtype"
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def _stand_in_rotary_mul(x, r1, r2, rotary_mode="half"):
+    assert x.dim() == 4 and x.is_contiguous() and rotary_mode == "half"
+    assert r1.shape[0] in (1, x.shape[0]) and r1.shape[1:] == (x.shape[1], 1, x.shape[3]), "BSND, cos BS1D"
+    x1, x2 = x.chunk(2, dim=-1)
+    return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
+
+
+def _stand_in_swiglu(x, dim=-1):
+    a, b = x.chunk(2, dim=dim)  # SiLU of the first half times the second
+    return F.silu(a) * b
+
+
+@pytest.fixture
+def stand_in_torch_npu(monkeypatch):
+    module = types.ModuleType("torch_npu")
+    module.npu_rms_norm, module.npu_rotary_mul, module.npu_swiglu = (_stand_in_rms_norm, _stand_in_rotary_mul,
+                                                                     _stand_in_swiglu)
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["norm", "zero-centred"])
+def test_npu_norms_hand_torch_npu_what_transformers_computes(stand_in_torch_npu, dtype, zero_centered):
+    x, w = norm_inputs(dtype, zero_centered)
+    kernel = NPU_KERNELS.zero_centered_norm if zero_centered else NPU_KERNELS.norm
+    got = grads(lambda a, b: kernel(a, b, 1e-6), [x, w])
+    want = grads(lambda a, b: ref_norm(a, b, 1e-6, zero_centered), [x, w])
+    assert_equal_within(got[0], want[0], dtype)
+    assert_equal_within(got[1][0], want[1][0], dtype, ulps_bf16=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [64, 16], ids=["full", "partial"])
+def test_npu_rope_and_its_backward_by_minus_sin(stand_in_torch_npu, dtype, rotary):
+    x, cos, sin = rope_inputs(dtype, rotary)
+    got = grads(lambda a: NPU_KERNELS.rope(a, cos, sin), [x])
+    want = grads(lambda a: ref_rope(a, cos, sin), [x])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+    # only cos and sin (its inputs) are kept, where torch_npu's own backward keeps x too
+    assert saved_bytes(lambda a, c, s: NPU_KERNELS.rope(a, c, s), [x, cos, sin]) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_npu_swiglu_gates_with_the_first_half(stand_in_torch_npu, dtype):
+    gate, up = inputs((40, 96), dtype, 3), inputs((40, 96), dtype, 4)
+    got, want = grads(NPU_KERNELS.swiglu, [gate, up]), grads(ref_swiglu, [gate, up])
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
+
+
+# --- compile -----------------------------------------------------------------------------------------------------
+
+def test_our_kernels_compile_into_one_graph():
+    """Under ``compile`` on CUDA inductor fuses ours: their autograd functions must trace without a break
+    (``fullgraph``), forward and backward, and compute what they compute eagerly."""
+    x, w = norm_inputs(torch.float32, False)
+    _, cos, sin = rope_inputs(torch.float32, 64)
+
+    def block(a, b):
+        q = CPU_KERNELS.rope(CPU_KERNELS.norm(a, b, 1e-6).transpose(1, 2), cos, sin)
+        return CPU_KERNELS.swiglu(q, q * 2) + CPU_KERNELS.zero_centered_norm(a, b, 1e-6).transpose(1, 2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got, want = grads(compiled, [x, w]), grads(block, [x, w])
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# --- on the device (pytest -m device; QWEN3_PRETRAIN_TEST_DEVICE=cpu runs the CPU's) ------------------------------
+
+@pytest.mark.device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", ["norm", "zero-centred", "rope", "partial-rope", "swiglu"])
+def test_the_devices_kernels_equal_transformers_on_the_cpu(test_device, dtype, block):
+    """The kernels the device gets, run there, against transformers' expressions in float64 on the CPU;
+    the bound is the compute dtype's rounding (a wrong half order or layout is off by O(1))."""
+    kernels = elementwise_kernels(test_device.type)
+    if block in ("norm", "zero-centred"):
+        zero = block == "zero-centred"
+        args = list(norm_inputs(dtype, zero))
+        run = lambda a, b: (kernels.zero_centered_norm if zero else kernels.norm)(a, b, 1e-6)  # noqa: E731
+        ref = lambda a, b: ref_norm(a, b, 1e-6, zero)  # noqa: E731
+    elif block.endswith("rope"):
+        x, cos, sin = rope_inputs(dtype, 16 if block == "partial-rope" else 64)
+        args = [x]
+        run = lambda a: kernels.rope(a, cos.to(a.device), sin.to(a.device))  # noqa: E731
+        ref = lambda a: ref_rope(a, cos.double(), sin.double())  # noqa: E731
+    else:
+        args, run, ref = [inputs((40, 96), dtype, 3), inputs((40, 96), dtype, 4)], kernels.swiglu, ref_swiglu
+    got = grads(run, [a.to(test_device) for a in args])
+    want = grads(ref, [a.double() for a in args])
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    for g, r in zip([got[0], *got[1]], [want[0], *want[1]]):
+        assert rel_err(g, r) < bound, (block, rel_err(g, r))
