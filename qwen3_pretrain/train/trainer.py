@@ -29,11 +29,12 @@ from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
-from qwen3_pretrain.hardware import default_chunk_tokens
+from qwen3_pretrain.hardware import default_chunk_tokens, matmul_precision
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.models.qwen3.hf_carried import write_carried
 from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
+from qwen3_pretrain.plan.flops import TokenFlops, token_flops
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.layers import math_fallbacks
 from qwen3_pretrain.plan.memory import predict_memory
@@ -41,7 +42,8 @@ from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
                                           device_peak_tflops, format_line, measure_cpu_tflops,
-                                          memory_warning, runtime_reserved_gib, step_memory, synchronize)
+                                          memory_warning, runtime_reserved_gib, step_memory, synchronize,
+                                          utilization)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import lr_at
 
@@ -67,6 +69,8 @@ class Trainer:
         env.set_deterministic(cfg.deterministic)
         self.device = env.pick_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
+        if cfg.allow_tf32 and self.device.type == "cuda":  # before any matmul; the MFU peak follows it
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
         self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -246,7 +250,7 @@ class Trainer:
                             "another output_path", self.step, cfg.total_steps)
             return history
         peak = self._peak_tflops()
-        flops_per_token = self.source.config.flops_per_token(cfg.seq_length)
+        flops_per_token = token_flops(self.source.config, cfg.seq_length, cfg.ac_mode, cfg.mtp_loss_weight > 0)
         avg_step = None
         saved_at = started_at = self.step
         while self.step < cfg.total_steps:
@@ -291,6 +295,7 @@ class Trainer:
         the cores this node's processes may run on between them over their number, whatever the launcher
         bound each process to and set its threads to."""
         cfg, dtype = self.cfg, matmul_dtype(self.cfg.mixed_precision, self.fp32_matmul)
+        precision = matmul_precision(cfg.mixed_precision, cfg.allow_tf32, self.device.type)
         if self.device.type == "cpu" and not cfg.peak_tflops:
             cores, processes = env.node_cpu_share(self.launch.launcher != "none")
             dist.barrier()
@@ -300,7 +305,7 @@ class Trainer:
             origin = (f"{per_core:.3g} TFLOP/s measured on one core in {str(dtype).removeprefix('torch.')} x "
                       f"{cores} cores / {processes} process(es) on this node")
         elif self.is_log_rank:  # only the logging rank looks the device up (and warns if it is unknown)
-            peak, origin = device_peak_tflops(self.device, cfg.peak_tflops, dtype)
+            peak, origin = device_peak_tflops(self.device, cfg.peak_tflops, dtype, precision)
         else:
             return float("nan")
         if self.is_log_rank:
@@ -320,13 +325,13 @@ class Trainer:
                                  f"norm (last at step {rec['step']}); stopping. Lower learning_rate or check the "
                                  "data at that position; the last good checkpoint is kept")
 
-    def _log_step(self, rec: dict, peak_tflops: float, flops_per_token: float, avg_step: float) -> None:
+    def _log_step(self, rec: dict, peak_tflops: float, flops_per_token: TokenFlops, avg_step: float) -> None:
         world = self.launch.world_size
         tps = self.global_tokens / rec["step_time_s"]
         record = {
             "step": rec["step"], "total_steps": self.cfg.total_steps, "loss": rec["loss"], "lr": rec["lr"],
             "grad_norm": rec["grad_norm"], "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world,
-            "step_time_s": rec["step_time_s"], "mfu": flops_per_token * tps / (peak_tflops * 1e12 * world),
+            "step_time_s": rec["step_time_s"], **utilization(flops_per_token, tps / world, peak_tflops),
             **step_memory(self.device), "tokens_seen": self.tokens_seen,
             "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
             "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
