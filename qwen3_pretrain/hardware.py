@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 
 from qwen3_pretrain.config.loader import lookup
@@ -30,9 +31,23 @@ def optimizer_impl(device_type: str) -> str:
     """How the engine's AdamW runs on ``device_type``, and the planner's ``Layout.optimizer_impl``.
 
     The fused kernel makes one pass per tensor without temporaries (much faster than the per-tensor
-    loop torch otherwise picks on a CPU); other devices keep torch's default, the foreach path.
+    loop torch otherwise picks on a CPU). torch's ``AdamW(fused=True)`` accepts an NPU (torch's
+    out-of-tree device); it runs where torch_npu registers the kernel (``aten::_fused_adamw_``, served by
+    CANN's ApplyAdamWV2 in recent torch_npu), else the foreach path, as on any other device. Asked of
+    torch's dispatcher once torch_npu is loaded (on the NPU's machine); elsewhere (the planner on another
+    machine) the foreach path is assumed, whose temporaries make the larger prediction.
     """
-    return "fused" if device_type in ("cpu", "cuda") else "foreach"
+    if device_type in ("cpu", "cuda"):
+        return "fused"
+    return "fused" if device_type == "npu" and _npu_has_fused_adamw() else "foreach"
+
+
+def _npu_has_fused_adamw() -> bool:
+    if "torch_npu" not in sys.modules:
+        return False
+    import torch
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "PrivateUse1")
 
 
 # --- attention kernel rules -------------------------------------------------------------------------------

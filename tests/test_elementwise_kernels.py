@@ -81,19 +81,15 @@ def test_each_device_gets_its_kernels():
     assert elementwise_kernels("cuda", compiled=True) == CPU_KERNELS  # inductor fuses ours
     assert elementwise_kernels("npu") == NPU_KERNELS
     assert elementwise_kernels("npu", compiled=True) == NPU_KERNELS
-    assert CUDA_EAGER_KERNELS.describe()["norms"] == "fused_rms_norm, zero-centred fused_zero_centered_rms_norm"
-    assert NPU_KERNELS.describe() == {"norms": "npu_rms_norm, zero-centred npu_zero_centered_rms_norm",
-                                      "rope": "npu_apply_rope", "swiglu": "npu_swiglu"}
+    assert CUDA_EAGER_KERNELS.describe(zero_centered=True)["norms"] == "fused_zero_centered_rms_norm"
+    assert NPU_KERNELS.describe() == {"norms": "npu_rms_norm", "rope": "npu_apply_rope", "swiglu": "npu_swiglu"}
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
 def test_a_model_runs_the_kernels_it_was_built_with(tiny_config, hybrid):
     from qwen3_pretrain.models.qwen3.model import MLP, Attention, ModelOptions, Qwen3Model, RMSNorm
 
-    extra = dict(layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.25,
-                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                 linear_value_head_dim=8, linear_conv_kernel_dim=4, model_type="qwen3_5_text") if hybrid else {}
-    cfg = tiny_config(**extra)
+    cfg = tiny_config(**(HYBRID if hybrid else {}))
     model = Qwen3Model(cfg, ModelOptions(elementwise=CUDA_EAGER_KERNELS))
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     want = CUDA_EAGER_KERNELS.zero_centered_norm if hybrid else CUDA_EAGER_KERNELS.norm
@@ -105,6 +101,62 @@ def test_a_model_runs_the_kernels_it_was_built_with(tiny_config, hybrid):
     ours.load_state_dict(model.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids), ours(ids), rtol=1e-5, atol=1e-5)
+
+
+# --- the start-up table, and the optimizer ---------------------------------------------------------------------------
+
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.25, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              model_type="qwen3_5_text")
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "npu"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid"])
+def test_the_kernel_table_names_what_the_engine_builds(tiny_config, device_type, kind):
+    from qwen3_pretrain.models.ops.delta_rule import delta_rule_kernel
+    from qwen3_pretrain.models.ops.moe import MoE
+    from qwen3_pretrain.models.qwen3.model import RMSNorm
+    from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_experts, describe_kernels, kernel_table
+
+    cfg = tiny_config(**{"dense": {}, "moe": MOE, "hybrid": HYBRID}[kind])
+    table = kernel_table(cfg, device_type, "bf16", optimizer="AdamW fused")
+    kernels = elementwise_kernels(device_type)
+    stage = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, 64,
+                        elementwise=kernels, experts=choose_experts(device_type, "bf16"),
+                        delta_rule=delta_rule_kernel(device_type))
+    assert {m.kernel.__name__ for m in stage.modules() if isinstance(m, RMSNorm)} == {table["norms"]}
+    assert table["rope"] == kernels.rope.__name__ and table["swiglu"] == kernels.swiglu.__name__
+    assert ("experts" in table) == (kind == "moe") and ("delta rule" in table) == (kind == "hybrid")
+    if kind == "moe":
+        assert {m.experts.kernel.name for m in stage.modules() if isinstance(m, MoE)} == {table["experts"]}
+    if kind == "hybrid":
+        assert table["delta rule"] == "torch"  # flash-linear-attention is not installed here
+    assert table["optimizer"] == "AdamW fused"
+    line = describe_kernels(table)
+    assert line.startswith("attention: ") and f"norms: {table['norms']}" in line
+
+
+def test_npu_optimizer_is_fused_where_torch_npu_registers_the_kernel(monkeypatch):
+    from qwen3_pretrain.hardware import optimizer_impl
+
+    assert optimizer_impl("cpu") == optimizer_impl("cuda") == "fused"
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    assert optimizer_impl("npu") == "foreach"  # torch_npu not loaded: not on an NPU's machine
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    assert optimizer_impl("npu") == "foreach"  # this build has no NPU kernel for it
+    real = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
+                        lambda op, key: key == "PrivateUse1" and op == "aten::_fused_adamw_" or real(op, key))
+    assert optimizer_impl("npu") == "fused"
+
+
+def test_the_optimizer_row_reads_the_built_optimizer():
+    from qwen3_pretrain.train.optim import describe_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert describe_optimizer(torch.optim.AdamW(params, fused=True)) == "AdamW fused"
+    assert describe_optimizer(torch.optim.AdamW(params)).startswith("AdamW foreach")
 
 
 # --- ours: transformers' values bit for bit ------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel
+from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, delta_rule_kernel
+from qwen3_pretrain.models.ops.elementwise import ElementwiseKernels, elementwise_kernels
 from qwen3_pretrain.models.ops.loss import TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
@@ -72,12 +73,37 @@ def choose_experts(device_type: str, mixed_precision: str, fp32_matmul: bool = F
     return experts_kernel(device_type, dtype, fp32_linear if fp32_matmul else torch.nn.functional.linear)
 
 
+def kernel_table(cfg: Qwen3Config, device_type: str, mixed_precision: str, fp32_matmul: bool = False,
+                 compiled: bool = False, cp: bool = False, optimizer: str | None = None,
+                 make: KernelFactory = attention_kernel) -> dict[str, str]:
+    """Which kernel each block of ``cfg``'s model runs on ``device_type``, for the start-up log: asked of
+    the choosers the engine builds with (``choose_attention``, ``elementwise_kernels``, ``choose_experts``,
+    ``delta_rule_kernel``), never restated. ``cp``: the sequence is split over ranks; ``optimizer``: the
+    optimizer's row (train/optim.py: ``describe_optimizer``, which reads the built optimizer)."""
+    attention = choose_attention(device_type, fp32_matmul, make=make)
+    table = {"attention": f"{attention.name} ({type(attention).__name__}{', gathered over cp' if cp else ''})"}
+    table.update(elementwise_kernels(device_type, compiled).describe(zero_centered=cfg.is_hybrid))
+    if cfg.is_moe:
+        table["experts"] = choose_experts(device_type, mixed_precision, fp32_matmul).name
+    if cfg.num_linear_layers:
+        table["delta rule"] = delta_rule_kernel(device_type).name
+    if optimizer is not None:
+        table["optimizer"] = optimizer
+    return table
+
+
+def describe_kernels(table: dict[str, str]) -> str:
+    """``kernel_table`` as one log line."""
+    return " | ".join(f"{block}: {kernel}" for block, kernel in table.items())
+
+
 def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_tokens: int, *,
                 attention: AttentionKernel | None = None, fp32_matmul: bool = False, ac_mode: str = "none",
                 document_mask: bool = False, cp_mesh: DeviceMesh | None = None,
                 experts: ExpertsKernel | None = None, router_observer: RouterObserver | None = None,
                 moe_force_balance: bool = False, multi_token_prediction: bool = False,
-                delta_rule: DeltaRuleKernel | None = None) -> Qwen3Model:
+                delta_rule: DeltaRuleKernel | None = None, elementwise: ElementwiseKernels | None = None
+                ) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
@@ -88,14 +114,17 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     expert kernel (``choose_experts``), ``router_observer``: what watches its routing (the engine's balancing
     losses), ``moe_force_balance``: round-robin routing (a benchmark mode); ``multi_token_prediction``: the
     hybrids' MTP layer is trained (on the last stage; the next tokens' embeddings travel down the pipeline);
-    ``delta_rule``: the Gated DeltaNet layers' kernel (``models/ops/delta_rule.py``: ``delta_rule_kernel``)."""
+    ``delta_rule``: the Gated DeltaNet layers' kernel (``models/ops/delta_rule.py``: ``delta_rule_kernel``);
+    ``elementwise``: the norms', RoPE's and SwiGLU's (``models/ops/elementwise.py``: ``elementwise_kernels``;
+    by default the CPU's)."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     last = spec.stage_index == spec.num_stages - 1
     # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
     # by summing the two gradients (parallel/grads.py: TiedWeights).
     loss_head = LossHead(chunk_tokens=loss_chunk_tokens, valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size
                          else None, fp32_matmul=fp32_matmul)
-    options = ModelOptions(attention=kernel, linear=Fp32Linear if fp32_matmul else nn.Linear,
+    options = ModelOptions(attention=kernel, elementwise=elementwise or elementwise_kernels("cpu"),
+                           linear=Fp32Linear if fp32_matmul else nn.Linear,
                            recompute=ac_mode, document_mask=document_mask, loss_head=loss_head,
                            experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
                            router_observer=router_observer, moe_force_balance=moe_force_balance,

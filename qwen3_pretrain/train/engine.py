@@ -23,6 +23,7 @@ from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
 from qwen3_pretrain.models.ops.delta_rule import delta_rule_kernel
+from qwen3_pretrain.models.ops.elementwise import elementwise_kernels
 from qwen3_pretrain.models.ops.loss import IGNORE_INDEX
 from qwen3_pretrain.models.ops.moe import GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
@@ -164,7 +165,9 @@ class Engine:
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
                            experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance,
                            multi_token_prediction=self.mtp_weight > 0,
-                           delta_rule=delta_rule_kernel(self.target_device_type))
+                           delta_rule=delta_rule_kernel(self.target_device_type),
+                           # the tensors' own device: the simulation (CPU tensors) runs ours
+                           elementwise=elementwise_kernels(self.device.type, cfg.compile))
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes,
                           keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype)

@@ -42,6 +42,13 @@ def build_optimizer(parts: Iterable[nn.Module], cfg: TrainConfig, tied: bool) ->
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
 
 
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """What the built optimizer runs, for the start-up kernel table."""
+    if optimizer.defaults.get("fused"):
+        return "AdamW fused"
+    return "AdamW foreach (no fused AdamW kernel for this device: hardware.optimizer_impl)"
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warm-up to ``learning_rate`` over
     ``warmup_steps``, then cosine/linear decay to ``min_lr`` at ``total_steps`` (or constant)."""

@@ -34,6 +34,7 @@ from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.models.qwen3.hf_carried import write_carried
 from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
+from qwen3_pretrain.parallel.parallelize import describe_kernels, kernel_table
 from qwen3_pretrain.plan.flops import TokenFlops, token_flops
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.layers import math_fallbacks
@@ -45,7 +46,7 @@ from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, d
                                           memory_warning, runtime_reserved_gib, step_memory, synchronize,
                                           utilization)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
-from qwen3_pretrain.train.optim import lr_at
+from qwen3_pretrain.train.optim import describe_optimizer, lr_at
 
 log = logging.getLogger("qwen3_pretrain.train")
 
@@ -385,6 +386,9 @@ class Trainer:
                      self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size,
                      dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name, size, weights,
                      self.device, self.launch.launcher)
+            log.info("kernels: %s", describe_kernels(kernel_table(
+                m, self.engine.target_device_type, cfg.mixed_precision, self.fp32_matmul, cfg.compile, dims.cp > 1,
+                describe_optimizer(self.optimizers[0]))))
             # The start record first: a resume record after it belongs to the run it starts.
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
                                 "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,

@@ -52,10 +52,11 @@ class ElementwiseKernels:
     rope: Rope = apply_rope
     swiglu: Swiglu = swiglu
 
-    def describe(self) -> dict[str, str]:
-        """Block -> the kernel's name, for the start-up table."""
-        return {"norms": f"{self.norm.__name__}, zero-centred {self.zero_centered_norm.__name__}",
-                "rope": self.rope.__name__, "swiglu": self.swiglu.__name__}
+    def describe(self, zero_centered: bool = False) -> dict[str, str]:
+        """Block -> the kernel's name, for the start-up table; ``zero_centered``: the model's norms are (the
+        hybrids')."""
+        norm = self.zero_centered_norm if zero_centered else self.norm
+        return {"norms": norm.__name__, "rope": self.rope.__name__, "swiglu": self.swiglu.__name__}
 
 
 # --- CUDA eager: torch's fused RMSNorm ----------------------------------------------------------------------
