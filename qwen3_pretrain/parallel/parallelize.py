@@ -12,6 +12,9 @@ materialized, so an 8B model never exists whole on one rank.
 
 from __future__ import annotations
 
+import contextlib
+import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +33,7 @@ from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, Router
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
+from qwen3_pretrain.models.qwen3.model import INIT_TILE, LossHead, ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, ContextParallelHeads
 from qwen3_pretrain.parallel.expert_parallel import apply_expert_parallel
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
@@ -235,17 +238,56 @@ def compile_layer(layer: nn.Module, tensor_parallel: bool) -> None:
         layer.compile()
 
 
+# Elements of a parameter one task of ``materialize`` fills: whole tiles of the init (INIT_TILE rows), few
+# enough that a thread holds little on the host and the progress moves often.
+_CHUNK_ELEMENTS = 1 << 22
+
+# (elements filled so far, elements in all) of this rank's part, after each chunk
+Progress = Callable[[int, int], None]
+
+
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, source: ParamSource) -> None:
-    """Allocate this rank's shards on ``device`` and fill each from ``source`` (only the owned slices)."""
+def materialize(model: nn.Module, device: torch.device, source: ParamSource, threads: int = 1,
+                progress: Progress | None = None) -> None:
+    """Allocate this rank's shards on ``device`` and fill each from ``source`` (only the owned slices).
+
+    The shards are filled in chunks of rows on ``threads`` threads: the
+    source draws or reads on the CPU, where a torch operation runs on the
+    thread that calls it (one thread per rank under torchrun), and any chunk
+    of a slice holds the same values as the slice (``init_param``)."""
     model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        if isinstance(param, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        else:
-            shape, offset = tuple(param.shape), (0,) * param.dim()
-        if local.numel() == 0:
-            continue
-        slices = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        local.copy_(source(name, tuple(param.shape), slices).to(local.dtype))
+    chunks = [chunk for name, param in model.named_parameters() for chunk in _chunks(name, param)]
+    total, done = sum(chunk[0].numel() for chunk in chunks), 0
+
+    @torch.no_grad()  # in each thread: grad mode is per thread
+    def fill(chunk: tuple[torch.Tensor, str, tuple[int, ...], tuple[slice, ...]]) -> int:
+        local, name, shape, slices = chunk
+        local.copy_(source(name, shape, slices).to(local.dtype))
+        return local.numel()
+
+    with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+        for filled in (pool.map(fill, chunks) if pool is not None else map(fill, chunks)):
+            done += filled
+            if progress is not None:
+                progress(done, total)
+
+
+def _chunks(name: str, param: torch.Tensor) -> list[tuple[torch.Tensor, str, tuple[int, ...], tuple[slice, ...]]]:
+    """This rank's block of ``param`` cut along dim 0 at multiples of a fixed number of rows (so a chunk's
+    bounds do not depend on the layout): (local view, name, global shape, global slices) per chunk."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.numel() == 0:
+        return []
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    else:
+        shape, offset = tuple(param.shape), (0,) * param.dim()
+    slices = [slice(o, o + n) for o, n in zip(offset, shape)]
+    if param.dim() < 2:
+        return [(local, name, tuple(param.shape), tuple(slices))]
+    step = max(1, _CHUNK_ELEMENTS // math.prod(shape[1:]))
+    step = step - step % INIT_TILE[0] if step > INIT_TILE[0] else step
+    first, stop = offset[0], offset[0] + shape[0]
+    bounds = [first, *range((first // step + 1) * step, stop, step), stop]
+    return [(local[a - first:b - first], name, tuple(param.shape), (slice(a, b), *slices[1:]))
+            for a, b in zip(bounds, bounds[1:])]

@@ -34,6 +34,7 @@ from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_n
 from qwen3_pretrain.parallel.parallelize import (
     KernelFactory,
     PartSpec,
+    Progress,
     build_stage,
     choose_attention,
     choose_experts,
@@ -113,12 +114,15 @@ class Engine:
                  device: torch.device, fp32_matmul: bool, loss_chunk_tokens: int,
                  allocate: Callable[[nn.Module], None] | None = None, stage_io: StageIO | None = None,
                  target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel,
-                 play_experts: Callable[[GroupedExperts], None] | None = None) -> None:
+                 play_experts: Callable[[GroupedExperts], None] | None = None,
+                 init_threads: int = 1, progress: Progress | None = None) -> None:
         # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors
         # (and plays that device's attention kernels there, ``make_attention``, and each MoE layer's experts,
         # whose kernel and dispatch read token counts a fake tensor does not have: ``play_experts``).
         self.target_device_type = target_device_type or device.type
         self.make_attention, self.play_experts = make_attention, play_experts
+        # materialize's threads (this rank's share of the node's cores) and what it tells of its progress
+        self.init_threads, self.progress = init_threads, progress
         self.cfg, self.source, self.mesh, self.device = cfg, source, mesh, device
         self.dims, self.stages_per_rank = parallelism.dims, parallelism.stages_per_rank
         self.num_stages = parallelism.num_stages
@@ -176,7 +180,8 @@ class Engine:
                 if isinstance(module, GroupedExperts):
                     self.play_experts(module)
         if allocate is None:
-            materialize(part, self.device, self.source.tensor_source(self.padded_vocab, cfg.seed))
+            materialize(part, self.device, self.source.tensor_source(self.padded_vocab, cfg.seed),
+                        self.init_threads, self.progress)
         else:
             allocate(part)
         return part

@@ -37,20 +37,21 @@ class ModelSource:
         # What the files hold; a multi-token-prediction layer they lack starts from random init
         stored = set(self.reader.names()) if self.reader is not None else set()
 
+        def values(name: str, shape: tuple[int, ...], slices: tuple[slice, ...]) -> torch.Tensor:
+            if self.reader is not None and (name in stored or not name.startswith(MTP_PREFIX)):
+                return self.reader.read_slice(name, slices)
+            return init_param(name, shape, cfg, seed, slices)  # only the slice is drawn
+
         def source(name: str, shape: tuple[int, ...], slices: tuple[slice, ...]) -> torch.Tensor:
             if cfg.tie_word_embeddings:
                 name = TIED_ALIASES.get(name, name)
             real = (cfg.vocab_size,) + tuple(shape[1:]) if shape[0] == padded_vocab else tuple(shape)
-            out = torch.zeros(tuple(s.stop - s.start for s in slices))
             rows = slice(slices[0].start, min(slices[0].stop, real[0]))
-            if rows.stop <= rows.start:
-                return out
-            want = (rows,) + tuple(slices[1:])
-            if self.reader is not None and (name in stored or not name.startswith(MTP_PREFIX)):
-                values = self.reader.read_slice(name, want)
-            else:
-                values = init_param(name, real, cfg, seed)[want]
-            out[: rows.stop - rows.start] = values
+            if rows.stop == slices[0].stop:  # no padding row in the slice
+                return values(name, real, slices)
+            out = torch.zeros(tuple(s.stop - s.start for s in slices))
+            if rows.stop > rows.start:
+                out[: rows.stop - rows.start] = values(name, real, (rows,) + tuple(slices[1:]))
             return out
 
         return source

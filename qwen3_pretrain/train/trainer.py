@@ -116,8 +116,14 @@ class Trainer:
                                           cfg.seq_length)
 
     def _create_engine(self) -> None:
+        # A rank's parameters are drawn or read on its share of the node's cores, the logging rank saying how
+        # far; a run that resumes takes every one from its checkpoint, so they are only allocated.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // (self.launch.local_world_size or 1))
+        progress = _progress_logger("materializing this rank's parameters") if self.is_log_rank else None
+        allocate = (lambda part: part.to_empty(device=self.device)) if self.latest is not None else None
         self.engine = Engine(self.cfg, self.source, self.parallelism, self.mesh, self.device, self.fp32_matmul,
-                             self.loss_chunk_tokens)
+                             self.loss_chunk_tokens, allocate, init_threads=threads, progress=progress)
         e = self.engine
         self.parts, self.optimizers, self.padded_vocab = e.parts, e.optimizers, e.padded_vocab
 
@@ -449,6 +455,19 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         env.destroy()
+
+
+def _progress_logger(what: str, every_s: float = 5.0):
+    """A ``progress(done, total)`` that logs ``what``'s share done, at most every ``every_s`` seconds."""
+    last = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        if done < total and time.perf_counter() - last >= every_s:
+            last = time.perf_counter()
+            log.info("%s: %d%% (%.2f of %.2f B)", what, 100 * done // total, done / 1e9, total / 1e9)
+
+    return progress
 
 
 def _setup_logging(rank: int) -> None:
