@@ -16,7 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.models.ops.loss import ChunkedLMHead, fused_linear_cross_entropy
+from qwen3_pretrain.models.ops.loss import (ChunkedLMHead, check_bad_labels, fused_linear_cross_entropy,
+                                            new_bad_labels)
+from tests._host_syncs import HostSyncCounter
 from tests._train_helpers import free_port
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
@@ -137,6 +139,25 @@ def test_label_outside_vocab_is_a_user_error(bad_label, valid_vocab):
     labels[1, 2] = bad_label
     with pytest.raises(UserError, match=f"first: {bad_label}"):
         fused_linear_cross_entropy(h, w, labels, valid_vocab=valid_vocab)
+
+
+def test_bad_labels_counted_on_the_device_without_a_host_read():
+    h, w, labels = make_inputs(shape=(2, 9), vocab=50)
+    good = fused(h, w, labels, chunk_tokens=4)
+    found = new_bad_labels()
+    first_bad, second_bad = labels.clone(), labels.clone()
+    first_bad[0, 5], first_bad[1, 7], second_bad[0, 1] = 61, -7, 99
+    with HostSyncCounter() as syncs:
+        fused_linear_cross_entropy(h, w, labels, chunk_tokens=4, bad_labels=found)  # none: stays [0, _]
+        fused_linear_cross_entropy(h, w, first_bad, chunk_tokens=4, bad_labels=found)
+        fused_linear_cross_entropy(h, w, second_bad, chunk_tokens=4, bad_labels=found)
+    assert syncs.events == []
+    assert found.tolist() == [3, 61]  # three in all, the first one seen kept
+    with pytest.raises(UserError, match=r"3 label\(s\) are not token ids below valid_vocab=50 .*first: 61"):
+        check_bad_labels(*found.tolist(), valid_vocab=50)
+    check_bad_labels(0, 7, valid_vocab=50)  # no bad label: nothing raised
+    # the good labels' loss is unchanged by the count (and the count by a correct batch)
+    torch.testing.assert_close(fused(h, w, labels, chunk_tokens=4, bad_labels=new_bad_labels()), good)
 
 
 def test_shape_and_dtype_errors_name_the_problem():

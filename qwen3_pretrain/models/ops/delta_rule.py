@@ -10,6 +10,7 @@ flattened into one row, its variable-length mode. ``bench/device_check.sh`` comp
 from __future__ import annotations
 
 import importlib.util
+import weakref
 from typing import Protocol
 
 import torch
@@ -36,28 +37,56 @@ class TorchDeltaRule:
 
 
 class FlaDeltaRule:
+    """flash-linear-attention's kernel (``chunk``: its ``chunk_gated_delta_rule`` unless given) on the batch
+    flattened into one row. The offsets of a micro-batch's documents are found once, by the first layer, and
+    handed as the same tensor to every other layer and to the recompute in backward: finding them reads the
+    device's values on the host (``nonzero``), and flash-linear-attention keeps what it derives from them
+    (its chunk indices, another host read) for the tensor object it last saw."""
+
     name = "fla"
 
-    def __call__(self, q, k, v, g, beta, starts):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    def __init__(self, chunk=None) -> None:
+        if chunk is None:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        self.chunk = chunk
+        # (weak reference to a micro-batch's ``starts``, its offsets); one per micro-batch still in flight
+        self._offsets: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._rows: dict[tuple[int, int, str], torch.Tensor] = {}
 
+    def __call__(self, q, k, v, g, beta, starts):
         batch, seq, v_heads = v.shape[:3]
         group = v_heads // q.shape[2]
         if group > 1:  # each key head serves consecutive value heads
             q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         flat = [t.reshape(1, batch * seq, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        out, _ = fla_chunk(*flat, cu_seqlens=cu_seqlens(starts, batch, seq, q.device), use_qk_l2norm_in_kernel=True)
+        out, _ = self.chunk(*flat, cu_seqlens=self.offsets(starts, batch, seq, q.device),
+                            use_qk_l2norm_in_kernel=True)
         return out.view(batch, seq, v_heads, -1)
+
+    def offsets(self, starts: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+        """``cu_seqlens(starts, ...)``, computed once per ``starts`` tensor (a micro-batch's) while it lives."""
+        if starts is None:  # rows of one sequence each: the same offsets for every micro-batch of the shape
+            key = (batch, seq, str(device))
+            if key not in self._rows:
+                self._rows[key] = cu_seqlens(None, batch, seq, device)
+            return self._rows[key]
+        self._offsets = {key: entry for key, entry in self._offsets.items() if entry[0]() is not None}
+        entry = self._offsets.get(id(starts))
+        if entry is None or entry[0]() is not starts:
+            entry = self._offsets[id(starts)] = (weakref.ref(starts), cu_seqlens(starts, batch, seq, device))
+        return entry[1]
 
 
 def cu_seqlens(starts: torch.Tensor | None, batch: int, seq: int, device: torch.device | None = None
                ) -> torch.Tensor:
     """The offsets (int32, from 0 to batch * seq, on ``device``) of the sequences of a batch flattened into one
-    row: every row starts one, and so does every document start."""
+    row: every row starts one, and so does every document start. Without documents a multiple of ``seq``
+    each, with no host read."""
+    if starts is None:
+        return torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
     first = torch.zeros(batch, seq, dtype=torch.bool, device=device)
     first[:, 0] = True
-    if starts is not None:
-        first |= starts.to(first.device)
+    first |= starts.to(first.device)
     bounds = first.flatten().nonzero().flatten()
     end = torch.tensor([batch * seq], device=bounds.device)
     return torch.cat([bounds, end]).to(torch.int32)

@@ -49,6 +49,7 @@ class _Options:
     valid_vocab: int | None
     compute_grads: bool
     fp32_matmul: bool
+    bad_labels: torch.Tensor | None
 
 
 def fused_linear_cross_entropy(
@@ -62,6 +63,7 @@ def fused_linear_cross_entropy(
     vocab_start: int = 0,
     valid_vocab: int | None = None,
     fp32_matmul: bool = False,
+    bad_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over non-ignored tokens of ``cross_entropy(hidden @ weight.T, labels)``.
 
@@ -78,11 +80,19 @@ def fused_linear_cross_entropy(
     the inputs and the logits' gradient stays fp32 (for CPUs without native
     bf16, see ``models/ops/precision.py``); the gradients are returned in the
     inputs' dtypes.
+
+    A label that is neither a token id below ``valid_vocab`` (in the head) nor
+    ``ignore_index`` is a UserError. Without ``bad_labels`` it is raised here,
+    which reads one value on the host. With it, an int64 tensor [2] on the
+    inputs' device (``new_bad_labels``), the call only counts them there (and
+    keeps the first one's id): the caller reads it with its other figures and
+    hands the values to ``check_bad_labels``, so the loss makes the device
+    wait for nothing.
     """
     hidden, weight = _autocast_inputs(hidden, weight)
     _check_inputs(hidden, weight, labels, chunk_tokens, valid_vocab)
     opts = _Options(ignore_index, chunk_tokens, tp_group, vocab_start, valid_vocab, torch.is_grad_enabled(),
-                    fp32_matmul and hidden.dtype in LOW_PRECISION)
+                    fp32_matmul and hidden.dtype in LOW_PRECISION, bad_labels)
     return _FusedLinearCrossEntropy.apply(hidden, weight, labels, opts)
 
 
@@ -139,7 +149,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 chunk_grad_hidden = None if grad_hidden is None else grad_hidden[start:end]
                 loss += _chunk(flat_hidden[start:end], weight, flat_labels[start:end], opts, scratch,
                                chunk_grad_hidden, want_weight_grad, unmatched[start:end])
-        _check_labels(flat_labels, unmatched, opts)
+        _count_bad_labels(flat_labels, unmatched, opts)
         if grad_hidden is not None and opts.tp_group is not None:
             dist.all_reduce(grad_hidden, group=opts.tp_group)  # sum of the vocab shards' partials
         grad_weight = scratch.weight_grad_result().to(input_dtype) if want_weight_grad else None
@@ -254,15 +264,34 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _check_labels(labels: torch.Tensor, unmatched: torch.Tensor, opts: _Options) -> None:
-    # One host sync per call; a silent wrong loss from a bad token id would cost far more.
-    if not bool(unmatched.any()):
+def new_bad_labels(device: torch.device | str | None = None) -> torch.Tensor:
+    """An empty count of bad labels for ``fused_linear_cross_entropy(bad_labels=...)``: [count, first id]."""
+    return torch.zeros(2, dtype=torch.long, device=device)
+
+
+def _count_bad_labels(labels: torch.Tensor, unmatched: torch.Tensor, opts: _Options) -> None:
+    """Add the labels owned by no rank to ``opts.bad_labels`` on the device, keeping the first one's id;
+    without a caller's count, raise here (the one host read of the call)."""
+    if labels.numel() == 0:
         return
-    bad = labels[unmatched]
-    limit = f"below valid_vocab={opts.valid_vocab}" if opts.valid_vocab is not None else "in the LM head's vocab"
+    found = opts.bad_labels if opts.bad_labels is not None else new_bad_labels(labels.device)
+    first = labels.gather(0, unmatched.to(torch.uint8).argmax().reshape(1))  # [1]; labels[0] when none is bad
+    found[1:].copy_(torch.where(found[:1] == 0, first, found[1:]))
+    found[:1] += unmatched.sum()
+    if opts.bad_labels is None:
+        check_bad_labels(*found.tolist(), valid_vocab=opts.valid_vocab, ignore_index=opts.ignore_index)
+
+
+def check_bad_labels(count: float, first: float, *, valid_vocab: int | None, ignore_index: int = IGNORE_INDEX,
+                     where: str = "") -> None:
+    """Raise the UserError of ``count`` bad labels, the first being ``first`` (a count read from the
+    device as ``new_bad_labels`` holds it; ``where``: said instead of the first id when another rank saw them)."""
+    if not count:
+        return
+    limit = f"below valid_vocab={valid_vocab}" if valid_vocab is not None else "in the LM head's vocab"
     raise UserError(
-        f"{bad.numel()} label(s) are not token ids {limit} nor ignore_index={opts.ignore_index} "
-        f"(first: {int(bad[0])}): check that the data was tokenized for this model's vocab_size"
+        f"{int(count)} label(s) are not token ids {limit} nor ignore_index={ignore_index} "
+        f"({where or f'first: {int(first)}'}): check that the data was tokenized for this model's vocab_size"
     )
 
 
@@ -275,13 +304,16 @@ class _FusedLossHead:
     ignore_index: int
     fp32_matmul: bool  # multiply bf16 in fp32 (CPUs without native bf16, see models/ops/precision.py)
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None,
+                bad_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits without ``labels``; with them, the loss sum (``bad_labels``: see fused_linear_cross_entropy)."""
         if labels is None:
             return fp32_linear(h, self.weight) if self.fp32_matmul else F.linear(h, self.weight)
         weight, tp_group, vocab_start = _local_vocab_shard(self.weight)
         return fused_linear_cross_entropy(
             _full(h), weight, _full(labels), ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
             tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab, fp32_matmul=self.fp32_matmul,
+            bad_labels=bad_labels,
         )
 
 

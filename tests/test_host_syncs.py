@@ -1,0 +1,143 @@
+"""Device-to-host syncs per steady-state training step, counted with a stand-in on the CPU
+(tests/_host_syncs.py), so that none creeps back into the step unnoticed.
+
+What a step may read on the host: its figures (loss, gradient norm, the stop flag, the bad-label count, the
+MoE and MTP figures), in one copy between backward and the optimizer step, which needs the loss and the norm
+to skip a non-finite update and to clip. Beyond that, only what a kernel chosen for the run needs: one matmul
+per expert (the fp32 experts' kernel, ``ExpertLoop``) reads each MoE layer's token counts; the bf16 grouped
+GEMM reads nothing; flash-linear-attention's Gated DeltaNet kernel reads a micro-batch's document offsets
+once (below, with a stand-in kernel: the CPU runs ours, which reads nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen3_pretrain.models.ops.delta_rule import FlaDeltaRule
+from qwen3_pretrain.models.ops.gated_delta import chunk_gated_delta_rule
+from tests._host_syncs import HostSyncCounter, _drop_line
+from tests._train_helpers import TINY_MODEL, check_ok, child_env, free_port, make_corpus, write_config
+
+STEP_READ = "to at train/engine.py _read"  # the step's figures, one copy
+MOE = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+HYBRID = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=512, mtp_num_hidden_layers=1,
+              layer_types=["linear_attention", "full_attention"] * 2)
+MOE_SETUP = dict(model_overrides=MOE, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01)
+# name -> (processes, config overrides, the syncs of one step). Two micro-batches per rank each.
+RUNS = {
+    "dense": (1, {}, {STEP_READ: 1}),
+    "dense-dp2": (2, {"batch_size": 1}, {STEP_READ: 1}),
+    "moe-bf16-grouped-gemm": (1, dict(MOE_SETUP, mixed_precision="bf16"), {STEP_READ: 1}),
+    # 4 MoE layers x 2 micro-batches of the expert loop's token counts
+    "moe-fp32-expert-loop": (1, MOE_SETUP, {STEP_READ: 1, "tolist at models/ops/moe.py sizes": 8}),
+    # Gated DeltaNet on packed documents, the MTP layer trained, every layer recomputed
+    "hybrid-mtp-recompute": (1, dict(model_name="qwen3.5-0.8b", model_overrides=HYBRID, document_mask=True,
+                                     mtp_loss_weight=0.3, activation_checkpointing="full"), {STEP_READ: 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("syncs") / "corpus")
+
+
+def _syncs_per_step(tmp_path: Path, corpus: Path, nproc: int, overrides: dict) -> list[list[Counter]]:
+    """Per rank, per counted step: how many syncs each place made (two warm-up steps, then two counted)."""
+    config = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=10,
+                          gradient_accumulation_steps=2, **overrides)
+    script = ["-m", "tests._host_syncs", str(config), str(tmp_path)]
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                  "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    check_ok(subprocess.run(launch + script, capture_output=True, text=True, timeout=600, env=child_env(),
+                            cwd=Path(__file__).resolve().parents[1]))
+    ranks = []
+    for rank in range(nproc):
+        steps = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        ranks.append([Counter({_without_line(key): n for key, n in step.items()}) for step in steps])
+    return ranks
+
+
+def _without_line(key: str) -> str:
+    op, site = key.split(" at ", 1)
+    return f"{op} at {_drop_line(site)}"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_steady_state_step_reads_the_device_once(tmp_path, corpus, name):
+    nproc, overrides, want = RUNS[name]
+    for rank, steps in enumerate(_syncs_per_step(tmp_path, corpus, nproc, overrides)):
+        for got in steps:
+            assert got == Counter(want), f"rank {rank}: {dict(got)}"
+
+
+def test_the_counter_sees_each_kind_of_read():
+    x = torch.arange(6.0)
+    with HostSyncCounter() as syncs:
+        x.sum().item()
+        bool(x[0])
+        x.tolist()
+        x[x > 2]
+        (x > 2).nonzero()
+        host = x.to("cpu", copy=True)  # the one counted copy; what follows reads the host's copy
+        host.tolist()
+        float(host.max())
+        x.cumsum(0)  # no read
+    ops = [op for op, _ in syncs.events]
+    assert ops == ["_local_scalar_dense", "_local_scalar_dense", "tolist", "index", "nonzero", "to"]
+    assert all(site.startswith("test_host_syncs.py:") for _, site in syncs.events)
+
+
+# --- flash-linear-attention's offsets: once per micro-batch --------------------------------------------------------
+
+def _fla_stand_in(calls: list[torch.Tensor]):
+    """flash-linear-attention's chunk_gated_delta_rule in its variable-length mode, computed by ours: records
+    the offsets it is handed."""
+    def chunk(q, k, v, g, beta, *, cu_seqlens, use_qk_l2norm_in_kernel):
+        calls.append(cu_seqlens)
+        starts = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+        starts[0, cu_seqlens[:-1].long()] = True
+        return chunk_gated_delta_rule(q, k, v, g, beta, starts=starts, use_qk_l2norm=use_qk_l2norm_in_kernel)[0], None
+    return chunk
+
+
+def test_fla_offsets_are_found_once_per_micro_batch_for_every_layer_and_the_recompute(tiny_config):
+    from qwen3_pretrain.models.qwen3.model import ModelOptions, Qwen3Model
+
+    cfg = tiny_config(layer_types=["linear_attention", "full_attention"] * 2, num_hidden_layers=4,
+                      partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                      model_type="qwen3_5_text")
+    calls: list[torch.Tensor] = []
+    fla = Qwen3Model(cfg, ModelOptions(delta_rule=FlaDeltaRule(_fla_stand_in(calls)), document_mask=True,
+                                       recompute="full"))
+    ours = Qwen3Model(cfg, ModelOptions(document_mask=True))
+    ours.load_state_dict(fla.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    for cut in (5, 9):  # two micro-batches, documents cut in other places
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
+        positions = torch.cat([torch.arange(cut), torch.arange(16 - cut)]).repeat(2, 1)
+        calls.clear()
+        with HostSyncCounter() as syncs:
+            out = fla(ids, positions)
+            out.square().sum().backward()
+        offsets = [n for site, n in syncs.by_site().items() if "models/ops/delta_rule.py" in site]
+        assert offsets == [1], syncs.by_site()
+        assert len(calls) == 4 and all(t is calls[0] for t in calls)  # 2 layers, forward and recompute
+        assert calls[0].tolist() == [0, cut, 16, 16 + cut, 32]
+        torch.testing.assert_close(out, ours(ids, positions), rtol=1e-5, atol=1e-5)
+
+
+def test_fla_offsets_of_whole_rows_need_no_read():
+    kernel = FlaDeltaRule(chunk=lambda *a, **k: None)
+    with HostSyncCounter() as syncs:
+        first, again = kernel.offsets(None, 2, 8, torch.device("cpu")), kernel.offsets(None, 2, 8, torch.device("cpu"))
+    assert syncs.events == [] and first is again and first.tolist() == [0, 8, 16]
