@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,6 +67,7 @@ class Checkpointer:
         # gloo alone is possible because the process group is bound to a device only where the device's
         # library is NCCL, which gloo also registers for: parallel/env.py.)
         self._async_group = dist.new_group(backend="gloo") if async_save else None
+        self._stager = _stager(parts) if async_save else None
         self._pending: tuple[Any, Path, Path, dict] | None = None
 
     # --- state ----------------------------------------------------------------------
@@ -108,8 +110,10 @@ class Checkpointer:
         meta = dict(meta, format=FORMAT, format_version=1, step=step,
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         if self.async_save:
-            future = dcp.async_save(self._state_dict(), checkpoint_id=str(tmp), process_group=self._async_group)
-            self._pending = (future, tmp, final, dict(meta, _start=start))
+            future = dcp.async_save(self._state_dict(), checkpoint_id=str(tmp), process_group=self._async_group,
+                                    async_stager=self._stager)
+            # what training waited for: the state's copy into host memory (the write runs in the background)
+            self._pending = (future, tmp, final, dict(meta, _start=start, _blocked=time.perf_counter() - start))
             return
         self._run_collective_io(lambda: dcp.save(self._state_dict(), checkpoint_id=str(tmp)), tmp)
         self._publish(tmp, final, meta, start)
@@ -121,7 +125,14 @@ class Checkpointer:
         future, tmp, final, meta = self._pending
         self._pending = None
         self._run_collective_io(future.result, tmp)
-        self._publish(tmp, final, meta, meta.pop("_start"))
+        blocked = meta.pop("_blocked")
+        self._publish(tmp, final, meta, meta.pop("_start"), blocked)
+
+    def close(self) -> None:
+        """Free the host memory asynchronous saves stage into (a save still being written keeps its own)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _run_collective_io(self, fn, tmp: Path) -> None:
         try:
@@ -140,7 +151,7 @@ class Checkpointer:
         if failures:
             _raise_failures(what, failures, self.root)
 
-    def _publish(self, tmp: Path, final: Path, meta: dict, start: float) -> None:
+    def _publish(self, tmp: Path, final: Path, meta: dict, start: float, blocked: float | None = None) -> None:
         """Rank 0 renames the finished temp dir into place and updates ``latest``; all ranks agree on success."""
         def publish() -> None:
             write_json_atomic(tmp / META_FILE, meta, indent=1)
@@ -154,8 +165,9 @@ class Checkpointer:
         if dist.get_rank() == 0:
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             secs = time.perf_counter() - start
-            log.info("saved checkpoint %s (%.1f MB in %.1f s, %.0f MB/s)", final, size / 1e6, secs,
-                     size / 1e6 / max(secs, 1e-9))
+            waited = "" if blocked is None else f"; training waited {blocked:.2f} s for the copy to host memory"
+            log.info("saved checkpoint %s (%.1f MB in %.1f s, %.0f MB/s%s)", final, size / 1e6, secs,
+                     size / 1e6 / max(secs, 1e-9), waited)
 
     def _prune(self) -> None:
         if self.keep_last_n <= 0:
@@ -198,6 +210,17 @@ class Checkpointer:
             if saved.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
         return meta
+
+
+def _stager(parts: list[nn.Module]) -> DefaultStager:
+    """Where an asynchronous save copies the state before writing it: host memory allocated at the first save
+    and reused by every later one (DCP's default allocates it afresh each time), page-locked where the
+    parameters are on a CUDA device, so that the copy is one DMA per tensor and a single wait (DCP pins with
+    CUDA's host registration only: an NPU's or a CPU's run stages into ordinary memory, a CPU-to-CPU copy)."""
+    device = next((p.device for part in parts for p in part.parameters()), torch.device("cpu"))
+    pinned = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=pinned))
 
 
 def _fresh_dir(tmp: Path) -> None:

@@ -452,6 +452,7 @@ class Trainer:
 
     def close(self) -> None:
         self.loader.close()
+        self.checkpointer.close()
         if self.metrics is not None:
             self.metrics.close()
         env.destroy()
