@@ -19,6 +19,7 @@ from qwen3_pretrain.models.ops import elementwise as ew
 from qwen3_pretrain.models.ops.elementwise import (CPU_KERNELS, CUDA_EAGER_KERNELS, NPU_KERNELS, ElementwiseKernels,
                                                    elementwise_kernels)
 from qwen3_pretrain.models.ops.rope import rope_cos_sin
+from qwen3_pretrain.models.qwen3.attention import SdpaAttention
 from tests.test_lean_ops import saved_bytes
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -305,6 +306,23 @@ def test_our_kernels_compile_into_one_graph():
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for a, b in zip(got[1], want[1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid-attention"])
+def test_a_decoder_layer_with_its_kernels_compiles_into_one_graph(tiny_config, hybrid):
+    """The kernels reached through the modules (``RMSNorm.kernel``, ``Attention.rope``, ``MLP.swiglu``) trace
+    like the calls they replaced: a full-attention decoder layer is one graph, forward and backward."""
+    from qwen3_pretrain.models.qwen3.model import DecoderLayer, ModelOptions
+
+    cfg = tiny_config(**(HYBRID if hybrid else {}))
+    layer = DecoderLayer(cfg, ModelOptions(), SdpaAttention(), index=1)  # layer 1: full attention in HYBRID
+    x = inputs((2, 12, cfg.hidden_size), torch.float32, 5)
+    cos, sin = rope_cos_sin(torch.arange(12).expand(2, 12), cfg.rotary_dim, cfg.rope_theta, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    got, want = grads(lambda a: compiled(a, cos, sin), [x]), grads(lambda a: layer(a, cos, sin), [x])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1][0], want[1][0], rtol=1e-6, atol=1e-6)
 
 
 # --- on the device (pytest -m device; QWEN3_PRETRAIN_TEST_DEVICE=cpu runs the CPU's) ------------------------------

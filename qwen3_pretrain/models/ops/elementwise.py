@@ -72,7 +72,8 @@ class _FusedRMSNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
-        grad_x, grad_weight = _fused_rms_norm_backward(x.device.type)(grad, x, [x.shape[-1]], rstd, weight, mask)
+        backward = _fused_rms_norm_backward(x.device.type)
+        grad_x, grad_weight = backward(grad.contiguous(), x, [x.shape[-1]], rstd, weight, mask)
         return grad_x, grad_weight, None
 
 
