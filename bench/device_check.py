@@ -14,6 +14,9 @@ OUTDIR/summary.json is rewritten (atomically) after every stage: ``{"stages": [{
 "seconds", ...figures}], "not_run": [{"name", "reason"}], ...}``, so a slot cut short still reports
 what ran. A stage gets a timeout from what is left of the budget; a failed stage records its error
 and the end of its log, and the next stage runs (one that needs a failed stage is listed in not_run).
+The ``multi/`` stages (``device_check_multi.py``: tp 2, pp 2, cp 2, FSDP 2, ep 2, document masks, async save,
+compiled, each against one device) run where torch sees two or more devices, and with ``--cpu`` as two gloo
+processes; with one device they are listed in ``skipped``, which is no failure.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from device_check_stages import CPU_SIZES, DEVICE_SIZES, Context, StageFailed, s
 
 # Kept free at the end of the budget: the last summary write and the exit.
 RESERVE_S = 5.0
+# The default budget's addition on a machine with two or more devices: the multi/ stages' 13 short training launches.
+MULTI_DEVICE_S = 420.0
 
 
 class Summary:
@@ -44,7 +49,7 @@ class Summary:
     def __init__(self, path: Path, header: dict) -> None:
         self.path, self.started = path, time.monotonic()
         self.data = {**header, "started_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                     "finished": False, "stages": [], "not_run": []}
+                     "finished": False, "stages": [], "not_run": [], "skipped": []}
         self.write()
 
     def add(self, key: str, record: dict) -> None:
@@ -69,6 +74,7 @@ class Summary:
 @dataclass
 class Budget:
     end: float
+    multi_device_s: float = 0.0  # added once env has found two or more devices (the multi/ stages)
 
     def left(self) -> float:
         return self.end - time.monotonic() - RESERVE_S
@@ -90,13 +96,15 @@ def run_stage(stage, ctx: Context, timeout: float) -> dict:
             "timeout_s": round(timeout), **result}
 
 
-def why_not(stage, failed: set[str], budget: Budget, selected: list[str] | None) -> str | None:
+def why_not(stage, ctx: Context, failed: set[str], budget: Budget, selected: list[str] | None) -> str | None:
     """The reason a stage is not started, or None."""
     if selected is not None and not any(stage.name == s or stage.name.startswith(s + "/") for s in selected):
         return "not selected (--only)"
     missing = [n for n in stage.needs if n in failed]
     if missing:
         return f"needs {', '.join(missing)}, which failed or did not run"
+    if stage.skip is not None and stage.skip(ctx) is not None:
+        return stage.skip(ctx)
     if budget.left() < stage.start_if_s:
         return f"{max(budget.left(), 0):.0f} s of the budget left; the stage needs about {stage.start_if_s:.0f} s"
     return None
@@ -105,7 +113,10 @@ def why_not(stage, failed: set[str], budget: Budget, selected: list[str] | None)
 def run_all(ctx: Context, budget: Budget, summary: Summary, selected: list[str] | None) -> None:
     failed: set[str] = set()
     for stage in stages(ctx):
-        reason = why_not(stage, failed, budget, selected)
+        reason = why_not(stage, ctx, failed, budget, selected)
+        if reason is not None and stage.skip is not None and reason == stage.skip(ctx):
+            summary.add("skipped", {"name": stage.name, "reason": reason})  # not for this machine: no failure
+            continue
         if reason is not None:
             failed.add(stage.name)
             if selected is None or reason != "not selected (--only)":
@@ -116,6 +127,8 @@ def run_all(ctx: Context, budget: Budget, summary: Summary, selected: list[str] 
         summary.add("stages", record)
         if not record["ok"]:
             failed.add(stage.name)
+        if stage.name == "env" and ctx.device_count >= 2:
+            budget.end += budget.multi_device_s
         shown = {k: v for k, v in record.items() if k not in ("name", "ok", "seconds", "timeout_s", "tail")}
         print(f"[{summary.data['elapsed_s']:6.1f} s] {stage.name}: {'ok' if record['ok'] else 'FAILED'} "
               f"in {record['seconds']} s {json.dumps(shown)[:400]}", flush=True)
@@ -137,7 +150,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="run every stage on the CPU with tiny sizes")
     parser.add_argument("--work", type=Path, help="folder for the bulky files: data, checkpoints, merged models, "
                                                   "compiled kernels (default: a new temporary folder)")
-    parser.add_argument("--budget", type=float, help="seconds for all stages (default: 480 on a device, 300 --cpu)")
+    parser.add_argument("--budget", type=float, help="seconds for all stages (default: 480 on a device, plus "
+                                                     f"{MULTI_DEVICE_S:.0f} where torch sees two or more; 300 --cpu)")
     parser.add_argument("--only", help="comma-separated stages to run (a prefix such as 'throughput' selects all "
                                        "its variants); env always runs")
     parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS",
@@ -169,7 +183,8 @@ def main(argv: list[str]) -> int:
                                              "work": str(work)})
     selected = None if args.only is None else ["env", *args.only.split(",")]
     print(f"device check ({mode}), budget {budget_s:.0f} s -> {out / 'summary.json'}", flush=True)
-    run_all(ctx, Budget(time.monotonic() + budget_s), summary, selected)
+    extra = MULTI_DEVICE_S if args.budget is None and not args.cpu else 0.0
+    run_all(ctx, Budget(time.monotonic() + budget_s, extra), summary, selected)
     ok = summary.finish()
     print(f"device check done in {summary.data['elapsed_s']} s: "
           f"{sum(s['ok'] for s in summary.data['stages'])}/{len(summary.data['stages'])} stages ok, "

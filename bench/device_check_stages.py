@@ -92,6 +92,7 @@ class Stage:
     cap_s: float
     needs: tuple[str, ...] = ()
     start_if_s: float = 5.0
+    skip: Callable[["Context"], str | None] | None = None  # why it does not apply to this machine, or None
 
 
 # --- processes ---------------------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class Context:
     injected: dict[str, str]
     caps: dict[str, float]
     device: str = "cpu"  # what the env stage found: cpu, cuda or npu
+    device_count: int = 0  # how many of them torch sees (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES)
 
     def child_env(self, extra: dict | None = None) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -206,7 +208,7 @@ def stage_env(ctx: Context, deadline: float) -> dict:
     ctx.run([ctx.python, "bench/device_check_env.py", "--device", "cpu" if ctx.mode == "cpu" else "auto",
              "--out", facts_path], deadline, ctx.out / "env.log")
     facts = json.loads(facts_path.read_text())
-    ctx.device = facts["device_type"]
+    ctx.device, ctx.device_count = facts["device_type"], facts.get("device_count", 0)
     if ctx.mode == "device" and ctx.device == "cpu":
         raise StageFailed(f"torch {facts['torch']} sees no CUDA or NPU device (CUDA build: {facts['cuda_build']}); "
                           "install the accelerator's torch build into the venv (scripts/_venv.sh), or run with --cpu",
@@ -503,12 +505,15 @@ def throughput(v: Variant) -> Callable[[Context, float], dict]:
 
 
 def stages(ctx: Context) -> list[Stage]:
+    from device_check_multi import multi_stages
+
     s = ctx.sizes
     cli = [("convert", stage_convert, ()), ("train_resume", stage_train_resume, ("convert",)),
            ("merge", stage_merge, ("train_resume",)), ("parse_log", stage_parse_log, ("train_resume",)),
            ("bench_data", stage_bench_data, ())]
     out = [Stage("env", stage_env, s.caps["env"]), Stage("tests", stage_tests, s.caps["tests"], ("env",))]
     out += [Stage(name, fn, s.caps[name], ("env", *needs), s.start_if.get(name, 5.0)) for name, fn, needs in cli]
+    out += multi_stages(ctx)
     for v in s.variants:
         kind = "compile" if v.compile else "eager"
         out.append(Stage(variant_name(v, s.bench_model is not None), throughput(v), s.caps[kind],

@@ -64,9 +64,12 @@ def test_every_stage_passes_on_the_cpu(cpu_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = [s["name"] for s in summary["stages"]]
     assert names[:len(CLI_STAGES)] == CLI_STAGES
-    variants = names[len(CLI_STAGES):]
+    multi = [n for n in names if n.startswith("multi/")]
+    assert names[len(CLI_STAGES):len(CLI_STAGES) + len(multi)] == multi and "multi/ep2-moe-bf16" in multi
+    variants = names[len(CLI_STAGES) + len(multi):]
     assert variants and [n.startswith("throughput/") for n in variants] == [True] * len(variants), variants
     assert summary["finished"] and summary["all_ok"] and summary["not_run"] == [] and summary["mode"] == "cpu"
+    assert summary["skipped"] == []
     for stage in summary["stages"]:
         assert stage["seconds"] >= 0 and stage["timeout_s"] > 0, stage
     assert by_name(summary)["tests"]["passed"] > 0 and by_name(summary)["tests"]["failed"] == 0
@@ -231,3 +234,80 @@ def test_train_gpu_counts_the_devices_torch_sees_not_nvidia_smi_lines(tmp_path):
     assert "fsdp8" not in dry.stdout  # the whole-model case is planned from the devices torch counts
     real = subprocess.run(["bash", *script], capture_output=True, text=True, timeout=300, env=env)
     assert real.returncode == 2 and "torch sees no GPU or NPU" in real.stderr, real.stdout + real.stderr
+
+
+def multi_module():
+    sys.path.insert(0, str(REPO / "bench"))
+    import device_check_multi
+
+    return device_check_multi
+
+
+def test_two_gloo_processes_train_like_one_under_tp_2(tmp_path):
+    """The multi-device stage's CPU variant: data, the one-device run and tp 2 over two gloo processes, each
+    recorded in summary.json with its difference from one device (the other layouts run the same code path
+    with other overrides; the whole stage: docs/devices.md)."""
+    proc, summary = run_check(tmp_path, "--cpu", "--budget", "600", "--only", "multi/data,multi/one_device,multi/tp2")
+    stages = by_name(summary)
+    assert list(stages) == ["env", "multi/data", "multi/one_device", "multi/tp2"], summary
+    assert all(s["ok"] for s in stages.values()), {k: (s.get("error"), s.get("tail", "")[-1500:])
+                                                   for k, s in stages.items() if not s["ok"]}
+    tp2 = stages["multi/tp2"]
+    assert tp2["nproc"] == 2 and tp2["steps"] == [1, 2, 3, 4] and proc.returncode == 0
+    assert tp2["max_rel_loss_diff"] <= tp2["loss_rtol"] and tp2["max_rel_grad_norm_diff"] <= tp2["grad_norm_rtol"]
+    # the figures are the runs' own: recomputed from their metrics.jsonl
+    got, want = (losses(tmp_path / "multi" / f"{n}_metrics.jsonl") for n in ("tp2", "one_device"))
+    assert sorted(got) == [1, 2, 3, 4] and got.keys() == want.keys()
+    assert tp2["max_rel_loss_diff"] == max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
+    ranks = [line for line in (tmp_path / "multi" / "tp2.log").read_text().splitlines() if "tp 2" in line]
+    assert ranks, "the tp2 run's log does not show the layout"
+
+
+def test_the_comparison_with_one_device_catches_a_loss_or_gradient_off_by_more_than_its_tolerance():
+    multi = multi_module()
+    from device_check_stages import StageFailed
+
+    want = [{"step": k, "loss": 3.0 - 0.1 * k, "grad_norm": 1.0 + k} for k in range(1, 5)]
+    same = [dict(r, loss=r["loss"] * (1 + 1e-6)) for r in want]
+    figures = multi.compare(same, want, multi.FP32_TOL, "tp2")
+    assert figures["max_rel_loss_diff"] == pytest.approx(1e-6) and figures["max_rel_grad_norm_diff"] == 0
+    off = [dict(r, loss=r["loss"] * (1 + 1e-4) if r["step"] == 3 else r["loss"]) for r in want]
+    with pytest.raises(StageFailed, match="differs from one device by 1.00e-04 in the loss"):
+        multi.compare(off, want, multi.FP32_TOL, "tp2")
+    assert multi.compare(off, want, multi.BF16_TOL, "ep2")["max_rel_loss_diff"] == pytest.approx(1e-4)
+    halved = [dict(r, grad_norm=r["grad_norm"] / 2) for r in want]  # a gradient reduced over half the ranks
+    with pytest.raises(StageFailed, match="in the gradient norm"):
+        multi.compare(halved, want, multi.BF16_TOL, "ep2")
+    with pytest.raises(StageFailed, match=r"logged steps \[1, 2, 3\]"):
+        multi.compare(want[:3], want, multi.FP32_TOL, "pp2")
+
+
+def test_with_one_device_the_multi_device_stages_are_skipped_not_failed(tmp_path, monkeypatch):
+    """A machine with one GPU runs the single-device stages and lists the multi-device ones as skipped: the
+    check passes. Two devices run them; a CPU (--cpu) runs them as gloo processes."""
+    multi = multi_module()
+    import device_check
+    from device_check_stages import CPU_SIZES, Context, Stage
+
+    ctx = Context(mode="device", out=tmp_path, work=tmp_path, sizes=CPU_SIZES, python=sys.executable, injected={},
+                  caps={})
+
+    def env(c, deadline):
+        c.device, c.device_count = "cuda", 1
+        return {}
+
+    staged = [Stage("env", env, 10), *multi.multi_stages(ctx)]
+    monkeypatch.setattr(device_check, "stages", lambda c: staged)
+    summary = device_check.Summary(tmp_path / "summary.json", {})
+    device_check.run_all(ctx, device_check.Budget(time.monotonic() + 60), summary, None)
+    assert [s["name"] for s in summary.data["stages"]] == ["env"] and summary.finish()
+    assert summary.data["all_ok"] and summary.data["not_run"] == []
+    skipped = {r["name"]: r["reason"] for r in summary.data["skipped"]}
+    assert set(skipped) == {s.name for s in staged[1:]} and "multi/ep2-moe-bf16" in skipped
+    assert skipped["multi/tp2"] == "torch sees 1 cuda device(s); the multi-device runs need 2"
+    ctx.device_count = 2
+    assert multi.too_few_devices(ctx) is None and "multi/tp2-compile" in {s.name for s in multi.multi_stages(ctx)}
+    cpu = Context(mode="cpu", out=tmp_path, work=tmp_path, sizes=CPU_SIZES, python=sys.executable, injected={},
+                  caps={})
+    assert multi.too_few_devices(cpu) is None
+    assert not [s.name for s in multi.multi_stages(cpu) if "compile" in s.name]  # inductor's C++ build: device only
