@@ -351,3 +351,39 @@ def test_the_devices_kernels_equal_transformers_on_the_cpu(test_device, dtype, b
     bound = 1e-5 if dtype == torch.float32 else 1e-2
     for g, r in zip([got[0], *got[1]], [want[0], *want[1]]):
         assert rel_err(g, r) < bound, (block, rel_err(g, r))
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_a_model_with_the_devices_kernels_equals_a_float64_cpu_model(test_device, tiny_config, dtype, hybrid):
+    """The whole model built with the device's kernels (q/k norms on the projections' views, RoPE on the
+    transposed heads, the gated attention's partial rotary), run there, against the same weights in float64
+    on the CPU with ours: logits and every parameter's gradient. The hybrid's layers are all attention: the
+    delta rule's bf16 gradients are not this test's (tests/test_delta_rule_kernels.py)."""
+    import copy
+
+    from qwen3_pretrain.models.qwen3.model import ModelOptions, Qwen3Model
+    from tests.test_device import REL_TOL, logits_and_grads
+    from tests.test_model_parity import randomize
+
+    cfg = tiny_config(**({**HYBRID, "layer_types": ["full_attention"] * 2} if hybrid else {}))
+    model = Qwen3Model(cfg, ModelOptions(elementwise=elementwise_kernels(test_device.type)))
+    randomize(model, seed=3)
+    if hybrid:  # zero-centred norms: a scale of 1 + weight
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.sub_(1.0)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=gen)
+    probe = torch.randn(2, 64, cfg.vocab_size, generator=gen)
+    reference = Qwen3Model(cfg)
+    reference.load_state_dict(model.state_dict())
+    want, want_grads = logits_and_grads(copy.deepcopy(reference).double(), ids, probe.double())
+    got, got_grads = logits_and_grads(model.to(device=test_device, dtype=dtype), ids.to(test_device),
+                                      probe.to(test_device))
+    assert rel_err(got, want) < REL_TOL[dtype], rel_err(got, want)
+    worst = max(want_grads, key=lambda n: rel_err(got_grads[n], want_grads[n]))
+    assert rel_err(got_grads[worst], want_grads[worst]) < REL_TOL[dtype], (worst, rel_err(got_grads[worst],
+                                                                                         want_grads[worst]))
