@@ -17,13 +17,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from qwen3_pretrain.models.ops.delta_rule import FlaDeltaRule
 from qwen3_pretrain.models.ops.gated_delta import chunk_gated_delta_rule
 from tests._host_syncs import HostSyncCounter, _drop_line
-from tests._train_helpers import TINY_MODEL, check_ok, child_env, free_port, make_corpus, write_config
+from qwen3_pretrain.data.synthetic import write_synthetic_dataset
+from tests._train_helpers import TINY_MODEL, check_ok, child_env, free_port, make_corpus, run_train, write_config
 
 STEP_READ = "to at train/engine.py _read"  # the step's figures, one copy
 MOE = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
@@ -77,6 +79,19 @@ def test_a_steady_state_step_reads_the_device_once(tmp_path, corpus, name):
     for rank, steps in enumerate(_syncs_per_step(tmp_path, corpus, nproc, overrides)):
         for got in steps:
             assert got == Counter(want), f"rank {rank}: {dict(got)}"
+
+
+def test_a_token_outside_the_vocabulary_stops_training_with_its_id(tmp_path):
+    """Checked on the host where the batch is made (data/reader.py): on the device an input id would fail in
+    the embedding (a device assert on CUDA) before the loss could name it."""
+    # the manifest claims the model's vocabulary; every document holds an id beyond it
+    docs = [np.where(np.arange(40) == 5, 600, (7 + np.arange(40)) % 500) for _ in range(20)]
+    corpus = tmp_path / "corpus"
+    write_synthetic_dataset(corpus, docs, eod_id=511, vocab_size=512)
+    proc = run_train(write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "of the training data holds token id 600, not in [0, 512) (the model's vocab_size)" in out, out[-3000:]
 
 
 def test_the_counter_sees_each_kind_of_read():

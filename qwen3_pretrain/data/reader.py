@@ -248,6 +248,18 @@ def _check_dataset_args(seq_length: int, seed: int, split: str, valid_fraction: 
         raise UserError(f"valid_fraction must be in [0, 1), got {valid_fraction!r}")
 
 
+def _check_token_ids(samples: list[dict[str, torch.Tensor]], first: int, vocab_size: int) -> None:
+    """Raise a UserError naming the first sample (global index, from ``first``) that holds a token id outside
+    ``[0, vocab_size)``: its inputs, and its labels' last id (the others are inputs too)."""
+    for j, sample in enumerate(samples):
+        ids = torch.cat([sample["input_ids"], sample["labels"][-1:]])
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bool(bad.any()):  # host tensors: no device is waited for
+            raise UserError(f"sample {first + j} of the training data holds token id {int(ids[bad][0])}, not in "
+                            f"[0, {vocab_size}) (the model's vocab_size): check that the data was tokenized for "
+                            "this model (its manifest.json names the tokenizer and vocab_size)")
+
+
 class GlobalBatchLoader:
     """Iterator over training steps: this data-parallel rank's share of each global batch.
 
@@ -259,10 +271,13 @@ class GlobalBatchLoader:
     (``state_dict``) counts samples handed out, in global terms. ``dataset`` is
     a ``PackedDataset`` or anything indexed the same way with ``seed`` and
     ``seq_length`` (a ``BlendedDataset``, whose ``blend_state`` joins the state).
+    With ``vocab_size``, a token id outside ``[0, vocab_size)`` is a UserError
+    naming the sample, checked here on the host where the tokens already are:
+    on the device it would be an embedding's index error (or a device assert).
     """
 
     def __init__(self, dataset: PackedDataset | Any, global_batch_size: int, dp_rank: int, dp_size: int,
-                 micro_batch_size: int, consumed_samples: int = 0) -> None:
+                 micro_batch_size: int, consumed_samples: int = 0, vocab_size: int | None = None) -> None:
         _check_batch_layout(global_batch_size, dp_rank, dp_size, micro_batch_size)
         if not isinstance(consumed_samples, int) or consumed_samples < 0:
             raise UserError(f"consumed_samples must be a non-negative integer, got {consumed_samples!r}")
@@ -270,6 +285,7 @@ class GlobalBatchLoader:
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.micro_batch_size = micro_batch_size
         self.consumed_samples = consumed_samples
+        self.vocab_size = vocab_size
 
     @property
     def tokens_per_step(self) -> int:
@@ -283,6 +299,8 @@ class GlobalBatchLoader:
         per_rank = self.global_batch_size // self.dp_size
         first = self.consumed_samples + self.dp_rank * per_rank
         samples = [self.dataset[i] for i in range(first, first + per_rank)]
+        if self.vocab_size is not None:
+            _check_token_ids(samples, first, self.vocab_size)
         self.consumed_samples += self.global_batch_size
         mbs = self.micro_batch_size
         return [{key: torch.stack([s[key] for s in samples[i:i + mbs]]) for key in samples[0]}

@@ -135,7 +135,9 @@ class Trainer:
         dp_rank = dims.dp_rank(self.launch.rank)
         micro = cfg.batch_size
         # The next steps' batches are read in a thread while this one runs (data/prefetch.py).
-        self.loader = Prefetcher(GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro), self.device)
+        vocab = self.source.config.vocab_size  # token ids checked on the host, before the device sees them
+        self.loader = Prefetcher(GlobalBatchLoader(dataset, self.global_batch, dp_rank, dims.dp, micro,
+                                                   vocab_size=vocab), self.device)
         self.eval_loader_args = None
         if cfg.eval_steps:
             valid = BlendedDataset.open(cfg.data_sources, cfg.seq_length, cfg.seed, split="valid",
@@ -223,7 +225,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean token loss over ``eval_iters`` global batches of the held-out split (the same ones each time)."""
-        loader = GlobalBatchLoader(*self.eval_loader_args)
+        loader = GlobalBatchLoader(*self.eval_loader_args, vocab_size=self.source.config.vocab_size)
         total = sum(self.engine.evaluate(next(loader)) for _ in range(self.cfg.eval_iters))
         self.engine.reshard()
         return total / self.cfg.eval_iters
