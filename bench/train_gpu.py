@@ -43,6 +43,7 @@ def run(config: str, steps: int, warmup: int) -> None:
     from qwen3_pretrain.train.config import TrainConfig
     from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, step_memory
     from qwen3_pretrain.models.ops.precision import matmul_dtype
+    from qwen3_pretrain.plan.flops import token_flops
     from qwen3_pretrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(TrainConfig, config))
@@ -50,7 +51,7 @@ def run(config: str, steps: int, warmup: int) -> None:
     # On a CPU, the peak is measured in the dtype the engine multiplies in (as the trainer's fit() does).
     peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops,
                                  matmul_dtype(cfg.mixed_precision, trainer.fp32_matmul))
-    flops_per_token = trainer.source.config.flops_per_token(cfg.seq_length)
+    flops_per_token = token_flops(trainer.source.config, cfg.seq_length, cfg.ac_mode, cfg.mtp_loss_weight > 0).model
     writer = MetricsWriter(cfg.output_path) if trainer.launch.rank == 0 else None
     try:
         for _ in range(warmup + steps):

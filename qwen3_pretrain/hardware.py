@@ -1,16 +1,17 @@
-"""Devices the planner knows: memory, dense bf16 peak, link speeds, latencies.
+"""Devices the planner knows: memory, dense bf16, TF32 and fp32 peaks, link speeds, latencies.
 
 Bandwidths are *bus* bandwidths in the sense of nccl-tests (what one device's
 links carry in a ring collective), per device, in GB/s (1e9 bytes); they are
 typical published figures, not measured here. Replace them with measured ones
 with ``qwen3-pretrain commbench --json FILE`` and ``plan --commbench FILE``.
 
-``compute_efficiency`` is the share of the dense peak that a training step's
-compute reaches end to end in eager PyTorch (matmuls at their shapes, plus
-norms, RoPE, elementwise work and kernel launches). 0.40 on accelerators is
-calibrated on torchtitan's published Llama-3.1-8B run (8x H100, FSDP, seq 8192,
-selective recompute, eager: 34% MFU; predicted there with MLP recompute); see
-docs/planner.md.
+``compute_efficiency`` is the share of the dense peak at which a training step
+executes its FLOPs (plan/flops.py: attention's causal half, recompute included)
+end to end in eager PyTorch (matmuls at their shapes, plus norms, RoPE,
+elementwise work and kernel launches). 0.35 on accelerators is calibrated on
+torchtitan's published Llama-3.1-8B run (8x H100, FSDP, seq 8192, selective
+recompute, eager: 5,762 tokens/s/GPU, 34% MFU in torchtitan's whole-square
+count; predicted there for Qwen3-8B with MLP recompute); see docs/planner.md.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Hardware:
     memory_bandwidth_gbps: float = 2000.0  # device memory bandwidth, GB/s (the optimizer step is bound by it)
     intra_node_latency_us: float = 10.0
     inter_node_latency_us: float = 25.0
-    compute_efficiency: float = 0.40
+    compute_efficiency: float = 0.35
     runtime_reserved_gib: float = 1.0  # device runtime context + communicator buffers, outside the allocator
     device_type: str = "cuda"  # torch's device type: "cuda", "npu" or "cpu"
     reported_names: tuple[str, ...] = ()  # exactly as torch.<device_type>.get_device_name reports it
@@ -169,8 +170,9 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 
 # Keys are the planner's short names (--device); ``reported_names`` are the exact names the device
 # reports (torch.cuda/torch.npu.get_device_name), which metrics match for MFU. Peaks are dense (no
-# sparsity). TF32: each datasheet's TF32 tensor-core figure, published with sparsity, halved (B200: the HGX
-# B200's 18 PFLOP/s / 8 / 2); Ascend NPUs and CPUs have none, so mixed_precision fp32 runs at their fp32 peak. Sources and what was verified on hardware: docs/planner.md, "Devices".
+# sparsity). TF32: each datasheet's TF32 tensor-core figure, published with sparsity, halved (B200: the
+# HGX B200's 18 PFLOP/s / 8 / 2); Ascend NPUs and CPUs have none: mixed_precision fp32 runs at the fp32 peak.
+# Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
         "h100", 79.6, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=3350.0,

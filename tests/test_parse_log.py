@@ -40,7 +40,7 @@ def _line(step: int, v: dict, tail: str = "") -> str:
     return (
         f"2026-12-02 14:05:31 INFO step {step}/{TOTAL} | loss {v['loss']:.4f} | lr {v['lr']:.2e} | "
         f"grad_norm {v['grad_norm']:.2f} | tokens/s {v['tps']:.0f} ({v['tps'] / 8:.2f}/device) | step 0.80 s | "
-        f"mfu {v['mfu_pct']:.1f}% | mem {v['mem']:.2f} GiB | eta 22h13m{tail}"
+        f"mfu {v['mfu_pct']:.1f}% | hfu {v['mfu_pct'] + 10:.1f}% | mem {v['mem']:.2f} GiB | eta 22h13m{tail}"
     )
 
 
@@ -76,9 +76,12 @@ def test_resumed_nohup_log_to_csv(tmp_path: Path) -> None:
         assert float(by_step[step]["grad_norm"]) == 1.5
     assert float(by_step[200]["loss"]) == pytest.approx(_values(200, 0)["loss"], abs=5e-5)
     assert float(by_step[200]["mfu"]) == pytest.approx((40.0 + 200 % 3 / 10) / 100)  # percent -> fraction
+    assert float(by_step[200]["hfu"]) == pytest.approx((50.0 + 200 % 3 / 10) / 100)
     assert by_step[100]["total_steps"] == str(TOTAL) and by_step[100]["eta_s"] == str(22 * 3600 + 13 * 60)
     assert float(by_step[100]["tokens_per_sec_per_device"]) == pytest.approx(_values(100, 0)["tps"] / 8, abs=5e-3)
-    assert list(rows[0]) == [c for c in KNOWN_COLUMNS if c not in ("tokens_seen", "eval_loss", "eval_ppl")]
+    # mfu_full_square is in metrics.jsonl only, not on the line
+    assert list(rows[0]) == [c for c in KNOWN_COLUMNS if c not in ("mfu_full_square", "tokens_seen", "eval_loss",
+                                                                    "eval_ppl")]
 
 
 def test_summary_matches_hand_computation(tmp_path: Path) -> None:
@@ -180,7 +183,8 @@ def test_metrics_jsonl(tmp_path: Path, restart: list[dict]) -> None:
 def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
     """The contract with the training engine: the line it prints parses back to the record it wrote."""
     base = {"total_steps": 1000, "lr": 1.234e-5, "tokens_per_sec": 732.4, "tokens_per_sec_per_device": 91.55,
-            "step_time_s": 0.804, "mfu": 0.41234, "memory_gib": 41.96}  # fmt: skip
+            "step_time_s": 0.804, "mfu": 0.41234, "hfu": 0.54949, "mfu_full_square": 0.47,
+            "memory_gib": 41.96}  # fmt: skip
     cases = [  # (loss, grad_norm, eta_s, skipped) -> eta in whole units as the engine shows it
         (2.34119, 0.9134, 93784.7, False, 26 * 3600),  # 1d02h
         (2.2, 1234.5, 3725.0, False, 3720),  # 1h02m
@@ -197,8 +201,8 @@ def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
         assert row["grad_norm"] == pytest.approx(grad_norm, rel=5e-3)
         assert (row["eta_s"], row["skipped"], row["total_steps"]) == (eta, skipped, 1000)
         assert row["lr"] == pytest.approx(1.23e-5) and row["tokens_per_sec"] == 732
-        assert (row["tokens_per_sec_per_device"], row["step_time_s"], row["mfu"], row["memory_gib"]) == (
-            pytest.approx(91.5), 0.80, 0.412, 42.0)  # fmt: skip
+        assert (row["tokens_per_sec_per_device"], row["step_time_s"], row["mfu"], row["hfu"], row["memory_gib"]) == (
+            pytest.approx(91.5), 0.80, 0.412, 0.549, 42.0)  # fmt: skip
 
 
 def test_reserved_memory_beside_allocated_reads_back_and_the_old_form_still_does(tmp_path: Path, monkeypatch) -> None:

@@ -24,6 +24,7 @@ from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan import layers, memory
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
+from qwen3_pretrain.plan.flops import token_flops
 from qwen3_pretrain.plan.layers import largest_tensor, saved_bytes_per_token
 from qwen3_pretrain.plan.layout import Cluster, LayerKind, Layout, enumerate_layouts, stage_shapes
 from qwen3_pretrain.plan.memory import GiB, recomputed_bytes_per_token, predict_memory, stage_params
@@ -219,7 +220,7 @@ def test_moe_stage_parameters_add_up_to_the_real_model():
     # one process, no recompute: hardware FLOPs are the model's active FLOPs
     lay = Layout(seq_length=4096, micro_batch_size=1, activation_checkpointing="none")
     assert sum(_stage_flops_per_microbatch(cfg, lay, stage_shapes(cfg, lay)[0])) == pytest.approx(
-        cfg.flops_per_token(4096) * 4096)
+        token_flops(cfg, 4096).model * 4096)
 
 
 def test_pipeline_bubble_and_inflight():
@@ -236,18 +237,31 @@ def test_pipeline_bubble_and_inflight():
     assert F.inflight_microbatches("interleaved", 4, 3, 8, v=2) == (4 + 1) / 2
 
 
-def test_flops_per_token_by_hand_and_against_the_model_config():
-    # Qwen3-8B: per layer 2*4096^2 + 2*4096*1024 + 3*4096*12288 = 192,937,984 weights
+def test_flops_per_token_by_hand():
+    # Qwen3-8B: per layer 2*4096^2 + 2*4096*1024 + 3*4096*12288 = 192,937,984 weights; attention's core
+    # 4 * 4096 FLOPs per attended key forward, 3x with backward, over 8192 / 2 keys (causal) or 8192 (square)
     n_matmul = 36 * 192937984 + 151936 * 4096
-    by_hand = 6 * n_matmul + 12 * 36 * 4096 * 8192
-    assert by_hand == 59904098304
-    assert F.training_flops_per_token(36, 4096, 4096, 1024, 12288, 151936, 8192) == by_hand
+    core = 36 * 3 * 4 * 4096
+    flops = token_flops(get_preset("qwen3-8b"), 8192)
+    assert flops.full_square == 6 * n_matmul + core * 8192 == 59904098304  # PaLM's 6 N + 12 L q s
+    assert flops.model == 6 * n_matmul + core * 4096 == 52656340992
+    assert flops.full_square / flops.model == pytest.approx(1.1376, abs=1e-4)  # the full square overstates
+    assert flops.hardware == flops.model  # no recompute
+    # full recompute: the layers' forward once more (a third of their FLOPs) but the down projection, whose
+    # output backward does not need (the checkpoint stops before it); mlp: gate and up; selective: the core
+    down = 36 * 2 * 4096 * 12288
+    assert token_flops(get_preset("qwen3-8b"), 8192, "full").hardware == pytest.approx(
+        flops.model + (flops.model - 6 * 151936 * 4096) / 3 - down)
+    assert token_flops(get_preset("qwen3-8b"), 8192, "mlp").hardware == flops.model + 2 * down
+    assert token_flops(get_preset("qwen3-8b"), 8192, "selective").hardware == flops.model + core * 4096 / 3
+    small = token_flops(get_preset("qwen3-1.7b"), 8192)
+    assert small.full_square / small.model == pytest.approx(1.2145, abs=1e-4)
     for name in ("qwen3-0.6b", "qwen3-14b", "qwen3-32b"):
         cfg = get_preset(name)
-        q, kv = cfg.num_attention_heads * 128, cfg.num_key_value_heads * 128
-        ours = F.training_flops_per_token(cfg.num_hidden_layers, cfg.hidden_size, q, kv, cfg.intermediate_size,
-                                          cfg.vocab_size, 4096)
-        assert ours == cfg.flops_per_token(4096)
+        q, kv, f = cfg.num_attention_heads * 128, cfg.num_key_value_heads * 128, cfg.intermediate_size
+        layer = 2 * cfg.hidden_size * q + 2 * cfg.hidden_size * kv + 3 * cfg.hidden_size * f
+        n_matmul = cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size
+        assert token_flops(cfg, 4096).model == 6 * n_matmul + 6 * cfg.num_hidden_layers * q * 4096
 
 
 def test_collective_costs_follow_nccl_tests_conventions():
@@ -314,7 +328,11 @@ def test_step_estimate_is_consistent():
     est = predict_step(cfg, lay, get_device("910b"), Cluster(2, 4))
     assert est.bubble_fraction == pytest.approx(1 / 5)
     assert est.tokens_per_sec_per_device == pytest.approx(4 * 8192 / est.step_time_s / 8)
-    assert est.mfu == pytest.approx(est.tokens_per_sec_per_device * cfg.flops_per_token(8192) / 313e12)
+    flops = token_flops(cfg, 8192, lay.activation_checkpointing)
+    assert est.mfu == pytest.approx(est.tokens_per_sec_per_device * flops.model / 313e12)
+    assert est.hfu == pytest.approx(est.tokens_per_sec_per_device * flops.hardware / 313e12)
+    assert est.hfu > est.mfu  # full recompute
+    assert est.mfu_full_square == pytest.approx(est.tokens_per_sec_per_device * flops.full_square / 313e12)
     assert 0 < est.mfu < 0.4  # never above the stated efficiency
     assert est.comm_bytes_per_axis["tp"] > 0 and est.comm_bytes_per_axis["dp"] == 0
     # tp across nodes is slower than inside one
@@ -381,7 +399,7 @@ def test_plan_json_keys_and_order(capsys):
     assert len(rows) == 5
     keys = {"tp", "pp", "dp", "micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing",
             "distributed_optimizer", "memory_gib", "bubble_fraction", "step_time_s", "tokens_per_sec_per_device",
-            "mfu", "fits"}
+            "mfu", "hfu", "mfu_full_square", "fits"}
     assert keys <= set(rows[0])
     assert set(rows[0]["memory_gib"]) == {"parameters", "gradients", "optimizer", "activations", "logits",
                                           "overhead", "total"}
@@ -748,7 +766,7 @@ def test_hybrid_stage_parameters_are_the_real_stages(name, tp, pp):
     lay = Layout(seq_length=4096, activation_checkpointing="none")
     matmul, rule = _stage_flops_per_microbatch(cfg, lay, whole)
     assert rule == 6 * cfg.linear_attention_flops_per_token() * 4096
-    assert matmul + rule == pytest.approx(cfg.flops_per_token(4096) * 4096)
+    assert matmul + rule == pytest.approx(token_flops(cfg, 4096).model * 4096)
 
 
 def test_hybrid_plan_rows_are_configs_train_accepts(capsys, tmp_path):

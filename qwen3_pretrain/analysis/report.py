@@ -21,7 +21,8 @@ from qwen3_pretrain.fsutil import atomic_path
 
 KNOWN_COLUMNS = (
     "step", "total_steps", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device",
-    "step_time_s", "mfu", "memory_gib", "eta_s", "tokens_seen", "skipped", "eval_loss", "eval_ppl",
+    "step_time_s", "mfu", "hfu", "mfu_full_square", "memory_gib", "eta_s", "tokens_seen", "skipped", "eval_loss",
+    "eval_ppl",
 )  # fmt: skip
 
 

@@ -60,7 +60,8 @@ class Candidate:
             "compile": lay.compile, "host_bound": self.step.host_bound, "memory_gib": self.memory.gib(),
             "bubble_fraction": round(self.step.bubble_fraction, 4), "step_time_s": round(self.step.step_time_s, 4),
             "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
-            "mfu": round(self.step.mfu, 4), "fits": self.fits,
+            "mfu": round(self.step.mfu, 4), "hfu": round(self.step.hfu, 4),
+            "mfu_full_square": round(self.step.mfu_full_square, 4), "fits": self.fits,
             "global_batch_size": lay.global_batch_size, "peak_stage": self.memory.stage,
             "peak_moment": self.memory.moment,
             "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.comm_bytes_per_axis.items()},
@@ -364,13 +365,15 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         f"{cfg.hidden_size}, vocab {cfg.vocab_size}; seq {candidates[0].layout.seq_length}, "
         f"{candidates[0].layout.mixed_precision}",
         f"cluster: {cluster.nodes} node(s) x {cluster.devices_per_node} {hw.name}: {hw.memory_gib:.1f} GiB, "
-        f"{hw.peak_tflops:g} TFLOP/s peak x {hw.compute_efficiency:.2f} efficiency, links {hw.intra_node_gbps:g} GB/s "
+        f"{hw.peak_tflops_of(candidates[0].layout.mixed_precision):g} TFLOP/s peak x "
+        f"{hw.compute_efficiency:.2f} efficiency, links {hw.intra_node_gbps:g} GB/s "
         f"intra / {hw.inter_node_gbps:g} GB/s inter node",
         f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
         f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
         "",
         " #  tp cp pp dp shard ep  mbs gas recompute dp-mode  | params  grads  optim    act logits    ovh |  total fits "
-        "| bubble  step s tok/s/dev   MFU | comm GB tp/cp/pp/ep/dp cross-node",
+        "| bubble  step s tok/s/dev   MFU   HFU "
+        "| comm GB tp/cp/pp/ep/dp cross-node",
     ]
     for i, c in enumerate(candidates[:top], 1):
         lay, gib, step = c.layout, c.memory.gib(), c.step
@@ -383,7 +386,7 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))
             + f" | {gib['total']:6.2f} {'yes' if c.fits else 'NO':4s} | {step.bubble_fraction:6.1%} "
-            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%}"
+            f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} {step.hfu:5.1%}"
             f"{'+' if step.host_bound else ' '}| {comm} {step.cross_node_bytes / 1e9:.1f}")
     if any(c.step.host_bound for c in candidates[:top]):
         lines.append("+ host-bound: the host issues the layers' operators slower than the device computes them "

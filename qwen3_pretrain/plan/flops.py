@@ -9,7 +9,9 @@ all), each used by the training log, ``metrics.jsonl``, parse-log and the planne
   fused kernel skip the blocks above the diagonal), a Gated DeltaNet's chunked delta rule, and the
   multi-token-prediction layer (its fc, one decoder layer and a second pass of the head) when it is trained.
 * ``hardware`` (HFU): ``model`` plus what activation recompute runs again in backward: the whole forward of
-  each layer (``full``), its MLP (``mlp``), or the attention core and the delta rule (``selective``).
+  each layer (``full``), its MLP (``mlp``), or the attention core and the delta rule (``selective``); a dense
+  MLP's down projection is not rerun (torch's checkpoint stops once backward has the tensors it needs, and
+  nothing needs that product's output).
 * ``full_square``: ``model`` with attention over the whole ``s x s`` square, the convention of PaLM
   (appendix B), torchtitan and Megatron-LM before its causal count; kept so that our figures compare with
   theirs (docs/monitoring.md says which peer figure uses which).
@@ -40,6 +42,9 @@ class LayerFlops:
     core: float  # attention's Q K^T and A V over the causal half of the square (0 for a Gated DeltaNet)
     core_square: float  # the same over the whole square
     rule: float  # the chunked delta rule (fp32; 0 for attention)
+    # the MLP's last matmul where backward does not need its output (a dense MLP's down projection): a
+    # checkpoint stops recomputing once backward has what it needs (torch.utils.checkpoint's early stop)
+    mlp_tail: float = 0.0
 
     def training(self, full_square: bool = False) -> float:
         return 3.0 * (self.mixer + self.mlp + (self.core_square if full_square else self.core) + self.rule)
@@ -49,9 +54,9 @@ class LayerFlops:
         if activation_checkpointing not in RECOMPUTE:
             raise ValueError(f"unknown activation_checkpointing {activation_checkpointing!r}")
         if activation_checkpointing == "full":
-            return self.mixer + self.mlp + self.core + self.rule
+            return self.mixer + self.mlp - self.mlp_tail + self.core + self.rule
         if activation_checkpointing == "mlp":
-            return self.mlp
+            return self.mlp - self.mlp_tail
         return self.core + self.rule if activation_checkpointing == "selective" else 0.0
 
 
@@ -74,10 +79,14 @@ def layer_flops(cfg: Qwen3Config, mixer_index: int, mlp_index: int, seq: int) ->
     """Forward FLOPs per token of a layer with layer ``mixer_index``'s token mixer and ``mlp_index``'s MLP."""
     mixer = 2.0 * cfg.mixer_params(mixer_index, matmul_only=True)
     mlp = 2.0 * cfg.mlp_params(mlp_index, active=True)
+    # a MoE block's experts scale their down projections' outputs by the routing weights, whose gradient needs them
+    tail = 0.0 if cfg.is_sparse_layer(mlp_index) else 2.0 * cfg.hidden_size * cfg.intermediate_size
     if cfg.is_linear_layer(mixer_index):
-        return LayerFlops(mixer, mlp, 0.0, 0.0, cfg.linear_attention_flops_per_token(DELTA_RULE_CHUNK) / 3)
+        rule = cfg.linear_attention_flops_per_token(DELTA_RULE_CHUNK) / 3
+        return LayerFlops(mixer, mlp, 0.0, 0.0, rule, tail)
     q_out = cfg.num_attention_heads * cfg.head_dim
-    return LayerFlops(mixer, mlp, attention_core_forward(q_out, seq), attention_core_forward(q_out, seq, False), 0.0)
+    return LayerFlops(mixer, mlp, attention_core_forward(q_out, seq), attention_core_forward(q_out, seq, False),
+                      0.0, tail)
 
 
 def model_layers(cfg: Qwen3Config, seq: int, mtp: bool = False) -> list[LayerFlops]:

@@ -1,4 +1,4 @@
-"""The formulas the planner is built from, each with where it comes from.
+"""The formulas the planner is built from, each with where it comes from (the FLOP counts: ``flops``).
 
 Pure arithmetic on numbers (no torch), so every one of them can be checked
 against a hand computation. Sizes are in bytes, times in seconds, bandwidths
@@ -12,8 +12,6 @@ References:
   Transformer Models", 2022, section 4 and Table 2.
 * [PTD-P] Narayanan et al., "Efficient Large-Scale Language Model Training on
   GPU Clusters Using Megatron-LM", 2021, sections 2.2.1 and 2.2.2.
-* [PaLM] Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways",
-  2022, appendix B (model FLOPs utilization).
 * [nccl-tests] NVIDIA nccl-tests, doc/PERFORMANCE.md (algorithm vs bus bandwidth).
 """
 
@@ -350,41 +348,6 @@ def inflight_microbatches(schedule: Literal["1f1b", "interleaved", "gpipe"], p: 
         return float(min(m, p - stage))
     chunks = (v - 1) * p + 2 * (p - 1 - stage) + 1
     return min(m * v, chunks) / v
-
-
-# --- FLOPs ------------------------------------------------------------------------
-
-
-def layer_matmul_params(hidden: int, q_out: int, kv_out: int, intermediate: int) -> int:
-    """Weights of one layer's linears: q, k, v, o and gate, up, down (``intermediate`` 0: attention only)."""
-    return hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * intermediate
-
-
-def training_flops_per_token(num_layers: int, hidden: int, q_out: int, kv_out: int, intermediate: int,
-                             vocab: int, seq: int) -> float:
-    """Model FLOPs per trained token [PaLM, B]: ``6 N + 12 L q_out s``.
-
-    ``N`` counts every matmul weight (layers and the LM head, not the embedding
-    lookup); forward is 2 FLOPs per weight per token and backward twice that.
-    The attention term counts ``Q K^T`` and ``A V`` over the whole ``s x s``
-    square (the causal half is not subtracted), forward and backward.
-    """
-    n_matmul = num_layers * layer_matmul_params(hidden, q_out, kv_out, intermediate) + vocab * hidden
-    return 6.0 * n_matmul + 12.0 * num_layers * q_out * seq
-
-
-def recompute_flops_per_token(num_layers: int, attention_params: float, mlp_params: float, q_out: int, seq: int,
-                              checkpointing: Literal["none", "selective", "mlp", "full"]) -> float:
-    """Extra forward FLOPs per token that activation recomputation runs in backward, for layers whose
-    attention and MLP multiply a token by ``attention_params`` and ``mlp_params`` weights (selective: the
-    attention core's ``Q K^T`` and ``A V``, counted over the whole square as in ``training_flops_per_token``)."""
-    if checkpointing == "none":
-        return 0.0
-    if checkpointing == "mlp":
-        return num_layers * 2.0 * mlp_params
-    if checkpointing == "selective":
-        return num_layers * 4.0 * q_out * seq
-    return num_layers * (2.0 * (attention_params + mlp_params) + 4.0 * q_out * seq)
 
 
 # --- communication ----------------------------------------------------------------

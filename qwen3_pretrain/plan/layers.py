@@ -19,10 +19,13 @@ micro-batch's share of the sequence over cp, whole over tp).
 
 from __future__ import annotations
 
+import dataclasses
+
 from qwen3_pretrain.hardware import attention_backend
 from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall, describe_call
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.flops import DELTA_RULE_CHUNK, layer_flops
 from qwen3_pretrain.plan.layout import Layout, LayerKind
 
 # Operators one layer issues per micro-batch (forward and backward, counted under a dispatch mode on torch
@@ -31,7 +34,6 @@ from qwen3_pretrain.plan.layout import Layout, LayerKind
 OPS_PER_LAYER = 247
 OPS_PER_LINEAR_LAYER = 571
 OPS_PER_DELTA_RULE_CHUNK = 42
-DELTA_RULE_CHUNK = 64  # models/ops/gated_delta.py: chunk_gated_delta_rule's chunk_size
 
 
 def _index(cfg: Qwen3Config, kind: LayerKind) -> tuple[int, int]:
@@ -241,19 +243,16 @@ def cp_mask_bytes(layout: Layout) -> float:
 
 def flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> tuple[float, float]:
     """Hardware FLOPs of one layer of ``kind`` per local token, forward, backward and recomputation, all tp
-    ranks together: (matmuls, at the compute dtype's peak; the chunked delta rule, which computes in fp32).
-    The PaLM count: 6 per matmul weight, and attention's ``Q K^T`` and ``A V`` over the whole square; a
-    MoE block (its active parameters) runs whole on every tp rank: ``tp`` times over."""
+    ranks together: (matmuls and attention's core, at the compute dtype's peak; the chunked delta rule, which
+    computes in fp32). ``flops.layer_flops``' counts (attention over the causal half of the square, as the
+    kernels run it); a MoE block (its active parameters) runs whole on every tp rank: ``tp`` times over."""
     mixer_index, mlp_index = _index(cfg, kind)
-    mixer = cfg.mixer_params(mixer_index, matmul_only=True)
-    mlp = cfg.mlp_params(mlp_index, active=True)
+    layer = layer_flops(cfg, mixer_index, mlp_index, layout.seq_length)
     if kind.sparse and not layout.moe_tokens_split_by_tp:
-        mlp *= layout.tp
-    core = 0 if kind.linear else cfg.num_attention_heads * cfg.head_dim  # the attention core's width
-    ac, seq = layout.activation_checkpointing, layout.seq_length
-    matmul = 6.0 * (mixer + mlp) + 12.0 * core * seq + F.recompute_flops_per_token(1, mixer, mlp, core, seq, ac)
-    rule = cfg.linear_attention_flops_per_token(DELTA_RULE_CHUNK) if kind.linear else 0.0
-    return matmul, rule * (4 / 3 if ac == "full" else 1)
+        layer = dataclasses.replace(layer, mlp=layer.mlp * layout.tp)
+    ac = layout.activation_checkpointing
+    rule = layer.rule * (4 if ac in ("full", "selective") else 3)  # both rerun the delta rule
+    return layer.training() + layer.recomputed(ac) - rule, rule
 
 
 def host_ops_per_layer(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:

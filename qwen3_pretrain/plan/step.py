@@ -7,8 +7,10 @@ Per micro-batch on the slowest pipeline stage:
   precision the matmuls run in (bf16, or fp32 for ``mixed_precision: fp32``,
   against which MFU is then reported too) and a Gated DeltaNet's chunked delta
   rule at the fp32 peak (it computes in fp32); a MoE block runs whole on every
-  tp rank, its FLOPs repeated; the FLOPs are the PaLM count
-  of ``formulas``; or, when longer, the host's time to issue the stage's layers
+  tp rank, its FLOPs repeated; the FLOPs are ``flops``' (attention over the
+  causal half of the square, as the kernels run it; MFU, HFU and the
+  full-square MFU from ``flops.token_flops``, as the training log's);
+  or, when longer, the host's time to issue the stage's layers
   (``Hardware.host_seconds_per_layer``: eager or compiled, with or without
   tensor parallelism's DTensors; a third more with full recompute; a Gated
   DeltaNet layer's extra operators, a Python loop over the sequence's chunks,
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 from qwen3_pretrain.hardware import GB, Hardware
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan.flops import head_flops, token_flops
 from qwen3_pretrain.plan.layers import cp_calls, flops_per_token, host_ops_per_layer, tp_collectives
 from qwen3_pretrain.plan.layout import Cluster, Layout, StageShape, check_model_fits_layout, stage_shapes
 from qwen3_pretrain.plan.memory import stage_params
@@ -70,7 +73,7 @@ ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, two moments (16); writes param 
 class StepEstimate:
     step_time_s: float
     tokens_per_sec_per_device: float
-    mfu: float
+    mfu: float  # model FLOPs (attention's causal half) / peak: plan/flops.py
     bubble_fraction: float
     compute_time_s: float  # busy compute time of the slowest stage per step
     comm_time_s: dict[str, float]  # exposed communication seconds per step, per mesh axis
@@ -80,6 +83,8 @@ class StepEstimate:
     dp_bytes_per_group: dict[str, float]  # the dp axis's bytes split by group: dp_shard, dp_replicate
     cross_node_bytes: float  # the bytes above on groups that span nodes (each device's share of its NIC's load)
     host_bound: bool = False  # some stage's micro-batch waits on the host issuing its operators
+    hfu: float = 0.0  # MFU with what recompute runs again
+    mfu_full_square: float = 0.0  # MFU with attention over the whole square (PaLM's, torchtitan's convention)
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageSh
         kind_matmul, kind_fp32 = flops_per_token(cfg, layout, kind)
         matmul, fp32 = matmul + count * kind_matmul, fp32 + count * kind_fp32
     if shape.has_head:
-        matmul += 6.0 * cfg.vocab_size * cfg.hidden_size
+        matmul += head_flops(cfg)
     return matmul * layout.microbatch_tokens, fp32 * layout.microbatch_tokens
 
 
@@ -329,13 +334,16 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"] + slowest["ep"]) \
         + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
+    flops = token_flops(cfg, layout.seq_length, layout.activation_checkpointing)
     per_stage_axis = tuple({"tp": m * x["bytes"]["tp"], "cp": m * x["bytes"]["cp"], "pp": m * x["bytes"]["pp"],
                             "ep": m * x["bytes"]["ep"], "dp": sum(x["dp_bytes"].values())} for x in per_stage)
     per_axis = per_stage_axis[per_stage.index(slowest)]
     return StepEstimate(
         step_time_s=step,
         tokens_per_sec_per_device=tokens_per_device,
-        mfu=tokens_per_device * cfg.flops_per_token(layout.seq_length) / peak,
+        mfu=tokens_per_device * flops.model / peak,
+        hfu=tokens_per_device * flops.hardware / peak,
+        mfu_full_square=tokens_per_device * flops.full_square / peak,
         bubble_fraction=F.pipeline_bubble_fraction(layout.pp, m, v),
         compute_time_s=busy,
         host_bound=host_bound,

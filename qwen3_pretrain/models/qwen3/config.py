@@ -340,19 +340,15 @@ class Qwen3Config:
 
     def linear_attention_flops_per_token(self, chunk: int = 64) -> float:
         """Training FLOPs of one token in one Gated DeltaNet layer's chunked delta rule (beyond its
-        projections): per value head, reading and updating the [dk, dv] state (3 products) and the chunk's
-        own attention (``Q K^T`` and ``A V`` over ``chunk`` tokens, and the UT transform's ``K K^T``), times 3
-        for forward and backward."""
+        projections), the matmuls of models/ops/gated_delta.py: per value head, the chunk's unit-lower inverse
+        applied to the values and the keys (``C (dv + dk)``), the chunk's attention times the writes
+        (``C dv``), reading the [dk, dv] state for the writes and the output and updating it (``3 dk dv``);
+        per key head, ``K K^T`` and ``Q K^T`` over the chunk (``2 C dk``); 2 FLOPs each, times 3 for forward
+        and backward (plan/flops.py counts the model's FLOPs from this and the sizes above)."""
         dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
-        forward = 2 * (3 * dk * dv + chunk * (2 * dk + dv))
-        return 3.0 * self.linear_num_value_heads * forward
-
-    def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6 * N_matmul (active parameters) + 12 * heads * head_dim * seq per
-        full-attention layer (PaLM convention) + the chunked delta rule of each Gated DeltaNet layer."""
-        full = self.num_hidden_layers - self.num_linear_layers
-        attn = 12 * full * self.num_attention_heads * self.head_dim * seq_length
-        return 6.0 * self.num_matmul_params() + attn + self.num_linear_layers * self.linear_attention_flops_per_token()
+        per_value_head = chunk * (2 * dv + dk) + 3 * dk * dv
+        forward = 2 * (self.linear_num_value_heads * per_value_head + self.linear_num_key_heads * 2 * chunk * dk)
+        return 3.0 * forward
 
 
 def interval_layer_types(num_layers: int, interval: int) -> list[str]:
