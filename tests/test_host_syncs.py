@@ -38,6 +38,7 @@ MOE_SETUP = dict(model_overrides=MOE, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.0
 RUNS = {
     "dense": (1, {}, {STEP_READ: 1}),
     "dense-dp2": (2, {"batch_size": 1}, {STEP_READ: 1}),
+    "dense-pp2": (2, {"pp": 2}, {STEP_READ: 1}),  # the pipeline schedule's loss calls and messages
     "moe-bf16-grouped-gemm": (1, dict(MOE_SETUP, mixed_precision="bf16"), {STEP_READ: 1}),
     # 4 MoE layers x 2 micro-batches of the expert loop's token counts
     "moe-fp32-expert-loop": (1, MOE_SETUP, {STEP_READ: 1, "tolist at models/ops/moe.py sizes": 8}),
