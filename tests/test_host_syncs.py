@@ -95,6 +95,33 @@ def test_a_token_outside_the_vocabulary_stops_training_with_its_id(tmp_path):
     assert "of the training data holds token id 600, not in [0, 512) (the model's vocab_size)" in out, out[-3000:]
 
 
+_BAD_LABEL_STEP = """
+import sys, torch
+from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.errors import UserError
+from qwen3_pretrain.train.config import TrainConfig
+from qwen3_pretrain.train.trainer import Trainer
+trainer = Trainer(load_config(TrainConfig, sys.argv[1], []))
+batches = next(trainer.loader)
+batches[1]["labels"][0, -1] = 600  # a sequence's last label: an id no input carries
+before = [p.detach().clone() for p in trainer.engine.params]
+try:
+    trainer.engine.step(batches, 1e-3)
+except UserError as exc:
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.engine.params))
+    print("raised:", exc, "| weights unchanged:", unchanged)
+trainer.close()
+"""
+
+
+def test_a_bad_label_the_loss_counts_stops_the_step_before_its_update(tmp_path, corpus):
+    config = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", gradient_accumulation_steps=2)
+    proc = subprocess.run([sys.executable, "-c", _BAD_LABEL_STEP, str(config)], capture_output=True, text=True,
+                          timeout=600, env=child_env(), cwd=Path(__file__).resolve().parents[1])
+    assert "raised: 1 label(s) are not token ids below valid_vocab=512 nor ignore_index=-100 (first: 600)" \
+        in proc.stdout and "weights unchanged: True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def test_the_counter_sees_each_kind_of_read():
     x = torch.arange(6.0)
     with HostSyncCounter() as syncs:
