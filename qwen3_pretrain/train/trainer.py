@@ -43,8 +43,7 @@ from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
                                           device_peak_tflops, format_line, measure_cpu_tflops,
-                                          memory_warning, runtime_reserved_gib, step_memory, synchronize,
-                                          utilization)
+                                          memory_warning, runtime_reserved_gib, step_memory, utilization)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
 from qwen3_pretrain.train.optim import describe_optimizer, lr_at
 
@@ -234,9 +233,11 @@ class Trainer:
         start = time.perf_counter()
         lr = lr_at(self.step, self.cfg)
         # The step's loss reduction also tells every rank whether any was asked to stop (SIGTERM/SIGINT).
+        # No wait for the device here: the step read its figures after backward, which waited for everything
+        # queued before (the previous step's update included), so a step's time is one period of the device's
+        # work, and its update runs while the host prepares the next step.
         result = self.engine.step(next(self.loader), lr, flag=self.stop_requested)
         self.stop_agreed = result.flagged
-        synchronize(self.device)  # the step's time is the device's, not the time to queue its work
         self.step += 1
         self.tokens_seen += self.global_tokens
         return {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
