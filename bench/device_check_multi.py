@@ -1,6 +1,6 @@
 """The multi-device stages of ``bench/device_check.py``: short training runs over two ranks (tp 2, pp 2, cp 2,
-FSDP 2, ep 2 on a MoE model with the grouped GEMM in bf16, document masks under cp, an asynchronous save and
-the resume from it, compiled layers), each compared step by step with the same run on one device.
+FSDP 2, ep 2 on a MoE model in fp32 and with the grouped GEMM in bf16, document masks under cp, an asynchronous
+save and the resume from it, compiled layers), each compared step by step with the same run on one device.
 
 On a device the stages run when torch sees two or more devices (``env``'s ``device_count``); with ``--cpu``
 they run as two gloo processes with tiny sizes. Every run is ``qwen3-pretrain train`` under torchrun; the
@@ -46,13 +46,25 @@ CPU_MULTI = MultiSizes(
     seq_length=64, batch_size=2, steps=4, compile=False, cap_s=240)
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 
-# Relative difference allowed from the one-device run, (loss, grad_norm), over all steps. fp32: the suite's
-# bounds for runs that differ only in the order of sums (1e-5, 3e-5; measured ~1e-7 and ~3e-6 on a CPU), with
-# room for device kernels that pick their algorithm by shape (split-K, attention tiles); a dropped or doubled
-# reduction moves the loss by ~3e-3 and the gradient norm by ~0.3. bf16: the suite's bf16 bounds, runs of
-# one-sample micro-batches so that every matmul has the same shape in both runs.
-FP32_TOL = (2e-5, 1e-4)
-BF16_TOL = (5e-4, 2e-2)
+@dataclass(frozen=True)
+class Tolerance:
+    """Relative difference allowed from the one-device run: at the first step, where both runs hold the same
+    weights and differ only in how their sums were rounded, and at every step, after the rounding
+    differences have moved the weights apart."""
+
+    first_loss: float
+    first_grad_norm: float
+    loss: float
+    grad_norm: float
+
+
+# fp32: the suite's bounds for runs that differ only in the order of sums (1e-5, 3e-5; measured ~1e-7 and
+# ~3e-6 on a CPU), with room for device kernels that pick their algorithm by shape (split-K, attention tiles);
+# a dropped or doubled reduction moves the loss by ~3e-3 and the gradient norm by ~0.3. bf16: on the CPU the
+# MoE runs' first step differs by 0 in the loss and 3e-5 in the gradient norm, but after three bf16 updates
+# by up to 3e-4 and 1.2e-2 (dp 2 without ep as much as ep 2), so the first step carries the tight check.
+FP32_TOL = Tolerance(2e-5, 1e-4, 2e-5, 1e-4)
+BF16_TOL = Tolerance(1e-5, 1e-3, 1e-3, 5e-2)
 
 
 @dataclass(frozen=True)
@@ -63,13 +75,13 @@ class Run:
     nproc: int
     overrides: dict
     reference: str | None = None
-    tol: tuple[float, float] = FP32_TOL
+    tol: Tolerance = FP32_TOL
     device_only: bool = False
 
 
 def runs(s: MultiSizes) -> dict[str, Run]:
     """Name -> run. The global batch is 2 x batch_size samples in every run."""
-    b, bf16 = s.batch_size, {"mixed_precision": "bf16", "batch_size": 1}
+    b, bf16 = s.batch_size, {"mixed_precision": "bf16"}
     # cpu_bf16_matmul bf16: a CPU runs the grouped GEMM too (auto multiplies fp32 copies, one expert at a time,
     # on a CPU without native bf16); a device ignores it
     moe = {"model_overrides": {**s.model, **MOE}, "moe_aux_loss": "global_batch", "moe_aux_loss_coef": 0.01,
@@ -83,9 +95,14 @@ def runs(s: MultiSizes) -> dict[str, Run]:
         "one_device-document_mask": Run(1, {"gradient_accumulation_steps": 2, "document_mask": True}),
         "cp2-document_mask": Run(2, {"cp": 2, "gradient_accumulation_steps": 2, "document_mask": True},
                                  "one_device-document_mask"),
-        "one_device-moe-bf16": Run(1, {**moe, **bf16, "gradient_accumulation_steps": 2 * b}),
-        "ep2-moe-bf16": Run(2, {**moe, **bf16, "ep": 2, "gradient_accumulation_steps": b}, "one_device-moe-bf16",
-                            BF16_TOL),
+        # One micro-batch per step: moe_aux_loss global_batch pools each micro-batch's routing over the ranks,
+        # so the one-device run must see the same micro-batches (dp 2 accumulating would pool samples 0 and 2).
+        # fp32 (one matmul per expert) holds ep to the fp32 bound, which a router gradient lost in the token
+        # exchange exceeds (1.0e-2 in the gradient norm on the CPU); bf16 runs the grouped GEMM.
+        "one_device-moe": Run(1, {**moe, "batch_size": 2 * b}),
+        "ep2-moe": Run(2, {**moe, "ep": 2}, "one_device-moe"),
+        "one_device-moe-bf16": Run(1, {**moe, **bf16, "batch_size": 2 * b}),
+        "ep2-moe-bf16": Run(2, {**moe, **bf16, "ep": 2}, "one_device-moe-bf16", BF16_TOL),
         "fsdp2-async_save": Run(2, {"distributed_optimizer": True, "async_save": True, "save_steps": 2},
                                 "one_device"),
         "tp2-compile": Run(2, {"tp": 2, "gradient_accumulation_steps": 2, "compile": True}, "one_device",
@@ -182,21 +199,26 @@ def relative_diffs(got: list[dict], want: list[dict], key: str) -> float:
     return max((abs(g[key] - w[key]) / max(abs(w[key]), 1e-12) for g, w in zip(got, want)), default=0.0)
 
 
-def compare(got: list[dict], want: list[dict], tol: tuple[float, float], what: str) -> dict:
+def compare(got: list[dict], want: list[dict], tol: Tolerance, what: str) -> dict:
     """Figures of ``got`` against the one-device records ``want``; StageFailed when a step is missing or a
     loss or gradient norm is further than ``tol`` (relative) from the one device's."""
-    figures = {"steps": [r["step"] for r in got], "loss_rtol": tol[0], "grad_norm_rtol": tol[1],
+    figures = {"steps": [r["step"] for r in got], "tolerance": vars(tol),
+               "first_rel_loss_diff": relative_diffs(got[:1], want[:1], "loss"),
+               "first_rel_grad_norm_diff": relative_diffs(got[:1], want[:1], "grad_norm"),
                "max_rel_loss_diff": relative_diffs(got, want, "loss"),
                "max_rel_grad_norm_diff": relative_diffs(got, want, "grad_norm"),
                "final_loss": got[-1]["loss"] if got else None}
     if not got or [r["step"] for r in got] != [r["step"] for r in want]:
         raise StageFailed(f"{what}: logged steps {figures['steps']}, the one-device run {[r['step'] for r in want]}",
                           "", figures)
-    if figures["max_rel_loss_diff"] > tol[0] or figures["max_rel_grad_norm_diff"] > tol[1]:
-        raise StageFailed(f"{what}: differs from one device by {figures['max_rel_loss_diff']:.2e} in the loss "
-                          f"(allowed {tol[0]:.0e}) and {figures['max_rel_grad_norm_diff']:.2e} in the gradient "
-                          f"norm (allowed {tol[1]:.0e}): losses {[r['loss'] for r in got]} vs "
-                          f"{[r['loss'] for r in want]}", "", figures)
+    checks = [("first_rel_loss_diff", "the loss at the first step", tol.first_loss),
+              ("first_rel_grad_norm_diff", "the gradient norm at the first step", tol.first_grad_norm),
+              ("max_rel_loss_diff", "the loss", tol.loss), ("max_rel_grad_norm_diff", "the gradient norm", tol.grad_norm)]
+    over = [f"{figures[key]:.2e} in {label} (allowed {allowed:.0e})" for key, label, allowed in checks
+            if figures[key] > allowed]
+    if over:
+        raise StageFailed(f"{what}: differs from one device by {'; '.join(over)}: losses {[r['loss'] for r in got]} "
+                          f"vs {[r['loss'] for r in want]}", "", figures)
     return figures
 
 
