@@ -125,11 +125,12 @@ def run_all(ctx: Context, budget: Budget, summary: Summary, selected: list[str] 
             continue
         timeout = max(1.0, min(ctx.caps.get(stage.name, stage.cap_s), budget.left()))
         record = run_stage(stage, ctx, timeout)
+        if stage.name == "env" and ctx.device_count >= 2 and budget.multi_device_s:
+            budget.end += budget.multi_device_s
+            summary.data["budget_s"] = summary.data.get("budget_s", 0) + budget.multi_device_s
         summary.add("stages", record)
         if not record["ok"]:
             failed.add(stage.name)
-        if stage.name == "env" and ctx.device_count >= 2:
-            budget.end += budget.multi_device_s
         shown = {k: v for k, v in record.items() if k not in ("name", "ok", "seconds", "timeout_s", "tail")}
         print(f"[{summary.data['elapsed_s']:6.1f} s] {stage.name}: {'ok' if record['ok'] else 'FAILED'} "
               f"in {record['seconds']} s {json.dumps(shown)[:400]}", flush=True)
@@ -189,7 +190,8 @@ def main(argv: list[str]) -> int:
     ok = summary.finish()
     print(f"device check done in {summary.data['elapsed_s']} s: "
           f"{sum(s['ok'] for s in summary.data['stages'])}/{len(summary.data['stages'])} stages ok, "
-          f"{len(summary.data['not_run'])} not run; {out / 'summary.json'}", flush=True)
+          f"{len(summary.data['not_run'])} not run, {len(summary.data['skipped'])} skipped; {out / 'summary.json'}",
+          flush=True)
     return 0 if ok else 1
 
 

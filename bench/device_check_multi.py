@@ -30,7 +30,7 @@ DATA = "multi/data"
 class MultiSizes:
     model: dict  # model_overrides of the dense runs (the MoE runs add MOE to them)
     seq_length: int
-    batch_size: int  # per rank and micro-batch of the fp32 runs; global batch 2 x batch_size
+    batch_size: int  # per rank and micro-batch; every run's global batch is 2 x batch_size
     steps: int
     compile: bool  # the compiled runs (device only: inductor's C++ kernels take minutes to build on a CPU)
     cap_s: float  # longest one run may take (a compiled one: twice that)
@@ -45,6 +45,7 @@ CPU_MULTI = MultiSizes(
            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
     seq_length=64, batch_size=2, steps=4, compile=False, cap_s=240)
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
+
 
 @dataclass(frozen=True)
 class Tolerance:

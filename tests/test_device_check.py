@@ -313,6 +313,12 @@ def test_with_one_device_the_multi_device_stages_are_skipped_not_failed(tmp_path
     assert skipped["multi/tp2"] == "torch sees 1 cuda device(s); the multi-device runs need 2"
     ctx.device_count = 2
     assert multi.too_few_devices(ctx) is None and "multi/tp2-compile" in {s.name for s in multi.multi_stages(ctx)}
+    # two devices: the default budget grows once env has counted them
+    staged = [Stage("env", lambda c, deadline: setattr(c, "device_count", 2) or {}, 10)]
+    budget = device_check.Budget(time.monotonic() + 60, multi_device_s=100)
+    before = budget.end
+    device_check.run_all(ctx, budget, device_check.Summary(tmp_path / "two.json", {"budget_s": 60}), None)
+    assert budget.end == before + 100 and json.loads((tmp_path / "two.json").read_text())["budget_s"] == 160
     cpu = Context(mode="cpu", out=tmp_path, work=tmp_path, sizes=CPU_SIZES, python=sys.executable, injected={},
                   caps={})
     assert multi.too_few_devices(cpu) is None
