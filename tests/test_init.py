@@ -174,3 +174,24 @@ def test_the_trainer_says_how_far_materializing_is(caplog):
         progress(380_000_000, 1_020_000_000)
         progress(1_020_000_000, 1_020_000_000)
     assert [r.getMessage() for r in caplog.records] == ["materializing this rank's parameters: 37% (0.38 of 1.02 B)"]
+
+
+def test_a_hf_directory_is_read_in_chunks_on_several_threads(tmp_path, monkeypatch):
+    """The same path with the files' values: each chunk reads its rows, from four threads at once (the
+    reader opens its files on first use, possibly in two threads at the same time)."""
+    from qwen3_pretrain import save_hf_model
+    from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointReader
+
+    monkeypatch.setattr(parallelize, "_CHUNK_ELEMENTS", 1000)
+    # untied: to_empty from the meta device unties a plain head (the engine's tied head has no weight of its own)
+    cfg = Qwen3Config(**dict(HYBRID_MOE, tie_word_embeddings=False))
+    saved = Qwen3Model(cfg)
+    saved.init_weights(9)
+    save_hf_model(saved, tmp_path / "hf", dtype=torch.float32, max_shard_size="200KB")
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    reader = HFCheckpointReader(tmp_path / "hf")
+    materialize(model, torch.device("cpu"), ModelSource(cfg, reader, "").tensor_source(cfg.vocab_size, 0), threads=4)
+    want = dict(saved.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, want[name]), name
