@@ -213,9 +213,6 @@ def unsupported_combination(*, compile: bool, tp: int, cp: int, ep: int, recompu
     if compile and cp > 1:
         return ("compile with cp > 1: the context-parallel attention's collectives run inside the layers, which "
                 "are not compiled with them; set compile false or cp 1")
-    if compile and ep > 1:
-        return ("compile with ep > 1: expert parallelism's all-to-alls and their host-read split sizes run inside "
-                "the layers, which are not compiled with them; set compile false or ep 1")
     if keep_params_gathered and not distributed_optimizer:
         return ("keep_params_gathered keeps the sharded weights gathered through a step, but distributed_optimizer "
                 "is false (the weights are whole replicas): set distributed_optimizer true, or drop "

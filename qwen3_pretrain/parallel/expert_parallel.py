@@ -11,22 +11,25 @@ Dispatch, per layer and micro-batch (``ExpertParallel``), dropless:
 1. the pairs arrive sorted by expert, with ``counts`` [E] per expert; expert ``e`` lives on ep rank
    ``e // (E / ep)``, so the pairs for each rank are one contiguous run;
 2. the counts travel first (an all-to-all of ``E`` integers), then the host reads how many rows go to
-   and come from each rank: the one host synchronisation;
+   and come from each rank (``2 x ep`` integers, which the all-to-all of the rows needs on the host): the
+   one host synchronisation; the per-expert row indices are built on the device from the received counts;
 3. the pairs (each token's hidden state with its routing weight as one more column) travel by an
    all-to-all with those splits; what arrives is grouped by source rank, then by local expert, and is
    regrouped by local expert (a stable sort: within an expert, source ranks in order);
 4. the local experts compute (the build's expert kernel: grouped matmul or per-expert loop), the rows are
    put back in arrival order and travel back by the reverse all-to-all, in the order they left.
 
-Autograd runs the same all-to-alls in reverse for the gradients (``all_to_all_single_autograd``).
+Autograd runs the same all-to-alls in reverse for the gradients (``all_to_all_single_autograd``). The
+collectives are torch's functional ones, so a compiled layer traces the dispatch whole: the host-read split
+sizes become symbolic sizes (``torch._dynamo.config.capture_scalar_outputs``, set by
+``parallel/parallelize.py: compile_layer``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -41,32 +44,28 @@ class ExpertParallel:
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
 
-    def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[list[list[int]], list[list[int]]]:
-        """(pairs this rank sends to each ep rank per expert of that rank, pairs it receives from each ep
-        rank per expert of its own), as ``[ep][E / ep]`` lists: an all-to-all of the counts, read on the host
-        (the one synchronisation of the dispatch)."""
+    def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(the pairs this rank receives [ep, E / ep] from each ep rank per expert of its own, the rows it sends
+        to each ep rank, the rows it receives from each): an all-to-all of the counts, of which the host
+        reads only the row totals (the one synchronisation of the dispatch)."""
         send = counts.view(self.size, -1)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        both = torch.stack([send, recv]).tolist()
-        return both[0], both[1]
+        recv = all_to_all_single(send.reshape(-1), None, None, self.group).view_as(send)
+        splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+        return recv, splits[0], splits[1]
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
                  experts: GroupedExperts) -> torch.Tensor:
         ep, local = self.size, counts.numel() // self.size
-        send, recv = self.exchange_counts(counts, tokens.shape[0])
-        send_splits, recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
+        recv, send_splits, recv_splits = self.exchange_counts(counts, tokens.shape[0])
         payload = torch.cat([tokens, weights], dim=1)  # each pair's routing weight travels as one more column
         arrived = all_to_all_single_autograd(payload, recv_splits, send_splits, self.group)
         # rows grouped by source rank, then by local expert: regroup by local expert, sources in order
         device = counts.device
-        per_block = torch.tensor([c for row in recv for c in row], device=device)
         expert_of_row = torch.arange(local, device=device).repeat(ep).repeat_interleave(
-            per_block, output_size=sum(recv_splits))
+            recv.reshape(-1), output_size=sum(recv_splits))
         order = expert_of_row.argsort(stable=True)
         x, w = arrived[:, :-1].index_select(0, order), arrived[:, -1:].index_select(0, order)
-        per_expert = torch.tensor([sum(row[j] for row in recv) for j in range(local)], device=device)
-        y = experts.kernel(x, per_expert, w, local_tensor(experts.gate_proj), local_tensor(experts.up_proj),
+        y = experts.kernel(x, recv.sum(0), w, local_tensor(experts.gate_proj), local_tensor(experts.up_proj),
                            local_tensor(experts.down_proj))
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         return all_to_all_single_autograd(y.index_select(0, back), send_splits, recv_splits, self.group)

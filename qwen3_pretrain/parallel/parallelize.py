@@ -219,20 +219,40 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
             # layout) to this one, with that run's process-group names: "Could not resolve the process group
             # registered under the name N" (seen with dp x tp after a tp-only run). Compiled here each time.
             torch._functorch.config.enable_autograd_cache = False
-        for layer in model.layers.values():
-            compile_layer(layer, tensor_parallel)
+        compile_stage_layers(model, tensor_parallel, expert_parallel=expert_meshes is not None)
     apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
                expert_meshes[1] if expert_meshes is not None else None, keep_params_gathered, grad_reduce_dtype)
 
 
-def compile_layer(layer: nn.Module, tensor_parallel: bool) -> None:
-    """``torch.compile`` a decoder layer in place (parameter names stay; the layers share one graph). A layer
-    recomputed whole under tensor parallelism compiles its attention and MLP instead, the recompute around
-    them staying eager: torch 2.13's AOTAutograd fails on a recompute region inside a compiled graph with
-    tensor-parallel DTensors ("expected all tensors_saved_with_vc_check to be Tensors": a DeviceMesh among
-    the saved values; docs/training.md)."""
-    if tensor_parallel and layer.recompute:
-        (layer.linear_attn if layer.linear else layer.attn).compile()
+def compile_stage_layers(model: Qwen3Model, tensor_parallel: bool, expert_parallel: bool = False) -> None:
+    """``compile_layer`` on each decoder layer of ``model``, the multi-token-prediction layer's included."""
+    # The per-expert loop's run lengths and expert parallelism's split sizes are read on the host
+    # (``.tolist()``); traced as symbolic sizes, they stay inside the layer's graph instead of breaking it in
+    # every MoE layer.
+    torch._dynamo.config.capture_scalar_outputs = True
+    mtp_layers = model.mtp.layers.values() if model.mtp is not None else ()
+    for layer in (*model.layers.values(), *mtp_layers):
+        compile_layer(layer, tensor_parallel, expert_parallel)
+
+
+def compile_layer(layer: nn.Module, tensor_parallel: bool, expert_parallel: bool = False) -> None:
+    """``torch.compile`` a decoder layer in place (parameter names stay; the layers of a kind share one graph:
+    no layer index or Python state enters it, and a MoE layer's routing statistics leave it as tensors for the
+    balancing bookkeeping, which stays eager: ``models/qwen3/model.py``, ``tests/test_compile.py``).
+
+    Two cases compile the layer's parts instead, what joins them (a recompute, the router) staying eager:
+    a sparse layer under expert parallelism, whose experts are an FSDP unit of their own (``apply_fsdp``),
+    whose hooks dynamo does not trace (a graph break inside the layer, and under full recompute the whole
+    layer eager); and a layer recomputed whole under tensor parallelism: torch 2.13's AOTAutograd fails on
+    a recompute region inside a compiled graph with tensor-parallel DTensors ("expected all
+    tensors_saved_with_vc_check to be Tensors": a DeviceMesh among the saved values; docs/training.md)."""
+    mixer = layer.linear_attn if layer.linear else layer.attn
+    if expert_parallel and isinstance(layer.mlp, MoE):
+        for part in (mixer, layer.attn_norm, layer.mlp_norm, layer.mlp.experts, layer.mlp.shared_expert):
+            if part is not None:
+                part.compile()
+    elif tensor_parallel and layer.recompute:
+        mixer.compile()
         layer.mlp.compile()
     else:
         layer.compile()

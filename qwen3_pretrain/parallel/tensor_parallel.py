@@ -74,13 +74,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _replicated(num_inputs: int, sequence_dim: int = 1) -> PrepareModuleInputOutput:
-    """A module run whole on every tp rank: its first input's sequence gathered in, its output cut out again
-    (its weights replicated; each rank computes the same, with the same gradients)."""
-    rest = (None,) * (num_inputs - 1)
+def _replicated(num_inputs: int, sequence_dim: int = 1, num_outputs: int = 1) -> PrepareModuleInputOutput:
+    """A module run whole on every tp rank: its first input's sequence gathered in, its first output cut out
+    again, the others passed on (its weights replicated; each rank computes the same, with the same
+    gradients)."""
+    rest, more = (None,) * (num_inputs - 1), (None,) * (num_outputs - 1)
     return PrepareModuleInputOutput(
         input_layouts=(Shard(sequence_dim), *rest), desired_input_layouts=(Replicate(), *rest),
-        use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(sequence_dim),),
+        use_local_input=True, output_layouts=(Replicate(), *more), desired_output_layouts=(Shard(sequence_dim), *more),
         use_local_output=True)
 
 
@@ -143,9 +144,10 @@ def _mixer_plan(linear: nn.Module | None) -> dict:
 
 
 def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: nn.Module | None = None,
-                shared: bool = False) -> dict:
-    """``sparse``: the MLP is a MoE (with a ``shared`` expert: a hybrid's); ``linear``: the layer's Gated
-    DeltaNet, None when its token mixer is attention."""
+                shared: bool = False, routed: bool = False) -> dict:
+    """``sparse``: the MLP is a MoE (with a ``shared`` expert: a hybrid's; ``routed``: returning its routing
+    statistics beside its output); ``linear``: the layer's Gated DeltaNet, None when its token mixer is
+    attention."""
     common = {"attn_norm": SequenceParallel(), **_mixer_plan(linear), "mlp_norm": SequenceParallel()}
     if sparse and moe_local_tokens:
         # Under expert parallelism (which borrows the tp ranks) a MoE layer runs on this tp rank's share
@@ -164,7 +166,7 @@ def _layer_plan(sparse: bool, moe_local_tokens: bool = False, linear: nn.Module 
         # A MoE layer runs whole on every tp rank, on the whole sequence: its router and experts are
         # replicated (each rank computes the same), the sequence gathered in and cut out again. Expert
         # parallelism is what splits the experts.
-        return {**common, "mlp": _replicated(num_inputs=1)}
+        return {**common, "mlp": _replicated(num_inputs=1, num_outputs=2 if routed else 1)}
     return {
         **common,
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -210,7 +212,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_token
     for name, layer in model.layers.items():
         sparse, shared = isinstance(layer.mlp, MoE), getattr(layer.mlp, "shared_expert", None) is not None
         linear = layer.linear_attn if layer.linear else None
-        plan.update({f"layers.{name}.{k}": v for k, v in _layer_plan(sparse, moe_local_tokens, linear, shared).items()})
+        plan.update({f"layers.{name}.{k}": v for k, v in
+                     _layer_plan(sparse, moe_local_tokens, linear, shared, layer.reports_routing).items()})
     if getattr(model, "mtp", None) is not None:
         plan.update(_mtp_plan(model.mtp, moe_local_tokens))
     parallelize_module(model, tp_mesh, plan)

@@ -37,13 +37,13 @@ class EvenExpertParallel(ExpertParallel):
     def __init__(self, played: ExpertParallel) -> None:
         self.group, self.size = played.group, played.size
 
-    def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[list[list[int]], list[list[int]]]:
+    def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
         send = counts.view(self.size, -1)
         dist.all_to_all_single(torch.empty_like(send), send, group=self.group)
         local = send.shape[1]
         flat = _even(num_rows, self.size * local)
-        rows = [flat[r * local:(r + 1) * local] for r in range(self.size)]
-        return rows, rows
+        splits = [sum(flat[r * local:(r + 1) * local]) for r in range(self.size)]
+        return torch.tensor(flat, device=counts.device).view(self.size, local), splits, splits
 
 
 def play_experts(experts: GroupedExperts) -> None:

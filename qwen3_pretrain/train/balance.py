@@ -1,13 +1,16 @@
 """The load-balancing loss of a mixture-of-experts model, its router z-loss, and the expert-load statistics.
 
 A ``RouterBalance`` watches every MoE layer's routing in a training step (the
-model calls it: ``ModelOptions.router_observer``). It never adds a term to the
-loss the engine back-propagates: each term's gradient with respect to the
-router's probabilities (or logits) is known in closed form, so it is handed to
-the layer's backward directly, attached to the layer's output by an identity
+model calls it: ``ModelOptions.router_observer``): each sparse layer returns its
+routing as three small tensors (``RouterStats``) beside its output, and the
+model's layer loop, eager and outside any recompute, hands them here, so the
+bookkeeping never enters a compiled layer and runs once per forward however
+the layer is recomputed. It never adds a term to the loss the engine
+back-propagates: each term's gradient with respect to the router's probability
+sums (or squared log-sum-exps) is known in closed form, so it is handed to the
+layer's backward directly, attached to the layer's output by an identity
 function (``_Attach``). That works wherever the layer runs: on any pipeline
-stage, in any micro-batch, and again when backward recomputes the layer (the
-recompute reuses the first forward's frequencies, read back in order).
+stage, in any micro-batch.
 
 Notation, for sparse layer l of L, micro-batch m of M in the step (a *global*
 micro-batch: the samples all data-parallel ranks process in their m-th forward,
@@ -39,42 +42,32 @@ loss plus ``coef * aux``; the logged ``loss`` stays the language-model loss and
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections import defaultdict
 from typing import Callable
 
 import torch
 
-from qwen3_pretrain.models.ops.moe import expert_counts
+from qwen3_pretrain.models.ops.moe import RouterStats
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
 AUX_LOSSES = ("global_batch", "micro_batch", "none")
 
 
-@dataclass
-class _Record:
-    """What the first forward of (layer, micro-batch) decided, for its backward and its recompute."""
-
-    probs_grad: Callable[[], torch.Tensor] | None  # d(coef * aux) / d(this rank's probability sums) [E]
-    z_grad: float  # d(z_coef * z) / d(this rank's sum of squared log-sum-exps)
-
-
 class _Attach(torch.autograd.Function):
-    """``out`` unchanged; in backward, the balancing terms' gradients go to the probability sums and the
-    squared log-sum-exps of the layer's router (read from the record when backward gets there)."""
+    """``out`` unchanged; in backward, the balancing terms' gradients go to the layer's probability sums
+    (``probs_grad()``, called when backward gets there: micro_batch's needs every layer's counts) and its
+    sum of squared log-sum-exps (``z_grad``)."""
 
     @staticmethod
-    def forward(ctx, out, probs_sum, z_sum, record: _Record):
-        ctx.record = record
-        ctx.has_z = z_sum is not None
+    def forward(ctx, out, probs_sum, z_sum, probs_grad: Callable[[], torch.Tensor] | None,
+                z_grad: torch.Tensor | None):
+        ctx.probs_grad, ctx.z_grad = probs_grad, z_grad
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        record = ctx.record
-        probs_grad = record.probs_grad() if record.probs_grad is not None else None
-        z_grad = torch.full((), record.z_grad, device=grad.device) if ctx.has_z else None
-        return grad, probs_grad, z_grad, None
+        probs_grad = ctx.probs_grad() if ctx.probs_grad is not None else None
+        return grad, probs_grad, ctx.z_grad, None, None
 
 
 class RouterBalance:
@@ -89,9 +82,11 @@ class RouterBalance:
         if mode not in AUX_LOSSES:
             raise ValueError(f"moe_aux_loss must be one of {AUX_LOSSES}, not {mode!r}")
         self.mode, self.coef, self.z_coef = mode, coef, z_coef
+        self.z_loss = z_coef > 0  # the layers report their squared log-sum-exps (RouterObserver)
         self.sparse_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)]
         self.row = {layer: j for j, layer in enumerate(self.sparse_layers)}
-        self.num_layers, self.num_experts = len(self.sparse_layers), cfg.num_experts
+        self.num_layers, self.num_experts, self.top_k = len(self.sparse_layers), cfg.num_experts, \
+            cfg.num_experts_per_tok
         self.group_size, self.reduce = group_size, reduce
         self.attaches = (mode != "none" and coef > 0) or z_coef > 0
         self.start_step(1)
@@ -103,49 +98,44 @@ class RouterBalance:
         self.seen: dict[int, int] = defaultdict(int)  # layer -> micro-batches it has run
         self.running: dict[int, torch.Tensor] = {}  # layer -> [E + 1] counts and tokens so far (global_batch)
         self.pooled: dict[int, torch.Tensor] = {}  # micro-batch -> [2, E] pooled counts, probability sums
-        self.tokens: dict[int, int] = {}  # micro-batch -> this rank's tokens (micro_batch)
-        self.pending: dict[int, deque[_Record]] = defaultdict(deque)  # layer -> records a recompute reads
+        self.tokens: dict[int, torch.Tensor] = {}  # micro-batch -> this rank's tokens (micro_batch)
 
     # --- the observer the model calls ------------------------------------------------------------------------
 
-    def __call__(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
-                 chosen: torch.Tensor) -> torch.Tensor:
-        recompute = torch._C._current_graph_task_id() != -1  # backward is running this forward again
-        if recompute:
-            if not self.attaches:
-                return out
-            record = self.pending[layer].popleft()
-        else:
-            record = self._record(layer, logits, probs, chosen)
-            if not self.attaches:
-                return out
-            self.pending[layer].append(record)
-        z_sum = logits.float().logsumexp(-1).pow(2).sum() if self.z_coef > 0 else None
-        probs_sum = probs.sum(0) if record.probs_grad is not None else None
-        return _Attach.apply(out, probs_sum, z_sum, record)
+    def __call__(self, layer: int, out: torch.Tensor, stats: RouterStats) -> torch.Tensor:
+        probs_grad, z_grad = self._record(layer, stats)
+        if not self.attaches:
+            return out
+        return _Attach.apply(out, stats.probs_sum if probs_grad is not None else None,
+                             stats.z_sum if self.z_loss else None, probs_grad, z_grad)
 
     @torch.no_grad()
-    def _record(self, layer: int, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> _Record:
-        counts = expert_counts(chosen, self.num_experts).float()
+    def _record(self, layer: int, stats: RouterStats) -> tuple[Callable[[], torch.Tensor] | None,
+                                                              torch.Tensor | None]:
+        """Counts the layer's routing into the step's figures; returns the gradients its backward hands to
+        the probability sums (a function: read in backward) and to the sum of squared log-sum-exps."""
+        counts, probs_sum = stats.counts, stats.probs_sum.detach()
         if self.load is None:
             self.load = torch.zeros(self.num_layers, self.num_experts, device=counts.device)
         self.load[self.row[layer]] += counts
         m = self.seen[layer]
         self.seen[layer] += 1
-        local_tokens = probs.shape[0]
+        # this rank's tokens, from its (token, slot) pairs: a device value, not a host read
+        local_tokens = counts.sum() / self.top_k
         tokens = local_tokens * self.group_size  # N_m: every rank holds as many of the micro-batch's tokens
         scale = 1.0 / (self.num_layers * self.num_microbatches)
         probs_grad = None
         if self.mode == "global_batch":
-            probs_grad = self._global_batch(layer, counts, probs.sum(0), tokens, scale)
+            probs_grad = self._global_batch(layer, counts, probs_sum, tokens, scale)
         elif self.mode == "micro_batch":
-            probs_grad = self._micro_batch(m, counts, probs.sum(0), local_tokens)
-        if self.z_coef > 0:
-            self.z = self.z + logits.float().logsumexp(-1).pow(2).sum() * scale / tokens
-        z_grad = self.z_coef * scale / tokens
-        return _Record(probs_grad if self.coef > 0 else None, z_grad)
+            probs_grad = self._micro_batch(m, counts, probs_sum, local_tokens)
+        z_grad = None
+        if self.z_loss:
+            self.z = self.z + stats.z_sum.detach() * scale / tokens
+            z_grad = self.z_coef * scale / tokens
+        return (probs_grad if self.coef > 0 else None), z_grad
 
-    def _global_batch(self, layer: int, counts: torch.Tensor, probs_sum: torch.Tensor, tokens: int,
+    def _global_batch(self, layer: int, counts: torch.Tensor, probs_sum: torch.Tensor, tokens: torch.Tensor,
                       scale: float) -> Callable[[], torch.Tensor]:
         counts = counts.clone()
         if self.reduce is not None:
@@ -161,7 +151,7 @@ class RouterBalance:
         return lambda: grad
 
     def _micro_batch(self, m: int, counts: torch.Tensor, probs_sum: torch.Tensor,
-                     local_tokens: int) -> Callable[[], torch.Tensor]:
+                     local_tokens: torch.Tensor) -> Callable[[], torch.Tensor]:
         pooled = self.pooled.get(m)
         if pooled is None:
             pooled = self.pooled[m] = torch.zeros(2, self.num_experts, device=counts.device)

@@ -39,6 +39,7 @@ from qwen3_pretrain.plan.flops import TokenFlops, token_flops
 from qwen3_pretrain.plan.layout import Layout
 from qwen3_pretrain.plan.layers import math_fallbacks
 from qwen3_pretrain.plan.memory import predict_memory
+from qwen3_pretrain.train.compile_report import compile_summary
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
 from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
@@ -268,6 +269,8 @@ class Trainer:
             with (self._phase(f"compiling the model (torch.compile, during step {self.step + 1})")
                   if cfg.compile and self.step == started_at else contextlib.nullcontext()):
                 rec = self.train_step()
+            if cfg.compile and self.step == started_at + 1 and self.is_log_rank:
+                log.info("%s", compile_summary().line())
             history.append(rec)
             self._check_finite(rec)
             if avg_step is None or rec["step"] > 1:  # the first step pays for warm-up

@@ -23,14 +23,17 @@ built (``ExpertsKernel``): ``GroupedMM``, one ``torch._grouped_mm`` per
 projection for all experts (bf16, where the device has it), or ``ExpertLoop``,
 one matmul per expert (exact in any dtype, any device).
 
-The router reports to an observer (``RouterObserver``), which the training
-engine uses for the load-balancing loss and the expert-load metrics; the
-model itself holds no balancing state.
+A layer built to report its routing returns, beside its output, what the
+training engine's load-balancing losses and expert-load metrics need
+(``RouterStats``: three small tensors); the model hands them to an observer
+(``RouterObserver``) outside the layer, so the layer's code holds no
+bookkeeping and compiles whole, and a layer recomputed in backward reports
+nothing twice. The model itself holds no balancing state.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -123,15 +126,22 @@ class ExpertsDispatch(Protocol):
                  experts: GroupedExperts) -> torch.Tensor: ...
 
 
+class RouterStats(NamedTuple):
+    """One sparse layer's routing of one forward, as the balancing losses need it (docs/moe.md)."""
+
+    counts: torch.Tensor  # [E] fp32: this rank's (token, slot) pairs per expert (no gradient)
+    probs_sum: torch.Tensor  # [E] fp32: the router probabilities summed over this rank's tokens (with gradient)
+    z_sum: torch.Tensor | None  # []: the squared log-sum-exps of the logits summed over the tokens, when asked
+
+
 class RouterObserver(Protocol):
-    """Sees every sparse layer's routing in a forward with autograd on; returns the layer's output, to which
-    it may attach a gradient (a load-balancing loss's) without changing its value.
+    """Sees every sparse layer's routing in a forward with autograd on, outside the layer (the model's layer
+    loop calls it); returns the layer's output ``out``, to which it may attach a gradient (a load-balancing
+    loss's, through ``stats``' tensors) without changing its value. ``z_loss``: the layers report ``z_sum``."""
 
-    ``layer``: the decoder layer's index; ``out`` [T, H]: the layer's MoE output; ``logits`` [T, E]: the router's
-    logits; ``probs`` [T, E] (fp32): their softmax; ``chosen`` [T, top_k]: the experts each token went to."""
+    z_loss: bool
 
-    def __call__(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
-                 chosen: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, layer: int, out: torch.Tensor, stats: RouterStats) -> torch.Tensor: ...
 
 
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -174,21 +184,23 @@ class MoE(nn.Module):
     """The sparse MLP: router ``gate`` (an ``nn.Linear`` of ``linear``'s class, as transformers names it)
     and ``experts``.
 
+    ``report``: ``forward`` returns (output, ``RouterStats``) instead of the output alone, with ``z_sum``
+    where ``z_loss`` (the training engine's balancing losses read them: ``RouterObserver``).
     ``balanced``: a benchmark mode that routes token ``t``'s slot ``j`` to expert ``(t * top_k + j) mod E``
     (perfect balance, as published MoE throughput figures assume), weighted by the router's probabilities
     of those experts; the model then no longer computes what it was trained to.
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool, *,
-                 layer: int, kernel: ExpertsKernel, linear: type[nn.Linear] = nn.Linear,
-                 observer: RouterObserver | None = None, balanced: bool = False) -> None:
+                 kernel: ExpertsKernel, linear: type[nn.Linear] = nn.Linear, report: bool = False,
+                 z_loss: bool = False, balanced: bool = False) -> None:
         super().__init__()
         self.gate = linear(hidden, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, hidden, intermediate, kernel)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.layer, self.observer, self.balanced = layer, observer, balanced
+        self.report, self.z_loss, self.balanced = report, z_loss, balanced
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)  # [T, E]
@@ -200,10 +212,11 @@ class MoE(nn.Module):
             weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, chosen, weights.to(x.dtype))
-        if self.observer is not None and torch.is_grad_enabled():
-            out = self.observer(self.layer, out, logits, probs, chosen)
-        return out.view(shape)
+        out = self.experts(x, chosen, weights.to(x.dtype)).view(shape)
+        if not self.report:
+            return out
+        z_sum = logits.float().logsumexp(-1).pow(2).sum() if self.z_loss else None
+        return out, RouterStats(expert_counts(chosen, probs.shape[1]).float(), probs.sum(0), z_sum)
 
     def round_robin(self, num_tokens: int, num_experts: int, device: torch.device) -> torch.Tensor:
         slots = torch.arange(num_tokens * self.top_k, device=device).view(num_tokens, self.top_k)

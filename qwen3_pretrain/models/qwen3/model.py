@@ -48,7 +48,7 @@ from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel
 from qwen3_pretrain.models.ops.elementwise import CPU_KERNELS, ElementwiseKernels
 from qwen3_pretrain.models.ops.gated_delta import document_starts
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver
+from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, RouterStats
 from qwen3_pretrain.models.ops.rope import rope_cos_sin
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
@@ -124,7 +124,8 @@ class ModelOptions:
     loss_head: LossHead | None = None
     # How a MoE layer's experts compute (models/ops/moe.py); one matmul per expert when None.
     experts: ExpertsKernel | None = None
-    # Sees each MoE layer's routing in training (the load-balancing loss and the expert-load metrics).
+    # Sees each MoE layer's routing in training (the load-balancing loss and the expert-load metrics): the
+    # sparse layers return their ``RouterStats`` beside their output, and the model's layer loop hands them on.
     router_observer: RouterObserver | None = None
     # Benchmark mode: MoE layers route round-robin (perfectly balanced) instead of by the router's choice.
     moe_force_balance: bool = False
@@ -231,12 +232,14 @@ class MLP(nn.Module):
 
 class SparseMLP(MoE):
     """A Qwen3-MoE layer's mixture of experts, recomputed in backward like the MLP it replaces; a hybrid's
-    adds a shared expert, an MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``."""
+    adds a shared expert, an MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``. With a
+    router observer it returns (output, ``RouterStats``)."""
 
-    def __init__(self, cfg: Qwen3Config, index: int, options: ModelOptions) -> None:
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions) -> None:
+        observer = options.router_observer
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                         cfg.norm_topk_prob, layer=index, kernel=options.experts or ExpertLoop(),
-                         linear=options.linear, observer=options.router_observer,
+                         cfg.norm_topk_prob, kernel=options.experts or ExpertLoop(), linear=options.linear,
+                         report=observer is not None, z_loss=observer is not None and observer.z_loss,
                          balanced=options.moe_force_balance)
         self.recompute = options.recompute == "mlp"
         self.shared_expert: MLP | None = None
@@ -244,21 +247,25 @@ class SparseMLP(MoE):
             self.shared_expert = MLP(cfg, options.linear, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = options.linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         if self.recompute:
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         out = super().forward(x)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        out, stats = out if self.report else (out, None)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (out, stats) if self.report else out
 
 
 class DecoderLayer(nn.Module):
     """Norm, token mixer (``attn``, or a hybrid's Gated DeltaNet ``linear_attn``), norm, MLP; residuals.
-    ``full_attention``: attention whatever ``layer_types`` says (the multi-token-prediction layer's)."""
+    ``full_attention``: attention whatever ``layer_types`` says (the multi-token-prediction layer's).
+    ``reports_routing``: a sparse layer built with a router observer returns (output, ``RouterStats``), from
+    outside its recompute, so the observer runs once per forward, outside the layer's (compiled) code."""
 
     def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel, index: int,
                  full_attention: bool = False) -> None:
@@ -273,23 +280,27 @@ class DecoderLayer(nn.Module):
             self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective",
                                   elementwise=options.elementwise)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered, options.elementwise)
-        self.mlp = SparseMLP(cfg, index, options) if cfg.is_sparse_layer(index) \
+        self.mlp = SparseMLP(cfg, options) if cfg.is_sparse_layer(index) \
             else MLP(cfg, options.linear, recompute=options.recompute == "mlp", elementwise=options.elementwise)
+        self.reports_routing = isinstance(self.mlp, SparseMLP) and self.mlp.report
         self.recompute = options.recompute == "full"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
-                starts: torch.Tensor | None = None) -> torch.Tensor:
+                starts: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         """``starts`` [batch, seq] (bool): where packed documents begin, for a Gated DeltaNet layer."""
         if self.recompute:  # only the input is kept for backward; the layer runs again there
             return checkpoint(self._forward, x, cos, sin, mask, starts, use_reentrant=False)
         return self._forward(x, cos, sin, mask, starts)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
-                 starts: torch.Tensor | None = None) -> torch.Tensor:
+                 starts: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         if self.linear:
             x = x + self.linear_attn(self.attn_norm(x), starts)
         else:
             x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        if self.reports_routing:
+            out, stats = self.mlp(self.mlp_norm(x))
+            return x + out, stats
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -339,6 +350,7 @@ class Qwen3Model(nn.Module):
         self.config = cfg
         self.document_mask = options.document_mask
         self.head_split = options.head_split
+        self.router_observer = options.router_observer
         # One kernel object for all layers: the model prepares the document mask once with it.
         self.attention = options.attention if options.attention is not None else SdpaAttention()
         # Passing the weight skips nn.Embedding's random init, which on the meta device costs seconds
@@ -421,8 +433,12 @@ class Qwen3Model(nn.Module):
         if self.document_mask and any(layer.linear for layer in self.layers.values()):
             split = self.head_split
             starts = document_starts(split.gather_positions(positions) if split is not None else positions)
-        for layer in self.layers.values():
+        for index, layer in self.layers.items():
             h = layer(h, cos, sin, mask, starts)
+            if layer.reports_routing:
+                h, stats = h
+                if torch.is_grad_enabled():  # training: the balancing losses' bookkeeping, eager, once
+                    h = self.router_observer(int(index), h, stats)
         if self.norm is not None:
             h = self.norm(h)
         return h, positions, (cos, sin, mask)
