@@ -374,7 +374,9 @@ def compare_runs(ref: Path, run: Path, total: int) -> dict:
                "losses_compared": len(want.keys() & got.keys()), "final_loss": got.get(total),
                "ref_tokens_per_sec_per_device": median([r["tokens_per_sec_per_device"] for r in timed]),
                "ref_mfu": median([r["mfu"] for r in timed]),
-               "ref_memory_gib": max((r["memory_gib"] for r in timed), default=None)}
+               "ref_memory_gib": max((r["memory_gib"] for r in timed), default=None),
+               "ref_memory_reserved_gib": max((r["memory_reserved_gib"] for r in timed if "memory_reserved_gib" in r),
+                                              default=None)}
     before = losses(first_run(records))
     # Equal before any resume means the kernels are deterministic, so a difference after one is the resume's.
     figures["first_run_equal"] = all(before[k] == want.get(k) for k in before)
