@@ -115,3 +115,21 @@ def test_compiled_expert_parallel_training_equals_one_eager_process(tmp_path):
     # the dense layer whole; the sparse layers' attention, norms and experts (an FSDP unit of their own) each
     # compiled apart, the router between them eager: one graph each, shared by the layers
     assert (int(line[1]), int(line[2]), int(line[3])) == (4, 0, 0), line[0]
+
+
+def test_the_compile_line_names_a_graph_break():
+    """The log line after the first compiled step counts a break and says dynamo's reason for it."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    @torch.compile(backend="eager")
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    broken(torch.ones(3))
+    summary = compile_summary()
+    assert summary.graph_breaks == 1 and summary.graphs == 2, summary.line()
+    assert re.search(r"compiled 2 graphs in \d+ frames?: 1 graph break, 0 recompiles; graph breaks \(run eager\): "
+                     r".+", summary.line()), summary.line()
