@@ -109,6 +109,9 @@ def runs(s: MultiSizes) -> dict[str, Run]:
         "tp2-compile": Run(2, {"tp": 2, "gradient_accumulation_steps": 2, "compile": True}, "one_device",
                            device_only=True),
         "fsdp2-compile": Run(2, {"distributed_optimizer": True, "compile": True}, "one_device", device_only=True),
+        # compiled ep: the grouped GEMM and the dispatch's all-to-alls with their symbolic split sizes
+        "ep2-moe-bf16-compile": Run(2, {**moe, **bf16, "ep": 2, "compile": True}, "one_device-moe-bf16", BF16_TOL,
+                                    device_only=True),
     }
     return {name: run for name, run in out.items() if s.compile or not run.device_only}
 

@@ -228,7 +228,8 @@ def compile_stage_layers(model: Qwen3Model, tensor_parallel: bool, expert_parall
     """``compile_layer`` on each decoder layer of ``model``, the multi-token-prediction layer's included."""
     # The per-expert loop's run lengths and expert parallelism's split sizes are read on the host
     # (``.tolist()``); traced as symbolic sizes, they stay inside the layer's graph instead of breaking it in
-    # every MoE layer.
+    # every MoE layer. A process-wide setting (dynamo traces at the first call, not here): a training
+    # process builds one model, and the setting changes nothing for code without such reads.
     torch._dynamo.config.capture_scalar_outputs = True
     mtp_layers = model.mtp.layers.values() if model.mtp is not None else ()
     for layer in (*model.layers.values(), *mtp_layers):

@@ -158,11 +158,14 @@ class TrainConfig:
                "of one layout then give bit-equal losses on a GPU (a resume checked against an uninterrupted "
                "run); a few percent slower (torch also fills new tensors' memory, so that reading it unwritten "
                "cannot differ between runs). CPU steps are deterministic either way.")
-    compile: bool = field_help(False, "torch.compile each decoder layer (after activation checkpointing, before "
-                                      "FSDP): faster on GPUs once compiled; the first step pays the compilation "
-                                      "(tens of seconds). Under tp > 1 with full recompute each layer's attention "
-                                      "and MLP are compiled instead (the recompute around them stays eager); not "
-                                      "with tp > 1 and selective recompute (docs/training.md).")
+    compile: bool = field_help(False, "torch.compile each decoder layer, the MTP layer's too (after activation "
+                                      "checkpointing, before FSDP): one graph per layer kind, no graph break (the "
+                                      "log says what was compiled after the first step); faster on GPUs once "
+                                      "compiled; the first step pays the compilation (tens of seconds). Under tp > 1 "
+                                      "with full recompute each layer's attention and MLP are compiled instead (the "
+                                      "recompute around them stays eager), and under ep > 1 a sparse layer's parts "
+                                      "around the router; not with tp > 1 and selective recompute, nor with cp > 1 "
+                                      "(docs/training.md).")
     # --- mixture of experts (Qwen3-MoE models; docs/moe.md) ------------------------------------------------
     moe_aux_loss: Literal["global_batch", "micro_batch", "none"] = field_help(
         "global_batch", "The load-balancing loss of a MoE model. global_batch: each layer's expert frequencies "
