@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -282,6 +283,7 @@ class HFCheckpointReader:
         self.config = Qwen3Config.from_json_file(self.path / CONFIG_FILE)
         self.hf_config = json.loads((self.path / CONFIG_FILE).read_text(encoding="utf-8"))
         self._handles: dict[str, safe_open] = {}
+        self._handles_lock = threading.Lock()  # materialize reads on several threads
         self._stored: dict[str, _Stored] = {}
         self.carried: dict[str, str] = {}  # HF name -> file name of the tensors not of the text model
         self.multimodal = False  # the text model's names are nested under model.language_model.
@@ -347,12 +349,13 @@ class HFCheckpointReader:
         return weight_map
 
     def _handle(self, file_name: str) -> safe_open:
-        if file_name not in self._handles:
-            try:
-                self._handles[file_name] = safe_open(str(self.path / file_name), framework="pt")
-            except (SafetensorError, OSError) as exc:
-                raise UserError(f"{self.path / file_name}: not a readable safetensors file ({exc})") from None
-        return self._handles[file_name]
+        with self._handles_lock:  # two threads that miss at once would both open the file and keep one
+            if file_name not in self._handles:
+                try:
+                    self._handles[file_name] = safe_open(str(self.path / file_name), framework="pt")
+                except (SafetensorError, OSError) as exc:
+                    raise UserError(f"{self.path / file_name}: not a readable safetensors file ({exc})") from None
+            return self._handles[file_name]
 
     def _lookup(self, name: str) -> _Stored:
         if name not in self._stored:
