@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import init_param
+from qwen3_pretrain.models.qwen3.init import init_param
 
 MODEL_NAME = "bench"
 STEP = 1

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from qwen3_pretrain.models.ops.precision import use_fp32_matmul
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import Qwen3Model, init_param
+from qwen3_pretrain.models.qwen3.init import init_param
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.dims import ParallelDims
 from qwen3_pretrain.parallel.parallelize import (PartSpec, build_stage, choose_attention, choose_experts, materialize,
                                                   parallelize_stage)
@@ -52,7 +53,7 @@ def build_model(cfg: Qwen3Config, layout: Layout) -> Qwen3Model:
                         ac_mode=layout.activation_checkpointing, document_mask=layout.document_mask,
                         experts=choose_experts("cpu", layout.mixed_precision, layout.fp32_matmul))
     parallelize_stage(model, mesh, dims.dp_mesh(mesh), layout.mixed_precision)
-    materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, cfg, 0)[slices])
+    materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, cfg, 0, slices))
     return model
 
 

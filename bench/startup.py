@@ -37,7 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset
 from qwen3_pretrain.models.qwen3.gated_deltanet import GatedDeltaNet, conv_init_bound
-from qwen3_pretrain.models.qwen3.model import _stable_hash, is_norm_weight
+from qwen3_pretrain.models.qwen3.init import _stable_hash, is_norm_weight
 from qwen3_pretrain.parallel.dims import ParallelDims, stage_layer_ranges
 from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_experts, materialize, parallelize_stage
 from qwen3_pretrain.train.model_source import ModelSource

@@ -5,6 +5,7 @@ independent tile-by-tile reference, and the values have the intended distributio
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from qwen3_pretrain.models.qwen3 import model as model_module
+from qwen3_pretrain.models.qwen3 import init as init_module
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset
-from qwen3_pretrain.models.qwen3.model import Qwen3Model, init_param
+from qwen3_pretrain.models.qwen3.init import init_param
+from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel import parallelize
 from qwen3_pretrain.parallel.dims import ParallelDims, stage_layer_ranges
 from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, materialize, parallelize_stage
@@ -32,13 +34,30 @@ HYBRID_MOE = dict(model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=64,
                   num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
+def first_seed(seed: int, name: str) -> int:
+    """The seed of a parameter's first tile, the rule written out here so that a silent change to it fails:
+    a 64-bit FNV-1a-style hash of the name's UTF-8 bytes (FNV's prime 0x100000001b3; the offset basis is
+    1469598103934665603, one digit short of FNV-1a's 14695981039346656037, kept since the weights a seed gives
+    depend on it), plus seed * 1,000,003, mod 2**64; then its high and low 32-bit halves xor-ed."""
+    value = 1469598103934665603
+    for byte in name.encode("utf-8"):
+        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    value = (value + seed * 1_000_003) & 0xFFFFFFFFFFFFFFFF
+    return (value >> 32) ^ (value & 0xFFFFFFFF)
+
+
+def test_the_first_seed_of_a_parameter_is_pinned():
+    assert first_seed(0, "embed_tokens.weight") == 3873163234
+    assert first_seed(5, "layers.0.mlp.up_proj.weight") == 469977542
+
+
 def reference_init(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
     """The whole normal(0, std) parameter as the scheme defines it, written without init_param's slicing:
     the matrix view [prod(shape[:-1]), shape[-1]] cut into INIT_TILE tiles in row-major order, tile k drawn
     contiguously from a CPU generator seeded with (the parameter's first seed + k) mod 2**32."""
-    tile_rows, tile_cols = model_module.INIT_TILE
+    tile_rows, tile_cols = init_module.INIT_TILE
     rows, cols = math.prod(shape[:-1]), shape[-1]
-    first = model_module._param_seed(seed, name)
+    first = first_seed(seed, name)
     out = torch.empty(rows, cols)
     k = 0
     for r in range(0, rows, tile_rows):
@@ -92,7 +111,7 @@ def test_the_distribution_is_the_intended_one():
     assert abs(up.mean().item()) < 6e-5
     assert down.std().item() == pytest.approx(0.02 / math.sqrt(2 * 36), rel=2e-3)
     # the tiles are not copies of one another: two neighbouring tiles are uncorrelated
-    rows, cols = model_module.INIT_TILE
+    rows, cols = init_module.INIT_TILE
     a, b = up[:rows, :cols].flatten(), up[:rows, cols:2 * cols].flatten()
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.02
     a_log = init_param("layers.0.linear_attn.A_log", (65536,), cfg, 0).exp()
@@ -138,7 +157,7 @@ def _shards(cfg: Qwen3Config, world: int, rank: int, threads: int, **degrees) ->
 def test_every_rank_holds_the_one_process_values(model, world, degrees, monkeypatch):
     """Each rank's shards, materialized in chunks on two threads, equal the same slices of the eager
     one-process model (``init_weights``). Small tiles and chunks, so that the slices cut through them."""
-    monkeypatch.setattr(model_module, "INIT_TILE", (8, 16))
+    monkeypatch.setattr(init_module, "INIT_TILE", (8, 16))
     monkeypatch.setattr(parallelize, "INIT_TILE", (8, 16))
     monkeypatch.setattr(parallelize, "_CHUNK_ELEMENTS", 2000)
     cfg = Qwen3Config(**(DENSE if model == "dense" else HYBRID_MOE))
@@ -163,6 +182,21 @@ def test_progress_counts_every_element_once():
     total = sum(p.numel() for p in model.parameters())
     assert calls[-1] == (total, total)
     assert all(a[0] < b[0] for a, b in zip(calls, calls[1:]))
+
+
+def test_each_materializing_thread_works_on_the_ranks_device(monkeypatch):
+    """A fresh thread's current device is device 0: each thread of materialize makes the rank's its own
+    (a meta device numbered 1 stands in for an accelerator; the call is recorded, not made)."""
+    cfg = Qwen3Config(**DENSE)
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index",
+                        lambda index: calls.append((threading.current_thread().name, index)))
+    materialize(model, torch.device("meta", 1), lambda name, shape, slices: init_param(name, shape, cfg, 0, slices),
+                threads=2)
+    assert calls and {index for _, index in calls} == {1}  # one call per thread the pool started
+    assert all(name != threading.main_thread().name for name, _ in calls)
 
 
 def test_the_trainer_says_how_far_materializing_is(caplog):

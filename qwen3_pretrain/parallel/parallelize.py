@@ -33,7 +33,8 @@ from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, Router
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
-from qwen3_pretrain.models.qwen3.model import INIT_TILE, LossHead, ModelOptions, ModelPart, Qwen3Model
+from qwen3_pretrain.models.qwen3.init import INIT_TILE
+from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, ContextParallelHeads
 from qwen3_pretrain.parallel.expert_parallel import apply_expert_parallel
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
@@ -286,11 +287,20 @@ def materialize(model: nn.Module, device: torch.device, source: ParamSource, thr
         local.copy_(source(name, shape, slices).to(local.dtype))
         return local.numel()
 
-    with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
-        for filled in (pool.map(fill, chunks) if pool is not None else map(fill, chunks)):
+    pool = (ThreadPoolExecutor(threads, initializer=_use_device, initargs=(device,)) if threads > 1
+            else contextlib.nullcontext())
+    with pool:
+        for filled in (pool.map(fill, chunks) if threads > 1 else map(fill, chunks)):
             done += filled
             if progress is not None:
                 progress(done, total)
+
+
+def _use_device(device: torch.device) -> None:
+    """Make ``device`` the current device of a thread of ``materialize``: a fresh thread's is device 0, and
+    torch_npu keeps the current device per thread (data/prefetch.py sets it for its thread the same way)."""
+    if device.type != "cpu" and device.index is not None:
+        torch.accelerator.set_device_index(device.index)
 
 
 def _chunks(name: str, param: torch.Tensor) -> list[tuple[torch.Tensor, str, tuple[int, ...], tuple[slice, ...]]]:

@@ -10,7 +10,8 @@ import torch
 from qwen3_pretrain.config.loader import nearest
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, interval_layer_types, is_preset_name
-from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES, init_param
+from qwen3_pretrain.models.qwen3.init import init_param
+from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
 from qwen3_pretrain.train.config import TrainConfig
 
 # Keys a preset and a checkpoint's config.json must agree on for model_name to describe model_path.

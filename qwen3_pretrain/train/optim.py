@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from qwen3_pretrain.hardware import optimizer_impl
-from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD, is_norm_weight
+from qwen3_pretrain.models.qwen3.init import is_norm_weight
+from qwen3_pretrain.models.qwen3.model import EMBEDDING, HEAD
 from qwen3_pretrain.train.config import TrainConfig
 
 
