@@ -6,12 +6,14 @@ built with them runs them, what they keep for backward, and that ours compile wi
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, apply_rotary_pos_emb
 
@@ -110,28 +112,34 @@ HYBRID = dict(layer_types=["linear_attention", "full_attention"], partial_rotary
               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
               model_type="qwen3_5_text")
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+# a hybrid MoE: its sparse layers' shared expert is an MLP with the model's SwiGLU
+HYBRID_MOE = dict(HYBRID, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=24, **MOE)
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda", "npu"])
-@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "hybrid-moe"])
 def test_the_kernel_table_names_what_the_engine_builds(tiny_config, device_type, kind):
     from qwen3_pretrain.models.ops.delta_rule import delta_rule_kernel
     from qwen3_pretrain.models.ops.moe import MoE
-    from qwen3_pretrain.models.qwen3.model import RMSNorm
+    from qwen3_pretrain.models.qwen3.model import MLP, RMSNorm, SparseMLP
     from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage, choose_experts, describe_kernels, kernel_table
 
-    cfg = tiny_config(**{"dense": {}, "moe": MOE, "hybrid": HYBRID}[kind])
-    table = kernel_table(cfg, device_type, "bf16", optimizer="AdamW fused")
+    cfg = tiny_config(**{"dense": {}, "moe": MOE, "hybrid": HYBRID, "hybrid-moe": HYBRID_MOE}[kind])
     kernels = elementwise_kernels(device_type)
+    table = kernel_table(cfg, device_type, kernels, "bf16", optimizer="AdamW fused")
     stage = build_stage(cfg, PartSpec(0, 1, range(cfg.num_hidden_layers)), cfg.vocab_size, 64,
                         elementwise=kernels, experts=choose_experts(device_type, "bf16"),
                         delta_rule=delta_rule_kernel(device_type))
     assert {m.kernel.__name__ for m in stage.modules() if isinstance(m, RMSNorm)} == {table["norms"]}
-    assert table["rope"] == kernels.rope.__name__ and table["swiglu"] == kernels.swiglu.__name__
-    assert ("experts" in table) == (kind == "moe") and ("delta rule" in table) == (kind == "hybrid")
-    if kind == "moe":
+    assert table["rope"] == kernels.rope.__name__
+    mlps = {m.swiglu.__name__ for m in stage.modules() if isinstance(m, MLP)}  # the tiny MoE's layers: all sparse
+    assert mlps == (set() if kind == "moe" else {table["swiglu"]})
+    if kind == "hybrid-moe":  # the shared experts included
+        assert any(m.shared_expert is not None for m in stage.modules() if isinstance(m, SparseMLP))
+    assert ("experts" in table) == kind.endswith("moe") and ("delta rule" in table) == kind.startswith("hybrid")
+    if kind.endswith("moe"):
         assert {m.experts.kernel.name for m in stage.modules() if isinstance(m, MoE)} == {table["experts"]}
-    if kind == "hybrid":
+    if kind.startswith("hybrid"):
         assert table["delta rule"] == "torch"  # flash-linear-attention is not installed here
     assert table["optimizer"] == "AdamW fused"
     line = describe_kernels(table)
@@ -286,6 +294,56 @@ def test_npu_swiglu_gates_with_the_first_half(stand_in_torch_npu, dtype):
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1], want[1]):
         assert torch.equal(a, b)
+
+
+# --- the fused norms on DTensors (every norm's input under tp) ------------------------------------------------------
+
+def _check_fused_norms_on_dtensors(rank: int, world_size: int) -> None:
+    """Each fused norm on a DTensor split over the sequence (dim 1) or the q/k norms' heads (dim 2), its weight
+    replicated, as sequence parallelism hands them over: the values and gradients of transformers' norm on
+    the whole tensor. CUDA's backward runs torch's ``aten._fused_rms_norm_backward`` through its sharding rule
+    (given here a CPU kernel: torch's reference formula); the NPU's run on a stand-in of torch_npu. Ours must
+    not run (it would take any layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    lib = torch.library.Library("aten", "IMPL")  # this spawned process's only: the operator as on a GPU
+    from torch._decomp.decompositions import _fused_rms_norm_backward as reference
+
+    lib.impl("_fused_rms_norm_backward", reference, "CPU")
+    ew._fused_rms_norm_backward = lambda device_type: torch.ops.aten._fused_rms_norm_backward
+    ew.rms_norm = ew.zero_centered_rms_norm = None  # a fallback to ours fails
+    module = types.ModuleType("torch_npu")
+    module.npu_rms_norm = _stand_in_rms_norm
+    sys.modules["torch_npu"] = module
+    mesh = init_device_mesh("cpu", (world_size,))
+    # a layout the operator's rule would gather first (the normalized dim split) is not taken
+    replicated = distribute_tensor(torch.ones(32), mesh, [Replicate()])
+    assert not ew._rowwise(distribute_tensor(torch.ones(2, 8, 32), mesh, [Shard(2)]), replicated)
+    assert ew._rowwise(distribute_tensor(torch.ones(2, 8, 32), mesh, [Shard(1)]), replicated)
+    kernels = {"cuda": CUDA_EAGER_KERNELS, "npu": NPU_KERNELS}
+    for (device, kernels_), zero_centered, dim in itertools.product(kernels.items(), [False, True], [1, 2]):
+        x, w = (inputs((2, 8, 4, 32), torch.float32, 6), 0.1 * inputs((32,), torch.float32, 7))
+        w = w if zero_centered else 1 + w
+        want = grads(lambda a, b: ref_norm(a, b, 1e-6, zero_centered), [x, w])
+        kernel = kernels_.zero_centered_norm if zero_centered else kernels_.norm
+        dx = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_(True)
+        dw = torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()]))
+        out = kernel(dx, dw, 1e-6)
+        assert isinstance(out, DTensor) and out.placements == (Shard(dim),), (device, out)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))  # grads()'s direction
+        out.backward(distribute_tensor(probe, mesh, [Shard(dim)]))
+        assert dw.grad.placements == (Partial(),), (device, dw.grad.placements)  # summed over tp later
+        for got, ref in zip([out.full_tensor(), dx.grad.full_tensor(), dw.grad.full_tensor()],
+                            [want[0], *want[1]]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{device} {dim}: {m}")
+
+
+@pytest.mark.distributed
+def test_fused_norms_take_sequence_parallel_dtensors_on_two_ranks():
+    from test_loss import run_distributed
+
+    run_distributed(2, _check_fused_norms_on_dtensors)
 
 
 # --- compile -----------------------------------------------------------------------------------------------------

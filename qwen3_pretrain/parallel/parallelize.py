@@ -77,16 +77,18 @@ def choose_experts(device_type: str, mixed_precision: str, fp32_matmul: bool = F
     return experts_kernel(device_type, dtype, fp32_linear if fp32_matmul else torch.nn.functional.linear)
 
 
-def kernel_table(cfg: Qwen3Config, device_type: str, mixed_precision: str, fp32_matmul: bool = False,
-                 compiled: bool = False, cp: bool = False, optimizer: str | None = None,
+def kernel_table(cfg: Qwen3Config, device_type: str, elementwise: ElementwiseKernels, mixed_precision: str,
+                 fp32_matmul: bool = False, cp: bool = False, optimizer: str | None = None,
                  make: KernelFactory = attention_kernel) -> dict[str, str]:
     """Which kernel each block of ``cfg``'s model runs on ``device_type``, for the start-up log: asked of
-    the choosers the engine builds with (``choose_attention``, ``elementwise_kernels``, ``choose_experts``,
-    ``delta_rule_kernel``), never restated. ``cp``: the sequence is split over ranks; ``optimizer``: the
-    optimizer's row (train/optim.py: ``describe_optimizer``, which reads the built optimizer)."""
+    the choosers the engine builds with (``choose_attention``, ``choose_experts``, ``delta_rule_kernel``),
+    never restated; ``elementwise``: the kernels the engine built with (``Engine.elementwise``: its tensors'
+    device's, which under tp take the norms' DTensors: models/ops/elementwise.py). ``cp``: the sequence is
+    split over ranks; ``optimizer``: the optimizer's row (train/optim.py: ``describe_optimizer``, which reads
+    the built optimizer)."""
     attention = choose_attention(device_type, fp32_matmul, make=make)
     table = {"attention": f"{attention.name} ({type(attention).__name__}{', gathered over cp' if cp else ''})"}
-    table.update(elementwise_kernels(device_type, compiled).describe(zero_centered=cfg.is_hybrid))
+    table.update(elementwise.describe(zero_centered=cfg.is_hybrid))
     if cfg.is_moe:
         table["experts"] = choose_experts(device_type, mixed_precision, fp32_matmul).name
     if cfg.num_linear_layers:

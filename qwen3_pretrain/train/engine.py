@@ -120,6 +120,9 @@ class Engine:
         # (and plays that device's attention kernels there, ``make_attention``, and each MoE layer's experts,
         # whose kernel and dispatch read token counts a fake tensor does not have: ``play_experts``).
         self.target_device_type = target_device_type or device.type
+        # The norms', RoPE's and SwiGLU's kernels are the tensors' own device's (the simulation's CPU tensors
+        # run ours); the start-up table describes these (parallelize.kernel_table).
+        self.elementwise = elementwise_kernels(device.type, cfg.compile)
         self.make_attention, self.play_experts = make_attention, play_experts
         # materialize's threads (this rank's share of the node's cores) and what it tells of its progress
         self.init_threads, self.progress = init_threads, progress
@@ -171,9 +174,7 @@ class Engine:
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
                            experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance,
                            multi_token_prediction=self.mtp_weight > 0,
-                           delta_rule=delta_rule_kernel(self.target_device_type),
-                           # the tensors' own device: the simulation (CPU tensors) runs ours
-                           elementwise=elementwise_kernels(self.device.type, cfg.compile))
+                           delta_rule=delta_rule_kernel(self.target_device_type), elementwise=self.elementwise)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes,
                           keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype)

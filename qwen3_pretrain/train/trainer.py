@@ -399,8 +399,8 @@ class Trainer:
                      dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name, size, weights,
                      self.device, self.launch.launcher)
             log.info("kernels: %s", describe_kernels(kernel_table(
-                m, self.engine.target_device_type, cfg.mixed_precision, self.fp32_matmul, cfg.compile, dims.cp > 1,
-                describe_optimizer(self.optimizers[0]))))
+                m, self.engine.target_device_type, self.engine.elementwise, cfg.mixed_precision, self.fp32_matmul,
+                dims.cp > 1, describe_optimizer(self.optimizers[0]))))
             # The start record first: a resume record after it belongs to the run it starts.
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
                                 "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,

@@ -17,9 +17,13 @@ when the model is built, as the attention kernel is (``elementwise_kernels``; ``
   an autograd function of ours that keeps only cos and sin (the operator's own backward keeps its input
   too, more than ours), ``npu_swiglu`` on [gate | up] (SiLU of the first half times the second).
 
-A DTensor input (the norms under sequence parallelism) runs ours on every device: the fused operators have
-no sharding rule we have checked. ``tests/test_elementwise_kernels.py`` compares every kernel with the
-plain expression (the device ones on the device, ``pytest -m device``).
+Under tp every norm's input is a DTensor split over rows (the sequence, or the q/k norms' heads) with its
+weight replicated, and the fused norms take it: CUDA's through torch's sharding rules for
+``aten._fused_rms_norm`` and its backward (each rank normalizes its rows; the weight's gradient is a partial
+sum, reduced over tp as any sequence-parallel weight's), the NPU's on each rank's local rows, its weight's
+gradient marked as the same partial sum. Any other DTensor layout (the normalized dim split) runs ours.
+``tests/test_elementwise_kernels.py`` compares every kernel with the plain expression, on DTensors over two
+ranks too (the device ones on the device, ``pytest -m device``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from qwen3_pretrain.models.ops.norm import rms_norm, zero_centered_rms_norm
 from qwen3_pretrain.models.ops.rope import apply_rope
@@ -38,9 +43,17 @@ Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x,
 Swiglu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> silu(gate) * up
 
 
-def _subclass(x: torch.Tensor) -> bool:
-    """A tensor subclass (a DTensor under sequence parallelism), which the fused operators may not take."""
-    return type(x) is not torch.Tensor
+def _rowwise(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a fused norm takes ``x`` as it is: a plain tensor, or a DTensor split over rows only (never
+    over the normalized last dim, never a partial sum) whose weight is replicated on the same mesh: the
+    layouts torch's sharding rule for ``aten._fused_rms_norm`` keeps without moving data (every norm's under
+    tp). Another subclass or layout runs ours."""
+    if not isinstance(x, DTensor):
+        return type(x) is torch.Tensor
+    last = x.ndim - 1
+    return (isinstance(weight, DTensor) and weight.device_mesh == x.device_mesh
+            and all(p.is_replicate() for p in weight.placements)
+            and all(p.is_replicate() or (p.is_shard() and p.dim != last) for p in x.placements))
 
 
 @dataclass(frozen=True)
@@ -88,18 +101,20 @@ def _fused_rms_norm_backward(device_type: str):
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch's fused RMSNorm with transformers' order (normalize, cast, then the weight); ours where the
-    weight's dtype is not the input's (transformers' output then takes the weight's) or on a DTensor."""
-    if _subclass(x) or weight.dtype != x.dtype:
+    """torch's fused RMSNorm with transformers' order (normalize, cast, then the weight), on a DTensor by
+    torch's sharding rules; ours where the weight's dtype is not the input's (transformers' output then takes
+    the weight's) or the layout is not ``_rowwise``."""
+    if weight.dtype != x.dtype or not _rowwise(x, weight):
         return rms_norm(x, weight, eps)
     return _FusedRMSNorm.apply(x, weight, eps)
 
 
 def fused_zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The zero-centred norm as torch's fused norm on the fp32 input, with ``1 + weight`` in fp32."""
-    if _subclass(x):
+    """The zero-centred norm as torch's fused norm on the fp32 input, with ``1 + weight`` in fp32 (the
+    weight's product in fp32 is what the fused operator given the weight computes)."""
+    if not _rowwise(x, weight):
         return zero_centered_rms_norm(x, weight, eps)
-    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
+    return _FusedRMSNorm.apply(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
 
 
 # --- NPU: torch_npu's fused operators -----------------------------------------------------------------------
@@ -110,19 +125,39 @@ def _torch_npu():
     return torch_npu
 
 
-def npu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch_npu's fused RMSNorm (its gamma takes the input's dtype); it keeps the input and the fp32
-    reciprocal root per row, as ours."""
-    if _subclass(x):
-        return rms_norm(x, weight, eps)
+def _on_local_rows(norm: Norm, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm``, an operator without a sharding rule, on this rank's rows of a ``_rowwise`` DTensor ``x``.
+    A norm is per row, so the local rows give the local output; the weight's local gradient covers only
+    these rows: a partial sum over each mesh axis that splits the rows (whole on an axis that replicates
+    them), which FSDP or the next redistribution reduces, as for any sequence-parallel weight."""
+    if not isinstance(x, DTensor):
+        return norm(x, weight, eps)
+    grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+    out = norm(x.to_local(), weight.to_local(grad_placements=grad_placements), eps)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
+
+def _npu_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+
+
+def _npu_zero_centered_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _torch_npu().npu_rms_norm(x.float(), 1.0 + weight.float(), epsilon=eps)[0].to(x.dtype)
+
+
+def npu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch_npu's fused RMSNorm (its gamma takes the input's dtype), on each rank's rows under tp; it keeps
+    the input and the fp32 reciprocal root per row, as ours."""
+    if not _rowwise(x, weight):
+        return rms_norm(x, weight, eps)
+    return _on_local_rows(_npu_norm, x, weight, eps)
 
 
 def npu_zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """torch_npu's fused RMSNorm on the fp32 input with ``1 + weight`` in fp32, as transformers computes it."""
-    if _subclass(x):
+    if not _rowwise(x, weight):
         return zero_centered_rms_norm(x, weight, eps)
-    return _torch_npu().npu_rms_norm(x.float(), 1.0 + weight.float(), epsilon=eps)[0].to(x.dtype)
+    return _on_local_rows(_npu_zero_centered_norm, x, weight, eps)
 
 
 def _rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,8 @@ class SparseMLP(MoE):
         self.recompute = options.recompute == "mlp"
         self.shared_expert: MLP | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, options.linear, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg, options.linear, intermediate_size=cfg.shared_expert_intermediate_size,
+                                     elementwise=options.elementwise)
             self.shared_expert_gate = options.linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
