@@ -170,8 +170,10 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 
 # Keys are the planner's short names (--device); ``reported_names`` are the exact names the device
 # reports (torch.cuda/torch.npu.get_device_name), which metrics match for MFU. Peaks are dense (no
-# sparsity). TF32: each datasheet's TF32 tensor-core figure, published with sparsity, halved (B200: the
-# HGX B200's 18 PFLOP/s / 8 / 2); Ascend NPUs and CPUs have none: mixed_precision fp32 runs at the fp32 peak.
+# sparsity). TF32: the datasheet's dense TF32 tensor-core figure, or its figure "with sparsity" halved
+# (H100, H200, L40S: 366 sparse; B200: the HGX B200's 18 PFLOP/s / 8 / 2); the H20's brief quotes it dense
+# (74). Never the fp32 (non-tensor-core) figure, which is the fallback only where a device has no TF32:
+# Ascend NPUs and CPUs, where mixed_precision fp32 runs at the fp32 peak.
 # Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
@@ -235,8 +237,9 @@ DEVICES: dict[str, Hardware] = {
                "NVLink 5 at ~720 GB/s ring bus bandwidth"),
     "l40s": Hardware(
         "l40s", 45.0, 362.0, 91.6, 25.0, 22.0, memory_bandwidth_gbps=864.0,
-        tf32_peak_tflops=91.6, reported_names=("NVIDIA L40S",),
-        source="L40S 48GB: 362 TFLOP/s dense bf16, 91.6 fp32, 864 GB/s GDDR6 (NVIDIA L40S datasheet); "
+        tf32_peak_tflops=183.0, reported_names=("NVIDIA L40S",),
+        source="L40S 48GB: 362 TFLOP/s dense bf16, 183 TF32 (366 with sparsity), 91.6 fp32, 864 GB/s GDDR6 "
+               "(NVIDIA L40S datasheet); "
                "46,068 MiB as nvidia-smi reports; PCIe Gen4 between GPUs"),
     "910b": Hardware(
         "910b", 64.0, 313.0, 78.0, 100.0, 22.0, **_910B_NET,

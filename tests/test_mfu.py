@@ -8,8 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from qwen3_pretrain.errors import ConfigError
-from qwen3_pretrain.hardware import get_device, matmul_precision
-from qwen3_pretrain.models.ops.gated_delta import chunk_gated_delta_rule
+from qwen3_pretrain.hardware import DEVICES, get_device, matmul_precision
+from qwen3_pretrain.models.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_rule
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import ModelOptions, Qwen3Model
 from qwen3_pretrain.plan.flops import model_layers, token_flops
@@ -96,7 +96,7 @@ def test_delta_rule_flops_are_the_kernels_matmuls(tiny_config, key_heads, value_
     g, beta = -torch.rand(1, seq, value_heads), torch.rand(1, seq, value_heads)
     with FlopCounterMode(display=False) as counter:
         chunk_gated_delta_rule(q, k, v, g, beta)
-    assert counter.get_total_flops() / seq == cfg.linear_attention_flops_per_token() / 3
+    assert counter.get_total_flops() / seq == cfg.linear_attention_flops_per_token(CHUNK_SIZE) / 3
 
 
 def test_mtp_layer_counted_when_trained(tiny_config):
@@ -130,6 +130,18 @@ def test_peak_follows_what_the_matmuls_run_in():
         989.0, 494.7, 67.0)
     assert npu.peak_tflops_of("tf32") == npu.peak_tflops_of("fp32") == 78.0  # Ascend has no TF32
     assert get_device("a100").compute_flops("tf32") == 156e12
+
+
+def test_tf32_peaks_are_the_tensor_cores():
+    """NVIDIA's tensor cores since Ampere run TF32 at half their dense bf16 rate (the datasheets' figures, some
+    quoted with sparsity and halved here), well above the non-tensor-core fp32 peak; an fp32 figure entered
+    as TF32 (as the L40S's 91.6 was) fails this."""
+    cuda = [hw for hw in DEVICES.values() if hw.device_type == "cuda"]
+    assert len(cuda) >= 10
+    for hw in cuda:
+        assert hw.tf32_peak_tflops == pytest.approx(hw.peak_tflops / 2, rel=0.02), hw.name
+        assert hw.tf32_peak_tflops > 1.5 * hw.fp32_peak_tflops, hw.name
+    assert get_device("l40s").peak_tflops_of("tf32") == 183.0
 
 
 def test_allow_tf32_needs_fp32():

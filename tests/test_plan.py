@@ -15,6 +15,7 @@ import torch
 from qwen3_pretrain.cli import run_command
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.hardware import get_device
+from qwen3_pretrain.models.ops.gated_delta import CHUNK_SIZE
 from qwen3_pretrain.models.ops.moe import ExpertLoop, GroupedMM
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset
@@ -24,7 +25,7 @@ from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan import layers, memory
 from qwen3_pretrain.plan.cli import build_parser, fixed_settings
 from qwen3_pretrain.plan.cli import main as plan_main
-from qwen3_pretrain.plan.flops import token_flops
+from qwen3_pretrain.plan.flops import model_layers, token_flops
 from qwen3_pretrain.plan.layers import largest_tensor, saved_bytes_per_token
 from qwen3_pretrain.plan.layout import Cluster, LayerKind, Layout, enumerate_layouts, stage_shapes
 from qwen3_pretrain.plan.memory import GiB, recomputed_bytes_per_token, predict_memory, stage_params
@@ -765,8 +766,43 @@ def test_hybrid_stage_parameters_are_the_real_stages(name, tp, pp):
     # one rank, no recompute: the hardware FLOPs are the model's, the delta rule's apart (it computes in fp32)
     lay = Layout(seq_length=4096, activation_checkpointing="none")
     matmul, rule = _stage_flops_per_microbatch(cfg, lay, whole)
-    assert rule == 6 * cfg.linear_attention_flops_per_token() * 4096
+    assert rule == 6 * cfg.linear_attention_flops_per_token(CHUNK_SIZE) * 4096
     assert matmul + rule == pytest.approx(token_flops(cfg, 4096).model * 4096)
+
+
+@pytest.mark.parametrize("recompute, tp", [("none", 1), ("full", 1), ("selective", 2)])
+def test_planner_counts_the_trained_mtp_layer(recompute, tp):
+    """With the multi-token-prediction layer trained (``Layout.mtp``), the last stage's FLOPs are the training
+    log's count with it (flops.token_flops, checked against torch's count in tests/test_mfu.py): its fc, its
+    decoder layer (a MoE block whole on every tp rank) and the second head pass; without it, the count without."""
+    cfg = get_preset("qwen3.5-35b-a3b")
+    cfg = dataclasses.replace(cfg, num_hidden_layers=4, layer_types=cfg.layer_types[:4], num_experts=16)
+    assert cfg.mtp_num_hidden_layers == 1
+    seq = 2048
+    for mtp in (False, True):
+        lay = Layout(tp=tp, seq_length=seq, activation_checkpointing=recompute, mtp=mtp)
+        (whole,) = stage_shapes(cfg, lay)
+        matmul, rule = _stage_flops_per_microbatch(cfg, lay, whole)
+        counted = token_flops(cfg, seq, recompute, mtp).hardware * seq
+        if tp == 1:
+            assert matmul + rule == pytest.approx(counted, rel=1e-12)
+        else:  # the MoE blocks (the MTP layer's too) run whole on each tp rank: their FLOPs tp times
+            sparse = sum(layer.mlp * (3 + (recompute == "full")) for layer in model_layers(cfg, seq, mtp)) * seq
+            assert matmul + rule == pytest.approx(counted + (tp - 1) * sparse, rel=1e-12)
+    trained = predict_step(cfg, Layout(tp=tp, seq_length=seq, activation_checkpointing=recompute, mtp=True),
+                           get_device("h100"))
+    untrained = predict_step(cfg, Layout(tp=tp, seq_length=seq, activation_checkpointing=recompute),
+                             get_device("h100"))
+    assert trained.step_time_s > untrained.step_time_s
+
+
+def test_plan_reads_mtp_loss_weight_from_the_config():
+    parse = build_parser().parse_args
+    assert not fixed_settings(parse([]), {})[0].mtp
+    assert fixed_settings(parse([]), {"mtp_loss_weight": 0.3})[0].mtp
+    assert not fixed_settings(parse([]), {"mtp_loss_weight": 0.0})[0].mtp
+    assert not fixed_settings(parse(["--no-mtp"]), {"mtp_loss_weight": 0.3})[0].mtp
+    assert fixed_settings(parse(["--mtp"]), {})[0].mtp
 
 
 def test_hybrid_plan_rows_are_configs_train_accepts(capsys, tmp_path):

@@ -36,7 +36,7 @@ CONFIG_KEYS: dict[str, Any] = {
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
     "reduce_grads_every_microbatch": bool, "keep_params_gathered": bool, "grad_reduce_dtype": str, "compile": bool,
-    "dp_shard": int | None,
+    "dp_shard": int | None, "mtp_loss_weight": float,
 }
 
 
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--grad-reduce-dtype", choices=PRECISIONS,
                      help="what gradients accumulate and are reduced in under bf16 (default fp32)")
     lay.add_argument("--mixed-precision", choices=PRECISIONS)
+    lay.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                     help="the multi-token-prediction layer is trained (mtp_loss_weight > 0): count its FLOPs "
+                          "(default: the config's mtp_loss_weight, else off)")
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
     lay.add_argument("--pp-microbatch-size", type=int, help="samples per pipeline micro-batch")
@@ -245,6 +248,7 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
                                            False),
         grad_reduce_dtype=pick(args.grad_reduce_dtype, "grad_reduce_dtype", "fp32"),
         compile=pick(args.compile, "compile", False),
+        mtp=args.mtp if args.mtp is not None else conf.get("mtp_loss_weight", 0.0) > 0,
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 
@@ -392,6 +396,9 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         lines.append("+ host-bound: the host issues the layers' operators slower than the device computes them "
                      "(eager DTensor under tp, a Gated DeltaNet layer's loop over the sequence's chunks; "
                      "--compile)")
+    if candidates[0].layout.mtp and cfg.mtp_num_hidden_layers:
+        lines.append("the multi-token-prediction layer is trained: its FLOPs are counted on the last stage (time, "
+                     "MFU, HFU), its parameters and activations are not in the memory columns")
     return "\n".join(lines)
 
 

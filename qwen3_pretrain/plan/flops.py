@@ -27,10 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qwen3_pretrain.models.qwen3.config import Qwen3Config
-
-DELTA_RULE_CHUNK = 64  # models/ops/gated_delta.py: chunk_gated_delta_rule's chunk_size
-RECOMPUTE = ("none", "selective", "mlp", "full")
+from qwen3_pretrain.models.ops.gated_delta import CHUNK_SIZE as DELTA_RULE_CHUNK
+from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
 
 
 @dataclass(frozen=True)
@@ -90,13 +88,18 @@ def layer_flops(cfg: Qwen3Config, mixer_index: int, mlp_index: int, seq: int) ->
 
 
 def model_layers(cfg: Qwen3Config, seq: int, mtp: bool = False) -> list[LayerFlops]:
-    """Every decoder layer's ``LayerFlops``; with ``mtp``, the multi-token-prediction layer's decoder layers
-    too (full attention, the MLP of layer 0: models/qwen3/model.py ``MultiTokenPrediction``)."""
+    """Every decoder layer's ``LayerFlops``; with ``mtp``, the multi-token-prediction layer's too."""
     layers = [layer_flops(cfg, i, i, seq) for i in range(cfg.num_hidden_layers)]
-    if mtp and cfg.mtp_num_hidden_layers:
-        attention = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i))
-        layers += [layer_flops(cfg, attention, 0, seq)] * cfg.mtp_num_hidden_layers
-    return layers
+    return layers + (mtp_layers(cfg, seq) if mtp else [])
+
+
+def mtp_layers(cfg: Qwen3Config, seq: int) -> list[LayerFlops]:
+    """The multi-token-prediction layer's decoder layers (full attention, the MLP of layer 0:
+    models/qwen3/model.py ``MultiTokenPrediction``); none where the model has no MTP layer."""
+    if not cfg.mtp_num_hidden_layers:
+        return []
+    attention = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i))
+    return [layer_flops(cfg, attention, 0, seq)] * cfg.mtp_num_hidden_layers
 
 
 def head_flops(cfg: Qwen3Config, mtp: bool = False) -> float:

@@ -25,7 +25,7 @@ from qwen3_pretrain.hardware import attention_backend
 from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall, describe_call
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
-from qwen3_pretrain.plan.flops import DELTA_RULE_CHUNK, layer_flops
+from qwen3_pretrain.plan.flops import DELTA_RULE_CHUNK, LayerFlops, layer_flops, mtp_layers
 from qwen3_pretrain.plan.layout import Layout, LayerKind
 
 # Operators one layer issues per micro-batch (forward and backward, counted under a dispatch mode on torch
@@ -247,8 +247,20 @@ def flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> tuple[
     computes in fp32). ``flops.layer_flops``' counts (attention over the causal half of the square, as the
     kernels run it); a MoE block (its active parameters) runs whole on every tp rank: ``tp`` times over."""
     mixer_index, mlp_index = _index(cfg, kind)
-    layer = layer_flops(cfg, mixer_index, mlp_index, layout.seq_length)
-    if kind.sparse and not layout.moe_tokens_split_by_tp:
+    return _hardware_flops(layout, layer_flops(cfg, mixer_index, mlp_index, layout.seq_length), kind.sparse)
+
+
+def mtp_flops_per_token(cfg: Qwen3Config, layout: Layout) -> tuple[float, float]:
+    """``flops_per_token`` of the multi-token-prediction layer's decoder layers, on the stage with the head,
+    where ``layout.mtp`` trains it (its fc and second head pass: ``flops.head_flops``); (0, 0) otherwise."""
+    if not layout.mtp:
+        return 0.0, 0.0
+    parts = [_hardware_flops(layout, layer, cfg.is_sparse_layer(0)) for layer in mtp_layers(cfg, layout.seq_length)]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def _hardware_flops(layout: Layout, layer: LayerFlops, sparse: bool) -> tuple[float, float]:
+    if sparse and not layout.moe_tokens_split_by_tp:
         layer = dataclasses.replace(layer, mlp=layer.mlp * layout.tp)
     ac = layout.activation_checkpointing
     rule = layer.rule * (4 if ac in ("full", "selective") else 3)  # both rerun the delta rule

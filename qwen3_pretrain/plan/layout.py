@@ -67,6 +67,9 @@ class Layout:
     device_type: str = "cuda"
     reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
     fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: models/ops/precision.py)
+    # the multi-token-prediction layer is trained (mtp_loss_weight > 0): its FLOPs counted on the head's stage
+    # (not its parameters' or activations' memory); ignored for a model without one
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "gradient_accumulation_steps", "seq_length",

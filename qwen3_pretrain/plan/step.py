@@ -9,7 +9,8 @@ Per micro-batch on the slowest pipeline stage:
   rule at the fp32 peak (it computes in fp32); a MoE block runs whole on every
   tp rank, its FLOPs repeated; the FLOPs are ``flops``' (attention over the
   causal half of the square, as the kernels run it; MFU, HFU and the
-  full-square MFU from ``flops.token_flops``, as the training log's);
+  full-square MFU from ``flops.token_flops``, as the training log's; the
+  multi-token-prediction layer on the last stage when ``Layout.mtp``);
   or, when longer, the host's time to issue the stage's layers
   (``Hardware.host_seconds_per_layer``: eager or compiled, with or without
   tensor parallelism's DTensors; a third more with full recompute; a Gated
@@ -62,7 +63,8 @@ from qwen3_pretrain.hardware import GB, Hardware
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.flops import head_flops, token_flops
-from qwen3_pretrain.plan.layers import cp_calls, flops_per_token, host_ops_per_layer, tp_collectives
+from qwen3_pretrain.plan.layers import (cp_calls, flops_per_token, host_ops_per_layer, mtp_flops_per_token,
+                                        tp_collectives)
 from qwen3_pretrain.plan.layout import Cluster, Layout, StageShape, check_model_fits_layout, stage_shapes
 from qwen3_pretrain.plan.memory import stage_params
 
@@ -110,13 +112,15 @@ def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
 def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> tuple[float, float]:
     """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together: (at the
     compute dtype's peak, at fp32's: a Gated DeltaNet's chunked delta rule). Per layer kind
-    (``layers.flops_per_token``); the LM head on the last stage."""
+    (``layers.flops_per_token``); the LM head on the last stage, with the multi-token-prediction layer
+    where ``layout.mtp`` trains it."""
     matmul = fp32 = 0.0
     for kind, count in shape.layer_kinds:
         kind_matmul, kind_fp32 = flops_per_token(cfg, layout, kind)
         matmul, fp32 = matmul + count * kind_matmul, fp32 + count * kind_fp32
     if shape.has_head:
-        matmul += head_flops(cfg)
+        mtp_matmul, mtp_fp32 = mtp_flops_per_token(cfg, layout)
+        matmul, fp32 = matmul + head_flops(cfg, layout.mtp) + mtp_matmul, fp32 + mtp_fp32
     return matmul * layout.microbatch_tokens, fp32 * layout.microbatch_tokens
 
 
@@ -287,12 +291,15 @@ def _host_seconds(cfg: Qwen3Config, layout: Layout, hardware: Hardware, shape: S
     compile_layer), so it is counted as eager; full recompute issues the forward twice. A Gated DeltaNet
     layer issues more operators than the Qwen3 layer the figures were timed on
     (``layers.host_ops_per_layer``); those beyond it are plain tensors under tp (the delta rule on the rank's
-    own heads) and cost what a layer's operators cost without tp."""
+    own heads) and cost what a layer's operators cost without tp. A trained multi-token-prediction layer's
+    decoder layers (full attention) on the head's stage count as Qwen3 layers."""
     compiled = layout.compile and not (layout.tp > 1 and layout.activation_checkpointing == "full")
     per_layer = hardware.host_seconds_per_layer(layout.tp > 1, compiled)
     per_extra_layer = hardware.host_seconds_per_layer(False, compiled)
     seconds = sum(count * (per_layer + (host_ops_per_layer(cfg, layout, kind) - 1) * per_extra_layer)
                   for kind, count in shape.layer_kinds)
+    if shape.has_head and layout.mtp:
+        seconds += cfg.mtp_num_hidden_layers * per_layer
     return seconds * (4 / 3 if layout.activation_checkpointing == "full" else 1.0)
 
 
@@ -334,7 +341,7 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"] + slowest["ep"]) \
         + dp_exposed + optimizer
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
-    flops = token_flops(cfg, layout.seq_length, layout.activation_checkpointing)
+    flops = token_flops(cfg, layout.seq_length, layout.activation_checkpointing, layout.mtp)
     per_stage_axis = tuple({"tp": m * x["bytes"]["tp"], "cp": m * x["bytes"]["cp"], "pp": m * x["bytes"]["pp"],
                             "ep": m * x["bytes"]["ep"], "dp": sum(x["dp_bytes"].values())} for x in per_stage)
     per_axis = per_stage_axis[per_stage.index(slowest)]

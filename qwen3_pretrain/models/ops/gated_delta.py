@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Tokens per chunk: flash-linear-attention's chunk too; the planner's FLOP and operator counts read it here.
+CHUNK_SIZE = 64
+
 
 def document_starts(positions: torch.Tensor) -> torch.Tensor:
     """Where packed documents begin, from position ids that restart at 0 at each document: ``positions == 0``.
@@ -140,7 +143,7 @@ def chunk_gated_delta_rule(
     starts: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     use_qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over packed documents, computed in fp32 by chunks; differentiable.

@@ -338,13 +338,19 @@ class Qwen3Config:
         return sum(self.mixer_params(i, matmul_only=True) + self.mlp_params(i, active=True)
                    for i in range(self.num_hidden_layers)) + self.vocab_size * h
 
-    def linear_attention_flops_per_token(self, chunk: int = 64) -> float:
+    def linear_attention_flops_per_token(self, chunk: int) -> float:
         """Training FLOPs of one token in one Gated DeltaNet layer's chunked delta rule (beyond its
-        projections), the matmuls of models/ops/gated_delta.py: per value head, the chunk's unit-lower inverse
-        applied to the values and the keys (``C (dv + dk)``), the chunk's attention times the writes
-        (``C dv``), reading the [dk, dv] state for the writes and the output and updating it (``3 dk dv``);
-        per key head, ``K K^T`` and ``Q K^T`` over the chunk (``2 C dk``); 2 FLOPs each, times 3 for forward
-        and backward (plan/flops.py counts the model's FLOPs from this and the sizes above)."""
+        projections) over chunks of ``chunk`` tokens, the matmuls of models/ops/gated_delta.py: per value
+        head, the chunk's unit-lower inverse applied to the values and the keys (``C (dv + dk)``), the chunk's
+        attention times the writes (``C dv``), reading the [dk, dv] state for the writes and the output and
+        updating it (``3 dk dv``); per key head, ``K K^T`` and ``Q K^T`` over the chunk (``2 C dk``); 2 FLOPs
+        each, times 3 for forward and backward (plan/flops.py counts the model's FLOPs from this and the
+        sizes above).
+
+        This is the model's count, the torch kernel's: flash-linear-attention's kernel
+        (models/ops/delta_rule.py ``FlaDeltaRule``) is handed q and k repeated to the value heads and computes
+        ``K K^T`` and ``Q K^T`` once per value head, ``(value heads - key heads) 2 C dk`` more multiply-adds
+        per token forward, which MFU leaves out as redundant work (HFU too: it adds recompute, not kernels)."""
         dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
         per_value_head = chunk * (2 * dv + dk) + 3 * dk * dv
         forward = 2 * (self.linear_num_value_heads * per_value_head + self.linear_num_key_heads * 2 * chunk * dk)
