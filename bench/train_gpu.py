@@ -7,7 +7,7 @@
 
 ``run`` drives the engine's ``Trainer.train_step`` and writes the same
 ``metrics.jsonl`` records as ``qwen3-pretrain train`` (tokens/s, tokens/s per
-device, MFU, peak memory allocated and reserved) but skips the end-of-run checkpoint, which for a
+device, MFU, HFU and the full-square MFU by the trainer's formulas, peak memory allocated and reserved) but skips the end-of-run checkpoint, which for a
 1.7B model with its optimizer state would write ~20 GB and take longer than
 the steps measured.
 """
@@ -37,21 +37,22 @@ def write_data(out: Path, num_tokens: int = 4_000_000, vocab: int = 151_643, eod
 
 
 def run(config: str, steps: int, warmup: int) -> None:
-    import torch
-
     from qwen3_pretrain.config.loader import load_config
-    from qwen3_pretrain.train.config import TrainConfig
-    from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, step_memory
+    from qwen3_pretrain.hardware import matmul_precision
     from qwen3_pretrain.models.ops.precision import matmul_dtype
     from qwen3_pretrain.plan.flops import token_flops
+    from qwen3_pretrain.train.config import TrainConfig
+    from qwen3_pretrain.train.metrics import MetricsWriter, device_peak_tflops, step_memory, utilization
     from qwen3_pretrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(TrainConfig, config))
     cfg, world = trainer.cfg, trainer.launch.world_size
-    # On a CPU, the peak is measured in the dtype the engine multiplies in (as the trainer's fit() does).
+    # The peak of what the matmuls run in (bf16, TF32 or fp32), as the trainer's; on a CPU measured in the
+    # dtype the engine multiplies in.
+    precision = matmul_precision(cfg.mixed_precision, cfg.allow_tf32, trainer.device.type)
     peak, _ = device_peak_tflops(trainer.device, cfg.peak_tflops,
-                                 matmul_dtype(cfg.mixed_precision, trainer.fp32_matmul))
-    flops_per_token = token_flops(trainer.source.config, cfg.seq_length, cfg.ac_mode, cfg.mtp_loss_weight > 0).model
+                                 matmul_dtype(cfg.mixed_precision, trainer.fp32_matmul), precision)
+    flops = token_flops(trainer.source.config, cfg.seq_length, cfg.ac_mode, cfg.mtp_loss_weight > 0)
     writer = MetricsWriter(cfg.output_path) if trainer.launch.rank == 0 else None
     try:
         for _ in range(warmup + steps):
@@ -59,7 +60,7 @@ def run(config: str, steps: int, warmup: int) -> None:
             tps = trainer.global_tokens / rec["step_time_s"]
             record = {"step": rec["step"], "loss": rec["loss"], "tokens_per_sec": tps,
                       "tokens_per_sec_per_device": tps / world, "step_time_s": rec["step_time_s"],
-                      "mfu": flops_per_token * tps / (peak * 1e12 * world), **step_memory(trainer.device),
+                      **utilization(flops, tps / world, peak), **step_memory(trainer.device),
                       "warmup": rec["step"] <= warmup}
             if writer is not None:
                 writer.write(record)
@@ -76,14 +77,16 @@ def summarize(metrics: Path) -> dict | None:
     timed = [r for r in records if "step" in r and not r.get("warmup")]
     if not timed:
         return None
-    summary = {k: statistics.median(r[k] for r in timed) for k in ("step_time_s", "tokens_per_sec_per_device", "mfu")}
+    keys = ("step_time_s", "tokens_per_sec_per_device", "mfu", "hfu")
+    # runs recorded before HFU was logged have none: nan in the table
+    summary = {k: statistics.median(r.get(k, float("nan")) for r in timed) for k in keys}
     reserved = [r["memory_reserved_gib"] for r in timed if "memory_reserved_gib" in r]
     return {"steps": len(timed), **summary, "memory_gib": max(r["memory_gib"] for r in timed),
             "memory_reserved_gib": max(reserved, default=None), "last_loss": timed[-1]["loss"]}
 
 
 def table(runs: Path) -> None:
-    print(f"{'run':<34} {'steps':>5} {'step s':>7} {'tokens/s/device':>15} {'MFU':>6} {'peak GiB':>9} "
+    print(f"{'run':<34} {'steps':>5} {'step s':>7} {'tokens/s/device':>15} {'MFU':>6} {'HFU':>6} {'peak GiB':>9} "
           f"{'reserved':>8}")
     for metrics in sorted(runs.glob("*/metrics.jsonl")):
         med = summarize(metrics)
@@ -91,9 +94,11 @@ def table(runs: Path) -> None:
             print(f"{metrics.parent.name:<34} no timed steps (see {metrics.parent}/log.txt)")
             continue
         print(f"{metrics.parent.name:<34} {med['steps']:>5} {med['step_time_s']:>7.3f} "
-              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% {med['memory_gib']:>9.1f} "
+              f"{med['tokens_per_sec_per_device']:>15.0f} {100 * med['mfu']:>5.1f}% {100 * med['hfu']:>5.1f}% "
+              f"{med['memory_gib']:>9.1f} "
               f"{med['memory_reserved_gib'] or float('nan'):>8.1f}")
-    print("target: >= 45% MFU (bf16 dense peak: H100/H200 989 TFLOP/s)")
+    print("MFU: model FLOPs (attention's causal half) over the dense peak of what the matmuls run in (bf16: "
+          "H100/H200 989 TFLOP/s); HFU: with recompute; target: >= 45% MFU")
 
 
 def devices() -> None:
