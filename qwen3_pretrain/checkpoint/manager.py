@@ -17,7 +17,7 @@ import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,8 @@ class Checkpointer:
 
     def __init__(self, output_path: str | os.PathLike, parts: list[nn.Module],
                  optimizers: list[torch.optim.Optimizer], keep_last_n: int = 3, async_save: bool = False,
-                 aliases: dict[str, str] | None = None, vocab_size: int | None = None) -> None:
+                 aliases: dict[str, str] | None = None, vocab_size: int | None = None,
+                 record: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.root = Path(output_path)
         self.parts, self.optimizers = parts, optimizers
         # parameter name -> the one whose weight and optimizer state stand in when a checkpoint has none
@@ -60,6 +61,9 @@ class Checkpointer:
         self.vocab_size = vocab_size
         self.keep_last_n = keep_last_n
         self.async_save = async_save
+        # called on every rank with each published save's figures (the trainer's metrics writer, where the
+        # rank has one): this rank's time in save and what training waited for
+        self.record = record
         # An asynchronous save runs DCP's collectives in a background thread while training goes on:
         # on a group of their own, so they never interleave with the training's (collective: every rank
         # builds its Checkpointer at the same point). gloo alone: DCP's collectives are on CPU objects, and
@@ -162,9 +166,13 @@ class Checkpointer:
             self._prune()
 
         self._agree(f"publishing checkpoint {final}", _attempt(publish) if dist.get_rank() == 0 else None)
+        secs = time.perf_counter() - start
+        if self.record is not None:
+            # an asynchronous save's whole time ran beside training; the copy to host memory held it up
+            figures = {"save_s": secs} if blocked is None else {"save_s": secs, "training_waited_s": blocked}
+            self.record({"event": "checkpoint", "step": meta["step"], "path": final.name, **figures})
         if dist.get_rank() == 0:
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-            secs = time.perf_counter() - start
             waited = "" if blocked is None else f"; training waited {blocked:.2f} s for the copy to host memory"
             log.info("saved checkpoint %s (%.1f MB in %.1f s, %.0f MB/s%s)", final, size / 1e6, secs,
                      size / 1e6 / max(secs, 1e-9), waited)
