@@ -1,8 +1,8 @@
 """Device-to-host syncs per steady-state training step, counted with a stand-in on the CPU
 (tests/_host_syncs.py), so that none creeps back into the step unnoticed.
 
-What a step may read on the host: its figures (loss, gradient norm, the stop flag, the bad-label count, the
-MoE and MTP figures), in one copy between backward and the optimizer step, which needs the loss and the norm
+What a step may read on the host: its figures (loss, gradient norm, the stop flag, whether a rank's batch
+held a token id outside the vocabulary, the MoE and MTP figures), in one copy between backward and the optimizer step, which needs the loss and the norm
 to skip a non-finite update and to clip. Beyond that, only what a kernel chosen for the run needs: one matmul
 per expert (the fp32 experts' kernel, ``ExpertLoop``) reads each MoE layer's token counts; the bf16 grouped
 GEMM reads nothing; flash-linear-attention's Gated DeltaNet kernel reads a micro-batch's document offsets
@@ -83,8 +83,9 @@ def test_a_steady_state_step_reads_the_device_once(tmp_path, corpus, name):
 
 
 def test_a_token_outside_the_vocabulary_stops_training_with_its_id(tmp_path):
-    """Checked on the host where the batch is made (data/reader.py): on the device an input id would fail in
-    the embedding (a device assert on CUDA) before the loss could name it."""
+    """Checked on the host where the batch is made (data/reader.py), where the ids already are: on the device an
+    input id would fail in the embedding (a device assert on CUDA) before anything could name it. The step
+    that carries the record stops with it, through the CLI's message (no traceback)."""
     # the manifest claims the model's vocabulary; every document holds an id beyond it
     docs = [np.where(np.arange(40) == 5, 600, (7 + np.arange(40)) % 500) for _ in range(20)]
     corpus = tmp_path / "corpus"
@@ -95,31 +96,58 @@ def test_a_token_outside_the_vocabulary_stops_training_with_its_id(tmp_path):
     assert "of the training data holds token id 600, not in [0, 512) (the model's vocab_size)" in out, out[-3000:]
 
 
-_BAD_LABEL_STEP = """
+_BAD_TOKEN_STEP = """
 import sys, torch
+import torch.distributed as dist
 from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.trainer import Trainer
+
+class OneBadLabel:  # the training data, with an id no input carries as sample BAD's last label
+    def __init__(self, data, bad):
+        self.data, self.bad, self.seed, self.seq_length = data, bad, data.seed, data.seq_length
+    def __getitem__(self, index):
+        sample = self.data[index]
+        if index == self.bad:
+            sample["labels"][-1] = 600
+        return sample
+
 trainer = Trainer(load_config(TrainConfig, sys.argv[1], []))
-batches = next(trainer.loader)
-batches[1]["labels"][0, -1] = 600  # a sequence's last label: an id no input carries
-before = [p.detach().clone() for p in trainer.engine.params]
+engine, rank = trainer.engine, dist.get_rank()
+loader = GlobalBatchLoader(OneBadLabel(trainer.train_data, int(sys.argv[2])), engine.global_batch, rank,
+                           dist.get_world_size(), trainer.cfg.batch_size, vocab_size=512)
+batches = next(loader)
+local = lambda p: p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+before = [local(p).clone() for p in engine.params]
 try:
-    trainer.engine.step(batches, 1e-3)
+    engine.step(batches, 1e-3, bad_token=loader.bad_token)
+    print(f"rank {rank} stepped")
 except UserError as exc:
-    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.engine.params))
-    print("raised:", exc, "| weights unchanged:", unchanged)
+    unchanged = all(torch.equal(a, local(p)) for a, p in zip(before, engine.params))
+    held = loader.bad_token is not None
+    print(f"rank {rank} raised: {exc} | held a bad id: {held} | weights unchanged: {unchanged}")
 trainer.close()
 """
 
 
-def test_a_bad_label_the_loss_counts_stops_the_step_before_its_update(tmp_path, corpus):
-    config = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", gradient_accumulation_steps=2)
-    proc = subprocess.run([sys.executable, "-c", _BAD_LABEL_STEP, str(config)], capture_output=True, text=True,
+def test_a_token_outside_the_vocabulary_on_one_rank_stops_every_rank_with_its_id(tmp_path, corpus):
+    """Only dp rank 1's share of the step holds the bad id (the last label of the global batch's last sample):
+    both ranks end, with the same message, before the update."""
+    config = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", batch_size=1, gradient_accumulation_steps=2)
+    script = tmp_path / "bad_token_step.py"
+    script.write_text(_BAD_TOKEN_STEP)
+    last = 1 * 2 * 2 - 1  # global batch: batch_size x dp x accumulation
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(config), str(last)], capture_output=True, text=True,
                           timeout=600, env=child_env(), cwd=Path(__file__).resolve().parents[1])
-    assert "raised: 1 label(s) are not token ids below valid_vocab=512 nor ignore_index=-100 (first: 600)" \
-        in proc.stdout and "weights unchanged: True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    message = (f"raised: sample {last} of the training data holds token id 600, not in [0, 512) (the model's "
+               "vocab_size)")
+    for rank, held in ((0, False), (1, True)):
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(f"rank {rank} ")), "")
+        assert message in line and f"held a bad id: {held} | weights unchanged: True" in line, out[-4000:]
 
 
 def test_the_counter_sees_each_kind_of_read():

@@ -16,8 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from qwen3_pretrain.errors import UserError
-from qwen3_pretrain.models.ops.loss import (ChunkedLMHead, check_bad_labels, fused_linear_cross_entropy,
-                                            new_bad_labels)
+from qwen3_pretrain.models.ops.loss import ChunkedLMHead, fused_linear_cross_entropy
 from tests._host_syncs import HostSyncCounter
 from tests._train_helpers import free_port
 
@@ -141,23 +140,25 @@ def test_label_outside_vocab_is_a_user_error(bad_label, valid_vocab):
         fused_linear_cross_entropy(h, w, labels, valid_vocab=valid_vocab)
 
 
-def test_bad_labels_counted_on_the_device_without_a_host_read():
+def test_a_models_head_reads_nothing_and_a_direct_call_checks_its_labels_with_one_read():
+    """A model's head leaves token ids to the check where the batch is made (data/reader.py): its loss call
+    never waits for the device, and equals the full-logits reference; a direct call checks, reading once."""
     h, w, labels = make_inputs(shape=(2, 9), vocab=50)
-    good = fused(h, w, labels, chunk_tokens=4)
-    found = new_bad_labels()
-    first_bad, second_bad = labels.clone(), labels.clone()
-    first_bad[0, 5], first_bad[1, 7], second_bad[0, 1] = 61, -7, 99
+    head = ChunkedLMHead(16, 50, chunk_tokens=4, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(w)
     with HostSyncCounter() as syncs:
-        fused_linear_cross_entropy(h, w, labels, chunk_tokens=4, bad_labels=found)  # none: stays [0, _]
-        fused_linear_cross_entropy(h, w, first_bad, chunk_tokens=4, bad_labels=found)
-        fused_linear_cross_entropy(h, w, second_bad, chunk_tokens=4, bad_labels=found)
+        loss = head(h, labels)
     assert syncs.events == []
-    assert found.tolist() == [3, 61]  # three in all, the first one seen kept
-    with pytest.raises(UserError, match=r"3 label\(s\) are not token ids below valid_vocab=50 .*first: 61"):
-        check_bad_labels(*found.tolist(), valid_vocab=50)
-    check_bad_labels(0, 7, valid_vocab=50)  # no bad label: nothing raised
-    # the good labels' loss is unchanged by the count (and the count by a correct batch)
-    torch.testing.assert_close(fused(h, w, labels, chunk_tokens=4, bad_labels=new_bad_labels()), good)
+    torch.testing.assert_close(loss.detach(), naive(h, w, labels)[0], **TOL[torch.float64])
+    with HostSyncCounter() as syncs:
+        fused_linear_cross_entropy(h, w, labels, chunk_tokens=4)
+    assert len(syncs.events) == 1
+    bad = labels.clone()
+    bad[0, 5], bad[1, 7] = 61, -7
+    with pytest.raises(UserError, match=r"2 label\(s\) are not token ids in the LM head's vocab .*\(first: 61\)"):
+        fused_linear_cross_entropy(h, w, bad, chunk_tokens=4)
+    assert torch.isfinite(head(h, bad))  # unchecked: no target logit for them, no error
 
 
 def test_shape_and_dtype_errors_name_the_problem():

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qwen3_pretrain.data.indexed_dataset import IndexedDatasetWriter
-from qwen3_pretrain.data.reader import GlobalBatchLoader, PackedDataset, open_corpus
+from qwen3_pretrain.data.reader import BadToken, GlobalBatchLoader, PackedDataset, open_corpus
 from qwen3_pretrain.data.manifest import validate_manifest
 from qwen3_pretrain.data.synthetic import write_synthetic_dataset
 from qwen3_pretrain.errors import UserError
@@ -229,6 +229,29 @@ def test_global_batch_size_must_divide_by_dp_times_micro_batch(data):
         GlobalBatchLoader(ds, 10, 0, 4, 2)
     with pytest.raises(UserError, match="dp_rank 4"):
         GlobalBatchLoader(ds, 8, 4, 4, 2)
+
+
+def test_a_token_id_outside_the_vocabulary_is_recorded_with_its_sample_and_replaced(data):
+    """The loader does not raise (one rank alone would stop): it records the first bad id of its share and
+    replaces every bad id by 0, so the step runs to the collective where every rank learns of it."""
+    ds = PackedDataset(data[0], 16, seed=5)
+    vocab = 1 + 150 * STRIDE  # documents 150 on hold ids outside it
+    recorded = 0
+    for dp_rank in range(2):
+        loader = GlobalBatchLoader(ds, 8, dp_rank, 2, 2, vocab_size=vocab)
+        for step in range(3):
+            batches = next(loader)
+            first = step * 8 + dp_rank * 4
+            windows = [window_of(ds[i]) for i in range(first, first + 4)]
+            bad = [BadToken(first + j, int(w[w >= vocab][0])) for j, w in enumerate(windows) if (w >= vocab).any()]
+            assert loader.bad_token == (bad[0] if bad else None)
+            recorded += loader.bad_token is not None
+            want = torch.from_numpy(np.stack([np.where(w >= vocab, 0, w) for w in windows]))
+            assert torch.equal(torch.cat([mb["input_ids"] for mb in batches]), want[:, :-1])
+            assert torch.equal(torch.cat([mb["labels"] for mb in batches]), want[:, 1:])
+    assert recorded
+    assert str(BadToken(7, 600).error(512)).startswith("sample 7 of the training data holds token id 600, not in "
+                                                        "[0, 512) (the model's vocab_size)")
 
 
 def docs_seen(ds: PackedDataset) -> set[int]:

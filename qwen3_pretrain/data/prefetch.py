@@ -7,7 +7,8 @@ their copies to the device without waiting (``non_blocking``), so the device's
 queue orders each copy before its use and neither reading nor copying holds the
 step up. The batches come in the loader's order, and ``state_dict`` describes
 the batches handed out, not those read ahead: a checkpoint resumes exactly
-after the last batch trained on. An error in the thread is raised in the
+after the last batch trained on (``bad_token`` too is the loader's record of
+the batch last handed out). An error in the thread is raised in the
 training thread by the ``next`` that would have returned its batch; ``close``
 stops the thread without waiting for a batch nobody will take.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from qwen3_pretrain.data.pool import put_unless_stopped
-from qwen3_pretrain.data.reader import GlobalBatchLoader
+from qwen3_pretrain.data.reader import BadToken, GlobalBatchLoader
 
 Batches = list[dict[str, torch.Tensor]]
 
@@ -46,17 +47,22 @@ class Prefetcher:
         """Samples (global) in the batches handed out so far."""
         return self.loader.consumed_samples
 
+    @property
+    def bad_token(self) -> BadToken | None:
+        """The loader's record of a token id outside the vocabulary in the batch last handed out."""
+        return self.loader.bad_token
+
     def __iter__(self) -> Prefetcher:
         return self
 
     def __next__(self) -> Batches:
         if self._thread is None:
             self._start()
-        kind, value, consumed = self._get()
+        kind, value, consumed, bad_token = self._get()
         if kind == "error":
             self.close()
             raise value
-        self.loader.consumed_samples = consumed
+        self.loader.consumed_samples, self.loader.bad_token = consumed, bad_token
         return [{k: t.to(self.device, non_blocking=self._pin) for k, t in mb.items()} for mb in value]
 
     def _start(self) -> None:
@@ -77,9 +83,9 @@ class Prefetcher:
                 batches = next(loader)
                 if self._pin:
                     batches = [{k: t.pin_memory() for k, t in mb.items()} for mb in batches]
-                item = ("batches", batches, loader.consumed_samples)
+                item = ("batches", batches, loader.consumed_samples, loader.bad_token)
             except Exception as exc:  # handed to the training thread, which raises it
-                item = ("error", exc, None)
+                item = ("error", exc, None, None)
             if not put_unless_stopped(out, item, stop) or item[0] == "error":
                 return
 

@@ -248,16 +248,35 @@ def _check_dataset_args(seq_length: int, seed: int, split: str, valid_fraction: 
         raise UserError(f"valid_fraction must be in [0, 1), got {valid_fraction!r}")
 
 
-def _check_token_ids(samples: list[dict[str, torch.Tensor]], first: int, vocab_size: int) -> None:
-    """Raise a UserError naming the first sample (global index, from ``first``) that holds a token id outside
-    ``[0, vocab_size)``: its inputs, and its labels' last id (the others are inputs too)."""
+@dataclass(frozen=True)
+class BadToken:
+    """The first token id outside the vocabulary in a rank's share of a step: the global index of the sample
+    that holds it, and the id."""
+
+    sample: int
+    token: int
+
+    def error(self, vocab_size: int) -> UserError:
+        """The one message for it, which every rank raises alike (train/engine.py)."""
+        return UserError(f"sample {self.sample} of the training data holds token id {self.token}, not in "
+                         f"[0, {vocab_size}) (the model's vocab_size): check that the data was tokenized for "
+                         "this model (its manifest.json names the tokenizer and vocab_size)")
+
+
+def _find_bad_token(samples: list[dict[str, torch.Tensor]], first: int, vocab_size: int) -> BadToken | None:
+    """The first id outside ``[0, vocab_size)`` in ``samples`` (global indices from ``first``): in their inputs,
+    or their labels' last (the others are inputs too). Every such id is replaced by 0 in place, so the step
+    that carries the record runs (an embedding would fail on it before the step could say which id it was)."""
+    found = None
     for j, sample in enumerate(samples):
-        ids = torch.cat([sample["input_ids"], sample["labels"][-1:]])
+        inputs, labels = sample["input_ids"], sample["labels"]  # labels[:-1] are inputs[1:]
+        ids = torch.cat([inputs, labels[-1:]])
         bad = (ids < 0) | (ids >= vocab_size)
         if bool(bad.any()):  # host tensors: no device is waited for
-            raise UserError(f"sample {first + j} of the training data holds token id {int(ids[bad][0])}, not in "
-                            f"[0, {vocab_size}) (the model's vocab_size): check that the data was tokenized for "
-                            "this model (its manifest.json names the tokenizer and vocab_size)")
+            found = found or BadToken(first + j, int(ids[bad][0]))
+            inputs.masked_fill_(bad[:-1], 0)
+            labels.masked_fill_(bad[1:], 0)
+    return found
 
 
 class GlobalBatchLoader:
@@ -271,9 +290,12 @@ class GlobalBatchLoader:
     (``state_dict``) counts samples handed out, in global terms. ``dataset`` is
     a ``PackedDataset`` or anything indexed the same way with ``seed`` and
     ``seq_length`` (a ``BlendedDataset``, whose ``blend_state`` joins the state).
-    With ``vocab_size``, a token id outside ``[0, vocab_size)`` is a UserError
-    naming the sample, checked here on the host where the tokens already are:
-    on the device it would be an embedding's index error (or a device assert).
+    With ``vocab_size``, token ids are checked here on the host, where they
+    already are: ``bad_token`` is then the first id outside ``[0, vocab_size)``
+    in the batch last handed out (a ``BadToken``, its ids replaced by 0), or
+    None. The loader does not raise: one rank alone would stop while the others
+    wait in the step's collectives. The engine reduces the record with the
+    step's figures, and every rank raises the same error before the update.
     """
 
     def __init__(self, dataset: PackedDataset | Any, global_batch_size: int, dp_rank: int, dp_size: int,
@@ -286,6 +308,7 @@ class GlobalBatchLoader:
         self.micro_batch_size = micro_batch_size
         self.consumed_samples = consumed_samples
         self.vocab_size = vocab_size
+        self.bad_token: BadToken | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -300,7 +323,7 @@ class GlobalBatchLoader:
         first = self.consumed_samples + self.dp_rank * per_rank
         samples = [self.dataset[i] for i in range(first, first + per_rank)]
         if self.vocab_size is not None:
-            _check_token_ids(samples, first, self.vocab_size)
+            self.bad_token = _find_bad_token(samples, first, self.vocab_size)
         self.consumed_samples += self.global_batch_size
         mbs = self.micro_batch_size
         return [{key: torch.stack([s[key] for s in samples[i:i + mbs]]) for key in samples[0]}

@@ -19,12 +19,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from qwen3_pretrain.data.reader import BadToken
 from qwen3_pretrain.errors import ConfigError
 from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
 from qwen3_pretrain.models.ops.delta_rule import delta_rule_kernel
 from qwen3_pretrain.models.ops.elementwise import elementwise_kernels
-from qwen3_pretrain.models.ops.loss import IGNORE_INDEX, check_bad_labels, new_bad_labels
+from qwen3_pretrain.models.ops.loss import IGNORE_INDEX
 from qwen3_pretrain.models.ops.moe import GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
@@ -144,8 +145,6 @@ class Engine:
         # micro-batches in the step, for the log.
         self.mtp_weight = cfg.mtp_loss_weight
         self.mtp_sum = torch.zeros((), device=device)
-        # The bad labels the loss found in the step (models/ops/loss.py), read with the step's figures.
-        self.bad_labels = new_bad_labels(device)
         self._create_model(allocate, stage_io)
 
     def _router_balance(self) -> RouterBalance:
@@ -238,25 +237,26 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------
 
-    def step(self, batches: list[Batch], lr: float, flag: bool = False) -> StepResult:
+    def step(self, batches: list[Batch], lr: float, flag: bool = False, bad_token: BadToken | None = None
+             ) -> StepResult:
         """One optimizer step over this rank's micro-batches: forward and backward, the global gradient norm,
-        the loss's reduction (which also tells every rank whether any raised ``flag``), and the update at
-        ``lr``, skipped where the loss or the norm is not finite. The step's figures reach the host in one
-        copy, between backward and the update that needs them (nothing else in a step waits for the device)."""
+        the loss's reduction (which also tells every rank whether any raised ``flag`` or was handed a
+        ``bad_token`` with its batch), and the update at ``lr``, skipped where the loss or the norm is not
+        finite. The step's figures reach the host in one copy, between backward and the update that needs
+        them (nothing else in a step waits for the device)."""
         if self.balance is not None:
             self.balance.start_step(len(batches) if self.dims.pp == 1 else self.num_microbatches)
         self.mtp_sum.zero_()
-        self.bad_labels.zero_()
         local = self.forward_backward(batches)
         norm = self.grad_norm()
         extra = self.balance.local_stats(self.device) if self.balance is not None else None
         if self.mtp_weight:  # the MTP loss rides along the loss's one all-reduce, first of the extras
             extra = torch.cat([self.mtp_sum.reshape(1).float()] + ([extra.float()] if extra is not None else []))
-        host = self._read(self.reduce(local, flag, extra), norm)
-        loss, grad_norm = host[0].item() / self.dims.tp, host[-3].item()
+        host = self._read(self.reduce(local, flag, extra, bad_token is not None), norm, bad_token)
+        loss, grad_norm = host[0].item() / self.dims.tp, host[-1].item()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.optimizer_step(lr, None if skipped else grad_norm)
-        figures, rest = {}, host[3:-3]
+        figures, rest = {}, host[3:-1]
         if self.mtp_weight:
             # the extras are divided by the tp copies of MoE figures; the MTP sum, like the loss, by tp
             copies = 1 if self.dims.moe_tokens_split_by_tp else self.dims.tp
@@ -267,14 +267,15 @@ class Engine:
         return StepResult(loss - self.mtp_weight * figures.get("mtp_loss", 0.0), grad_norm, skipped,
                           bool(host[1] > 0), figures)
 
-    def reduce(self, local: torch.Tensor, flag: bool = False, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, local: torch.Tensor, flag: bool = False, extra: torch.Tensor | None = None,
+               bad: bool = False) -> torch.Tensor:
         """On the device, in one all-reduce over every rank: [the loss's token sum (the global mean token loss
-        times tp: nonzero on the last stage only, replicated over tp), how many ranks raised ``flag``, the bad
-        labels seen (times tp), the sum of ``extra`` (the MTP and MoE figures, each counted once: divided by
-        the tp ranks when they hold the same, not when each MoE layer runs on its tp rank's share of the
-        tokens)]."""
+        times tp: nonzero on the last stage only, replicated over tp), how many ranks raised ``flag``, how many
+        were handed a batch with a token id outside the vocabulary (``bad``), the sum of ``extra`` (the MTP and
+        MoE figures, each counted once: divided by the tp ranks when they hold the same, not when each MoE
+        layer runs on its tp rank's share of the tokens)]."""
         parts = [local.detach().float().reshape(1), torch.full((1,), float(flag), device=self.device),
-                 self.bad_labels[:1].float()]
+                 torch.full((1,), float(bad), device=self.device)]
         reduced = torch.cat(parts + ([extra.float()] if extra is not None else []))
         dist.all_reduce(reduced)
         if extra is None:
@@ -282,23 +283,32 @@ class Engine:
         copies = 1 if self.dims.moe_tokens_split_by_tp else self.dims.tp
         return torch.cat([reduced[:3], reduced[3:] / copies])
 
-    def _read(self, reduced: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
-        """``reduced``, then the gradient norm and this rank's bad-label count and first bad id, copied to
-        the host in one read (a copy on a CPU too: what is read from it is never device memory); raises
-        the bad labels' UserError on every rank when any rank saw one (before the update they would spoil)."""
+    def _read(self, reduced: torch.Tensor, norm: torch.Tensor | None = None,
+              bad_token: BadToken | None = None) -> torch.Tensor:
+        """``reduced``, then the gradient norm, copied to the host in one read (a copy on a CPU too: what is
+        read from it is never device memory). When any rank was handed a token id outside the vocabulary,
+        every rank raises the same UserError, before the update the step would spoil."""
         norm = norm if norm is not None else torch.zeros((), device=self.device)
-        values = torch.cat([reduced.double(), norm.reshape(1).double(), self.bad_labels.double()])
-        host = values.to("cpu", copy=True)
+        host = torch.cat([reduced.double(), norm.reshape(1).double()]).to("cpu", copy=True)
         if bool(host[2] > 0):
-            where = "" if bool(host[-2] > 0) else "seen on another rank"
-            check_bad_labels(host[2].item() / self.dims.tp, host[-1].item(),
-                             valid_vocab=self.source.config.vocab_size, where=where)
+            raise self._first_bad_token(bad_token).error(self.source.config.vocab_size)
         return host
 
-    def evaluate(self, batches: list[Batch]) -> float:
-        """The global mean token loss over ``batches`` (one global batch), without backward."""
-        self.bad_labels.zero_()
-        return self._read(self.reduce(self.eval_loss(batches)))[0].item() / self.dims.tp
+    def _first_bad_token(self, mine: BadToken | None) -> BadToken:
+        """The global batch's first bad token, the same on every rank: each rank's record in a row of its own,
+        summed over the ranks (a second collective, taken only by a step that stops)."""
+        rows = torch.zeros((dist.get_world_size(), 2), dtype=torch.long, device=self.device)
+        if mine is not None:
+            rows[dist.get_rank()] = torch.tensor([mine.sample + 1, mine.token])  # + 1: row 0 means no record
+        dist.all_reduce(rows)
+        return min((BadToken(sample - 1, token) for sample, token in rows.tolist() if sample > 0),
+                   key=lambda found: found.sample)
+
+    def evaluate(self, batches: list[Batch], bad_token: BadToken | None = None) -> float:
+        """The global mean token loss over ``batches`` (one global batch), without backward; ``bad_token``
+        as for ``step``."""
+        reduced = self.reduce(self.eval_loss(batches), bad=bad_token is not None)
+        return self._read(reduced, bad_token=bad_token)[0].item() / self.dims.tp
 
     def loss_fn(self, hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor,
                 mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,7 +330,7 @@ class Engine:
     def _head_loss(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.dims.tp > 1:
             hidden = DTensor.from_local(hidden, self.tp_mesh, [Shard(1)])
-        return head(hidden, labels, self.bad_labels) * self.loss_scale
+        return head(hidden, labels) * self.loss_scale
 
     def mtp_labels(self, mb: Batch) -> torch.Tensor:
         """Each position's token after next [batch, seq] (this cp rank's part): the labels moved one on, the

@@ -94,7 +94,8 @@ class Trainer:
         # the last stage's head (weight and optimizer state) reads the embedding's.
         aliases = TIED_ALIASES if self.source.config.tie_word_embeddings else None
         self.checkpointer = Checkpointer(cfg.output_path, self.parts, self.optimizers, cfg.keep_last_n,
-                                         cfg.async_save, aliases=aliases, vocab_size=self.source.config.vocab_size)
+                                         cfg.async_save, aliases=aliases, vocab_size=self.source.config.vocab_size,
+                                         record=self.metrics.write if self.metrics is not None else None)
         self.resumed_from = self._maybe_resume()
 
     # --- set-up ------------------------------------------------------------------
@@ -226,7 +227,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean token loss over ``eval_iters`` global batches of the held-out split (the same ones each time)."""
         loader = GlobalBatchLoader(*self.eval_loader_args, vocab_size=self.source.config.vocab_size)
-        total = sum(self.engine.evaluate(next(loader)) for _ in range(self.cfg.eval_iters))
+        total = sum(self.engine.evaluate(next(loader), loader.bad_token) for _ in range(self.cfg.eval_iters))
         self.engine.reshard()
         return total / self.cfg.eval_iters
 
@@ -237,7 +238,8 @@ class Trainer:
         # No wait for the device here: the step read its figures after backward, which waited for everything
         # queued before (the previous step's update included), so a step's time is one period of the device's
         # work, and its update runs while the host prepares the next step.
-        result = self.engine.step(next(self.loader), lr, flag=self.stop_requested)
+        batches = next(self.loader)
+        result = self.engine.step(batches, lr, flag=self.stop_requested, bad_token=self.loader.bad_token)
         self.stop_agreed = result.flagged
         self.step += 1
         self.tokens_seen += self.global_tokens

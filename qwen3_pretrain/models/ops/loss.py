@@ -49,7 +49,7 @@ class _Options:
     valid_vocab: int | None
     compute_grads: bool
     fp32_matmul: bool
-    bad_labels: torch.Tensor | None
+    check_labels: bool
 
 
 def fused_linear_cross_entropy(
@@ -63,7 +63,7 @@ def fused_linear_cross_entropy(
     vocab_start: int = 0,
     valid_vocab: int | None = None,
     fp32_matmul: bool = False,
-    bad_labels: torch.Tensor | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Sum over non-ignored tokens of ``cross_entropy(hidden @ weight.T, labels)``.
 
@@ -81,18 +81,17 @@ def fused_linear_cross_entropy(
     bf16, see ``models/ops/precision.py``); the gradients are returned in the
     inputs' dtypes.
 
-    A label that is neither a token id below ``valid_vocab`` (in the head) nor
-    ``ignore_index`` is a UserError. Without ``bad_labels`` it is raised here,
-    which reads one value on the host. With it, an int64 tensor [2] on the
-    inputs' device (``new_bad_labels``), the call only counts them there (and
-    keeps the first one's id): the caller reads it with its other figures and
-    hands the values to ``check_bad_labels``, so the loss makes the device
-    wait for nothing.
+    With ``check_labels``, a label that is neither a token id below
+    ``valid_vocab`` (in the head) nor ``ignore_index`` is a UserError, found
+    with one read of the device. A model's heads (below) are built without the
+    check: training's token ids are checked on the host where the batch is made
+    (data/reader.py), so its loss makes the device wait for nothing (unchecked,
+    such a label has no target logit).
     """
     hidden, weight = _autocast_inputs(hidden, weight)
     _check_inputs(hidden, weight, labels, chunk_tokens, valid_vocab)
     opts = _Options(ignore_index, chunk_tokens, tp_group, vocab_start, valid_vocab, torch.is_grad_enabled(),
-                    fp32_matmul and hidden.dtype in LOW_PRECISION, bad_labels)
+                    fp32_matmul and hidden.dtype in LOW_PRECISION, check_labels)
     return _FusedLinearCrossEntropy.apply(hidden, weight, labels, opts)
 
 
@@ -139,7 +138,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                 input_dtype)
         want_weight_grad = opts.compute_grads and ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=compute, device=hidden.device)
-        unmatched = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
+        unmatched = torch.zeros(num_tokens if opts.check_labels else 0, dtype=torch.bool, device=hidden.device)
         scratch = _Scratch(min(opts.chunk_tokens, num_tokens), weight, compute)
         # Autocast already happened in the caller; inside, every dtype is chosen explicitly.
         with torch.autocast(hidden.device.type, enabled=False):
@@ -149,7 +148,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 chunk_grad_hidden = None if grad_hidden is None else grad_hidden[start:end]
                 loss += _chunk(flat_hidden[start:end], weight, flat_labels[start:end], opts, scratch,
                                chunk_grad_hidden, want_weight_grad, unmatched[start:end])
-        _count_bad_labels(flat_labels, unmatched, opts)
+        if opts.check_labels:
+            _check_labels(flat_labels, unmatched, opts)
         if grad_hidden is not None and opts.tp_group is not None:
             dist.all_reduce(grad_hidden, group=opts.tp_group)  # sum of the vocab shards' partials
         grad_weight = scratch.weight_grad_result().to(input_dtype) if want_weight_grad else None
@@ -216,8 +216,8 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
     """Loss sum of one chunk of n tokens; writes its gradient of the hidden states into ``grad_hidden``
     and, with ``grad_weight``, adds its gradient of the weight to ``scratch``.
 
-    ``unmatched`` [n] is set where a non-ignored label is owned by no rank (an
-    id outside the vocabulary), for ``_check_labels``.
+    ``unmatched`` [n] (empty without ``check_labels``) is set where a non-ignored
+    label is owned by no rank (an id outside the vocabulary), for ``_check_labels``.
     """
     logits, num_local = _chunk_logits(hidden, weight, opts, scratch)  # [n, V_local], fp32 or fp64
     valid = labels != opts.ignore_index  # [n]
@@ -231,7 +231,8 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt
     stats = torch.stack([probs.sum(dim=-1), target, owned.to(probs.dtype)])  # [3, n]
     _all_reduce(stats, dist.ReduceOp.SUM, opts.tp_group)
     sum_exp, target, num_owners = stats
-    unmatched.copy_(valid & (num_owners != 1))
+    if opts.check_labels:
+        unmatched.copy_(valid & (num_owners != 1))
     if grad_hidden is not None or grad_weight:
         # d loss / d logits = softmax - one-hot, zero on ignored tokens
         probs.mul_(torch.where(valid, sum_exp.reciprocal(), 0.0)[:, None])
@@ -264,56 +265,41 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def new_bad_labels(device: torch.device | str | None = None) -> torch.Tensor:
-    """An empty count of bad labels for ``fused_linear_cross_entropy(bad_labels=...)``: [count, first id]."""
-    return torch.zeros(2, dtype=torch.long, device=device)
-
-
-def _count_bad_labels(labels: torch.Tensor, unmatched: torch.Tensor, opts: _Options) -> None:
-    """Add the labels owned by no rank to ``opts.bad_labels`` on the device, keeping the first one's id;
-    without a caller's count, raise here (the one host read of the call)."""
+def _check_labels(labels: torch.Tensor, unmatched: torch.Tensor, opts: _Options) -> None:
+    """Raise the UserError of the labels owned by no rank, naming the first (the call's one host read)."""
     if labels.numel() == 0:
         return
-    found = opts.bad_labels if opts.bad_labels is not None else new_bad_labels(labels.device)
-    first = labels.gather(0, unmatched.to(torch.uint8).argmax().reshape(1))  # [1]; labels[0] when none is bad
-    found[1:].copy_(torch.where(found[:1] == 0, first, found[1:]))
-    found[:1] += unmatched.sum()
-    if opts.bad_labels is None:
-        check_bad_labels(*found.tolist(), valid_vocab=opts.valid_vocab, ignore_index=opts.ignore_index)
-
-
-def check_bad_labels(count: float, first: float, *, valid_vocab: int | None, ignore_index: int = IGNORE_INDEX,
-                     where: str = "") -> None:
-    """Raise the UserError of ``count`` bad labels, the first being ``first`` (a count read from the
-    device as ``new_bad_labels`` holds it; ``where``: said instead of the first id when another rank saw them)."""
+    first = labels.gather(0, unmatched.to(torch.uint8).argmax().reshape(1))  # labels[0] when none is bad
+    count, first = torch.cat([unmatched.sum().reshape(1), first]).tolist()
     if not count:
         return
-    limit = f"below valid_vocab={valid_vocab}" if valid_vocab is not None else "in the LM head's vocab"
-    raise UserError(
-        f"{int(count)} label(s) are not token ids {limit} nor ignore_index={ignore_index} "
-        f"({where or f'first: {int(first)}'}): check that the data was tokenized for this model's vocab_size"
-    )
+    limit = f"below valid_vocab={opts.valid_vocab}" if opts.valid_vocab is not None else "in the LM head's vocab"
+    raise UserError(f"{count} label(s) are not token ids {limit} nor ignore_index={opts.ignore_index} "
+                    f"(first: {first}): check that the data was tokenized for this model's vocab_size")
 
 
 class _FusedLossHead:
-    """``forward`` shared by the two heads below: ``self.weight``, ``chunk_tokens``, ``valid_vocab``, ``ignore_index``."""
+    """``forward`` shared by the two heads below: ``self.weight``, ``chunk_tokens``, ``valid_vocab``, ``ignore_index``,
+    ``check_labels``."""
 
     weight: torch.Tensor
     chunk_tokens: int
     valid_vocab: int | None
     ignore_index: int
     fp32_matmul: bool  # multiply bf16 in fp32 (CPUs without native bf16, see models/ops/precision.py)
+    # Off by default: a model's head serves training, whose token ids are checked where the batch is made
+    # (data/reader.py), and the check would make every loss call wait for the device.
+    check_labels: bool
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None,
-                bad_labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits without ``labels``; with them, the loss sum (``bad_labels``: see fused_linear_cross_entropy)."""
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits without ``labels``; with them, the loss sum (``check_labels``: see fused_linear_cross_entropy)."""
         if labels is None:
             return fp32_linear(h, self.weight) if self.fp32_matmul else F.linear(h, self.weight)
         weight, tp_group, vocab_start = _local_vocab_shard(self.weight)
         return fused_linear_cross_entropy(
             _full(h), weight, _full(labels), ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
             tp_group=tp_group, vocab_start=vocab_start, valid_vocab=self.valid_vocab, fp32_matmul=self.fp32_matmul,
-            bad_labels=bad_labels,
+            check_labels=self.check_labels,
         )
 
 
@@ -330,7 +316,7 @@ class ChunkedLMHead(_FusedLossHead, nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
                  chunk_tokens: int = 4096, valid_vocab: int | None = None, ignore_index: int = -100,
-                 fp32_matmul: bool = False, device: torch.device | str | None = None,
+                 fp32_matmul: bool = False, check_labels: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         if bias:
             raise UserError("ChunkedLMHead has no bias: Qwen3's LM head has none")
@@ -338,16 +324,16 @@ class ChunkedLMHead(_FusedLossHead, nn.Linear):
         self.chunk_tokens = chunk_tokens  # tokens per chunk: its logits take chunk_tokens x V_local x 6 B in bf16
         self.valid_vocab = valid_vocab  # real vocab size when the head is padded to a multiple of tp
         self.ignore_index = ignore_index
-        self.fp32_matmul = fp32_matmul
+        self.fp32_matmul, self.check_labels = fp32_matmul, check_labels
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
-                    ignore_index: int = -100, fp32_matmul: bool = False) -> ChunkedLMHead:
+                    ignore_index: int = -100, fp32_matmul: bool = False, check_labels: bool = False) -> ChunkedLMHead:
         """A head sharing ``linear``'s weight Parameter (same object), so parameter names and ties survive."""
         if linear.bias is not None:
             raise UserError("cannot build a ChunkedLMHead from a Linear with a bias: Qwen3's LM head has none")
         head = cls(linear.in_features, linear.out_features, chunk_tokens=chunk_tokens, valid_vocab=valid_vocab,
-                   ignore_index=ignore_index, fp32_matmul=fp32_matmul, device="meta")
+                   ignore_index=ignore_index, fp32_matmul=fp32_matmul, check_labels=check_labels, device="meta")
         head.weight = linear.weight
         return head
 
@@ -366,11 +352,11 @@ class TiedLMHead(_FusedLossHead, nn.Module):
     """
 
     def __init__(self, embedding: nn.Module, *, chunk_tokens: int = 4096, valid_vocab: int | None = None,
-                 ignore_index: int = -100, fp32_matmul: bool = False) -> None:
+                 ignore_index: int = -100, fp32_matmul: bool = False, check_labels: bool = False) -> None:
         super().__init__()
         self.tie_to(embedding)
         self.chunk_tokens, self.valid_vocab, self.ignore_index = chunk_tokens, valid_vocab, ignore_index
-        self.fp32_matmul = fp32_matmul
+        self.fp32_matmul, self.check_labels = fp32_matmul, check_labels
 
     def tie_to(self, embedding: nn.Module) -> None:
         """Apply ``embedding``'s weight from now on (tensor parallelism replaces the embedding module)."""
