@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -344,6 +345,65 @@ def test_fused_norms_take_sequence_parallel_dtensors_on_two_ranks():
     from test_loss import run_distributed
 
     run_distributed(2, _check_fused_norms_on_dtensors)
+
+
+def _check_tp_model_with_device_kernels(rank: int, world_size: int) -> None:
+    """A tiny dense and a hybrid (zero-centred norms, partial rotary, gated attention) model split over tp
+    with each device's kernels (the norms fused, never ours: a fallback fails) against one process with ours:
+    this rank's share of the residual stream and every parameter's gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+    from qwen3_pretrain.models.qwen3.model import ModelOptions, ModelPart, Qwen3Model
+    from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    lib = torch.library.Library("aten", "IMPL")  # as in _check_fused_norms_on_dtensors
+    from torch._decomp.decompositions import _fused_rms_norm_backward as reference_backward
+
+    lib.impl("_fused_rms_norm_backward", reference_backward, "CPU")
+    ew._fused_rms_norm_backward = lambda device_type: torch.ops.aten._fused_rms_norm_backward
+    ew.rms_norm = ew.zero_centered_rms_norm = None
+    module = types.ModuleType("torch_npu")
+    module.npu_rms_norm, module.npu_rotary_mul, module.npu_swiglu = (_stand_in_rms_norm, _stand_in_rotary_mul,
+                                                                     _stand_in_swiglu)
+    sys.modules["torch_npu"] = module
+    mesh = init_device_mesh("cpu", (world_size,))
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                 bos_token_id=0, eos_token_id=1)
+    hybrid = dict(small, model_type="qwen3_5_text", layer_types=["full_attention"] * 2, partial_rotary_factor=0.25,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    for fields, kernels in itertools.product([small, hybrid], [CUDA_EAGER_KERNELS, NPU_KERNELS]):
+        cfg, part = Qwen3Config(**fields), ModelPart(head=False)
+        torch.manual_seed(0)
+        reference = Qwen3Model(cfg, ModelOptions(), part)
+        with torch.no_grad():  # norms away from 1 (or 0)
+            for param in reference.parameters():
+                param.add_(0.1 * torch.randn_like(param))
+        sharded = Qwen3Model(cfg, ModelOptions(elementwise=kernels), part)
+        sharded.load_state_dict(reference.state_dict())
+        apply_tensor_parallel(sharded, mesh)
+        ids = torch.randint(0, cfg.vocab_size, (2, 16))
+        positions = torch.arange(16).expand(2, 16)
+        seq = slice(16 // world_size * rank, 16 // world_size * (rank + 1))
+        out, want = sharded(ids, positions)[0], reference(ids, positions)[0][:, seq]
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        (out ** 2).sum().backward()
+        (want ** 2).sum().backward()
+        for name, param in reference.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad)  # the sequence slices of all ranks
+            got = sharded.get_parameter(name).grad
+            got = got.full_tensor() if isinstance(got, DTensor) else got
+            error = ((got - grad).abs().max() / grad.abs().max()).item()
+            assert error < 1e-5, f"{kernels.norm.__name__} {name}: gradient differs by {error:.1e}"
+
+
+@pytest.mark.distributed
+def test_a_tp_model_with_the_devices_kernels_equals_one_process_with_ours():
+    from test_loss import run_distributed
+
+    run_distributed(2, _check_tp_model_with_device_kernels)
 
 
 # --- compile -----------------------------------------------------------------------------------------------------
