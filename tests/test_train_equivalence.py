@@ -60,6 +60,10 @@ def test_activation_checkpointing_matches_none(mode, layout_runs):
 # norm over these 5 steps (rounding differences grow as the weights drift apart).
 BF16_LOSS_RTOL = 5e-4
 BF16_GRAD_RTOL = 2e-2
+# Gradients reduced in bf16 (grad_reduce_dtype bf16) are rounded to 8 bits once more per reduction: 2.15e-2
+# in the gradient norm after two updates on an Intel Xeon with AMX (bf16 matmuls round by shape there), within
+# 2e-2 on the AMD EPYC these bounds were set on; still 7x below the 0.3 a dropped half of the gradient moves it by.
+BF16_REDUCED_GRAD_RTOL = 4e-2
 
 
 @pytest.mark.distributed
@@ -73,8 +77,9 @@ def test_bf16_layout_matches_single_process(name, layout_runs):
     the loss by 6.6e-3 (dp 2) and 1.3e-2 (pp 2) later: 15x and 13x the tolerances. Doubling every
     gradient moves the gradient norm by 1.0.
     """
+    grad_rtol = BF16_REDUCED_GRAD_RTOL if "bf16-grads" in name else BF16_GRAD_RTOL
     assert_same_training(layout_runs.records(name), layout_runs.records("single-bf16"), BF16_LOSS_RTOL,
-                         BF16_GRAD_RTOL, label=name)
+                         grad_rtol, label=name)
 
 
 @pytest.mark.distributed
