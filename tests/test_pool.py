@@ -123,6 +123,16 @@ def _sleep_then_square(x: int) -> int:
 
 def test_workers_ignore_sigint_and_the_consumer_stops_cleanly():
     """Ctrl-C reaches the whole process group; only the consumer stops, and the workers go with it."""
+    # Python's own Ctrl-C behaviour, whatever an earlier test in this process installed (a Trainer's fit()
+    # keeps its stop-request handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_the_consumer()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_the_consumer() -> None:
     before = _children()
     results = ordered_map(_sleep_then_square, range(200), 2)
     got = []
