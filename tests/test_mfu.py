@@ -148,3 +148,9 @@ def test_allow_tf32_needs_fp32():
     with pytest.raises(ConfigError, match="allow_tf32 true needs mixed_precision fp32"):
         TrainConfig(allow_tf32=True).validate()
     TrainConfig(allow_tf32=True, mixed_precision="fp32").validate()
+
+
+def test_the_planner_counts_the_delta_rule_at_the_kernel_chunk():
+    """plan/flops.py keeps its own copy of the chunk (the planner starts without torch): equal to the kernel's."""
+    from qwen3_pretrain.plan.flops import DELTA_RULE_CHUNK
+    assert DELTA_RULE_CHUNK == CHUNK_SIZE
