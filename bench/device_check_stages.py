@@ -220,8 +220,12 @@ def junit_counts(xml: Path) -> dict:
     if not xml.is_file():
         return {"passed": 0, "failed": 0, "skipped": 0}
     cases = list(ET.parse(xml).getroot().iter("testcase"))
-    failing = [f"{c.get('classname')}::{c.get('name')}" for c in cases
-               if c.find("failure") is not None or c.find("error") is not None]
+    failing = []  # "test: the first line of its failure", what a reader of the summary needs first
+    for c in cases:
+        bad = c.find("failure") if c.find("failure") is not None else c.find("error")
+        if bad is not None:
+            message = (bad.get("message") or "").strip().splitlines()
+            failing.append(f"{c.get('classname')}::{c.get('name')}: {message[0][:300] if message else '?'}")
     skipped = sum(c.find("skipped") is not None for c in cases)
     return {"passed": len(cases) - len(failing) - skipped, "failed": len(failing), "skipped": skipped,
             "failing": failing[:10]}
@@ -239,8 +243,8 @@ def stage_tests(ctx: Context, deadline: float) -> dict:
                  deadline, work / "pytest.log", check=False, extra_env={"QWEN3_PRETRAIN_TEST_DEVICE": ctx.device})
     counts = {"files": files, **junit_counts(work / "junit.xml")}
     if rc != 0 or counts["passed"] == 0:
-        raise StageFailed(f"pytest exit {rc}: {counts['passed']} passed, {counts['failed']} failed",
-                          tail(work / "pytest.log"), counts)
+        raise StageFailed(f"pytest exit {rc}: {counts['passed']} passed, {counts['failed']} failed"
+                          + "".join(f"\n  {f}" for f in counts["failing"]), tail(work / "pytest.log"), counts)
     return counts
 
 

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -145,6 +146,7 @@ def _shards(cfg: Qwen3Config, world: int, rank: int, threads: int, **degrees) ->
         return shards
     finally:
         dist.destroy_process_group()
+        _clear_sharding_prop_cache()  # its cached decisions name this world's meshes, whose groups are gone
 
 
 @pytest.mark.parametrize("model, world, degrees", [

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from qwen3_pretrain.hardware import default_chunk_tokens
@@ -96,6 +97,10 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
     _quiet_known_notices()
     cfg, dims = world.cfg, world.dims
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    # DTensor caches sharding decisions under keys that compare meshes by shape and names, not by their
+    # process groups: a decision made for a mesh of an earlier world in this process (or in the parent
+    # that forked it) would hand back that mesh, whose groups no longer exist.
+    _clear_sharding_prop_cache()
     try:
         mesh = dims.build_mesh("cpu")
         groups = {mesh[a].get_group().group_name: ("dp" if a.startswith("dp") else a) for a in AXES}
