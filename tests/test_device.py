@@ -23,6 +23,10 @@ pytestmark = pytest.mark.device
 # differ from float64 by rounding only; bf16 keeps 8 bits of mantissa (~0.4% per rounding), which a norm
 # weight's gradient, summed over every token, shows as ~2%. A wrong kernel (positions ignored) gives ~30%.
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# The gradients' bound in bf16: 2.4-2.7e-2 measured for the worst (a q/k or attention norm's weight) on an
+# Intel Xeon with AMX, whatever oneDNN's ISA or ATen's vector width; how a CPU's bf16 kernels round differs
+# by CPU (the suite runs on several kinds), so twice the output's bound, still a third of a wrong kernel's.
+GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-1}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -56,7 +60,7 @@ def test_model_forward_and_backward_match_a_float64_cpu_reference(test_device, t
     assert got.device.type == test_device.type and got.dtype == dtype
     assert rel_err(got, want) < REL_TOL[dtype], rel_err(got, want)
     worst = max(want_grads, key=lambda n: rel_err(got_grads[n], want_grads[n]))
-    assert rel_err(got_grads[worst], want_grads[worst]) < REL_TOL[dtype], (worst, rel_err(got_grads[worst],
+    assert rel_err(got_grads[worst], want_grads[worst]) < GRAD_TOL[dtype], (worst, rel_err(got_grads[worst],
                                                                                          want_grads[worst]))
 
 
