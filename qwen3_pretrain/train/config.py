@@ -16,6 +16,17 @@ from qwen3_pretrain.models.qwen3.config import RECOMPUTE
 from qwen3_pretrain.parallel.dims import sequence_split_problem, unsupported_combination
 
 
+CONVENTIONS = ("default", "megatron")
+# The keys whose default depends on ``conventions``: (this project's default, Megatron-LM / Megatron-Bridge's).
+# Each is declared with default None ("from conventions") so that a value set explicitly, even the
+# project's default, is never overridden. MoE keys of this kind join the table as they are added.
+CONVENTION_KEYS: dict[str, tuple[Any, Any]] = {
+    "lr_warmup_from_zero": (False, True),
+    "weight_decay_embeddings": (False, True),
+    "moe_aux_loss_scale": ("mean_over_layers", "megatron"),
+}
+
+
 @dataclass
 class TrainConfig:
     # --- keys of the reference pretrain_config.yaml ------------------------
@@ -77,7 +88,8 @@ class TrainConfig:
               "distributed_optimizer true.")
     gradient_checkpointing: bool = field_help(False, "Recompute each layer's activations in the backward pass "
                                               "(same as activation_checkpointing: full).")
-    weight_decay: float = field_help(0.01, "AdamW weight decay of matrices (not of norms and embeddings).")
+    weight_decay: float = field_help(0.01, "AdamW weight decay of matrices (not of norms; the embedding: "
+                                              "weight_decay_embeddings).")
     mtp_loss_weight: float = field_help(
         0.0, "Train the hybrids' multi-token-prediction layer (mtp_num_hidden_layers; Qwen3.5 and Qwen3-Next "
              "ship one) with this weight on its loss, added to the LM loss (0.1 as Megatron-Bridge's recipe); "
@@ -93,7 +105,30 @@ class TrainConfig:
     gradient_accumulation_steps: int = field_help(1, "Micro-batches per optimizer step on each data-parallel rank.")
     seed: int = field_help(1234, "Seed of weight initialization and data order.")
     min_lr: float = field_help(0.0, "Learning rate at total_steps.")
-    lr_decay_style: Literal["cosine", "linear", "constant"] = field_help("cosine", "Decay after warm-up.")
+    lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = field_help(
+        "cosine", "Decay after warm-up. wsd: warmup-stable-decay (Megatron's WSD): the peak until lr_decay_steps - "
+                  "lr_wsd_decay_steps, then down to min_lr in the shape lr_wsd_decay_style.")
+    lr_decay_steps: int | None = field_help(None, "Step at which the decay reaches min_lr (Megatron's "
+                                            "--lr-decay-iters); min_lr after it. Empty: total_steps.")
+    lr_wsd_decay_steps: int | None = field_help(None, "With lr_decay_style wsd: steps of the final anneal, ending "
+                                                "at lr_decay_steps (Megatron's --lr-wsd-decay-iters).")
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = field_help(
+        "exponential", "Shape of the wsd anneal, as Megatron's --lr-wsd-decay-style (its default exponential: "
+                       "2 x 0.5^r - 1 of the way from the peak to min_lr at fraction r of the anneal; minus_sqrt: "
+                       "1 - sqrt(r)).")
+    lr_warmup_from_zero: bool | None = field_help(
+        None, "Warm-up as Megatron's: step k (0-based) runs at learning_rate x k / warmup_steps, so the first step "
+              "runs at lr 0 and the peak is reached at step warmup_steps. false: (k + 1) / warmup_steps, one step "
+              "earlier. Empty: from conventions (default false, megatron true).")
+    weight_decay_embeddings: bool | None = field_help(
+        None, "Also decay the token embedding (and so a tied LM head), as Megatron, which exempts only 1-D "
+              "parameters. Norms and the Gated DeltaNet's A_log/dt_bias stay undecayed. Empty: from conventions "
+              "(default false, megatron true).")
+    conventions: Literal["default", "megatron"] = field_help(
+        "default", "Defaults of the convention keys left empty (those whose help says 'from conventions'): "
+                   "default is this project's; megatron takes Megatron-LM / Megatron-Bridge's (warm-up from lr "
+                   "0, weight decay on the embedding; docs/from-megatron.md). A key set explicitly wins; the "
+                   "run-start log line lists the values in force.")
     adam_beta1: float = field_help(0.9, "AdamW beta1.")
     adam_beta2: float = field_help(0.95, "AdamW beta2.")
     adam_eps: float = field_help(1e-8, "AdamW epsilon.")
@@ -175,6 +210,24 @@ class TrainConfig:
                         "still logged). Formulas in docs/moe.md.")
     moe_aux_loss_coef: float | None = field_help(None, "Weight of the load-balancing loss in the objective. Empty: "
                                                  "the model config's router_aux_loss_coef (0.001 in Qwen3-MoE).")
+    moe_aux_loss_scale: Literal["mean_over_layers", "megatron"] | None = field_help(
+        None, "How the balancing loss and the z-loss scale with the layers. mean_over_layers: the mean of the "
+              "layers' terms, each balancing term E sum_e f_e P_e (k at balance; transformers' scale); megatron: "
+              "Megatron-core's, the layers' terms summed, each balancing term divided by top-k (1 at balance), "
+              "so at one coefficient a layer's balancing gradient is L/k times mean_over_layers' and its z-loss "
+              "gradient L times (L: MoE layers). moe_aux_loss global_batch or none. Empty: from conventions "
+              "(default mean_over_layers, megatron megatron). Conversion: docs/moe.md.")
+    moe_router_dtype: Literal["fp32", "bf16"] = field_help(
+        "fp32", "Dtype of the MoE routers' logits. fp32: weight and input upcast for the router's one small "
+                "matmul (as Megatron's Qwen3 recipes); bf16: in the model's dtype, as transformers computes "
+                "them (bf16 logits choose another top-8 than fp32 ones for a few percent of tokens; docs/moe.md). "
+                "The same under mixed_precision fp32.")
+    moe_bias_update_rate: float = field_help(
+        0.0, "Aux-loss-free balancing (DeepSeek-V3): each MoE layer's per-expert bias, added to the router's "
+             "probabilities for the top-k choice only, moves by this much per step toward the step's global "
+             "balance (sign of mean load - load). 0: off. DeepSeek-V3 used 1e-3 with sigmoid scores; the "
+             "probabilities here are softmax ones, about 1/num_experts each. Saved in checkpoints; not part "
+             "of the HF format (merge leaves it out). docs/moe.md.")
     moe_z_loss_coef: float = field_help(0.0, "Weight of the router z-loss (the mean squared log-sum-exp of the "
                                         "router logits, ST-MoE), which keeps the logits small; 0 disables.")
     moe_force_balance: bool = field_help(False, "Benchmark mode: route every token round-robin over the experts "
@@ -182,7 +235,29 @@ class TrainConfig:
                                          "of by the router; the log marks such runs. Not for real training.")
 
     def __post_init__(self) -> None:
+        self.resolve_conventions()
         self.validate()
+
+    def resolve_conventions(self) -> None:
+        """Fill the convention keys left empty with ``conventions``' values (the resolved config.yaml then
+        records the values in force, so a resume reads them back whatever the table says later)."""
+        if self.conventions not in CONVENTIONS:
+            raise ConfigError(f"conventions: {self.conventions!r} is not one of {', '.join(CONVENTIONS)}")
+        which = CONVENTIONS.index(self.conventions)
+        for key, values in CONVENTION_KEYS.items():
+            if getattr(self, key) is None:
+                setattr(self, key, values[which])
+
+    def conventions_in_force(self) -> str:
+        """For the run-start log: the conventions and each convention key's value, a key set against the
+        chosen conventions marked."""
+        which = CONVENTIONS.index(self.conventions)
+        parts = []
+        for key, values in CONVENTION_KEYS.items():
+            value = getattr(self, key)
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            parts.append(f"{key} {shown}" + ("" if value == values[which] else " (set explicitly)"))
+        return f"conventions {self.conventions}: " + ", ".join(parts)
 
     @property
     def data_sources(self) -> tuple[DataSource, ...]:
@@ -203,7 +278,8 @@ class TrainConfig:
     def validate(self) -> None:
         at_least = {"tp": 1, "pp": 1, "cp": 1, "seq_length": 2, "batch_size": 1, "total_steps": 1, "log_steps": 1,
                     "gradient_accumulation_steps": 1, "pp_virtual_stages": 1, "pp_microbatch_size": 1,
-                    "loss_chunk_tokens": 1, "collective_timeout_s": 1, "init_timeout_s": 1, "eval_iters": 1}
+                    "loss_chunk_tokens": 1, "collective_timeout_s": 1, "init_timeout_s": 1, "eval_iters": 1,
+                    "lr_decay_steps": 1, "lr_wsd_decay_steps": 1}
         for key, low in at_least.items():
             if getattr(self, key) is not None and getattr(self, key) < low:
                 raise ConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
@@ -212,6 +288,12 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         parse_data_path(self.data_path)  # a bad data_path stops here, before anything starts
+        if self.lr_decay_style == "wsd":
+            end = self.total_steps if self.lr_decay_steps is None else self.lr_decay_steps
+            if self.lr_wsd_decay_steps is None or self.lr_wsd_decay_steps > end:
+                raise ConfigError(f"lr_decay_style wsd needs lr_wsd_decay_steps between 1 and the decay's end "
+                                  f"({end}, lr_decay_steps or total_steps), got {self.lr_wsd_decay_steps}: set "
+                                  "lr_wsd_decay_steps (e.g. a tenth of the run)")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.rank_size is not None and self.rank_size < 1:
@@ -248,7 +330,11 @@ class TrainConfig:
         if self.moe_aux_loss == "micro_batch" and self.pp > 1:
             raise ConfigError("moe_aux_loss micro_batch pools a micro-batch's layers (transformers' definition), "
                               "which pp > 1 puts on different ranks; use moe_aux_loss global_batch, or pp 1")
-        for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        if self.moe_aux_loss_scale == "megatron" and self.moe_aux_loss == "micro_batch":
+            raise ConfigError("moe_aux_loss_scale megatron scales each layer's own balancing term, which moe_aux_loss "
+                              "micro_batch (all layers pooled) does not have; use moe_aux_loss global_batch, or "
+                              "moe_aux_loss_scale mean_over_layers")
+        for key in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate"):
             if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.batch_size * self.gradient_accumulation_steps % self.pp_microbatch_size:

@@ -54,7 +54,8 @@ log = logging.getLogger("qwen3_pretrain.train")
 # Steps logged after every start whatever log_steps is, so the first loss (and step time) come at once.
 ALWAYS_LOGGED_STEPS = 3
 # What the learning rate at a step depends on besides the step: changed on resume, the schedule changes shape.
-SCHEDULE_KEYS = ("learning_rate", "min_lr", "warmup_steps", "total_steps", "lr_decay_style")
+SCHEDULE_KEYS = ("learning_rate", "min_lr", "warmup_steps", "total_steps", "lr_decay_style", "lr_decay_steps",
+                 "lr_wsd_decay_steps", "lr_wsd_decay_style", "lr_warmup_from_zero")
 
 
 class TrainingHalted(UserError):
@@ -400,6 +401,7 @@ class Trainer:
                      self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size,
                      dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name, size, weights,
                      self.device, self.launch.launcher)
+            log.info("%s", cfg.conventions_in_force())
             log.info("kernels: %s", describe_kernels(kernel_table(
                 m, self.engine.target_device_type, self.engine.elementwise, cfg.mixed_precision, self.fp32_matmul,
                 dims.cp > 1, describe_optimizer(self.optimizers[0]))))
