@@ -3,7 +3,8 @@ of a folder of them (which exist, which is complete, which is newest, what a che
 
     latest                 name of the newest complete checkpoint ("step_0000100")
     step_0000100/          .metadata + __<rank>_<n>.distcp (torch.distributed.checkpoint),
-                           meta.json (step, model, layout, data position, config), rng/rank_<r>.pt
+                           meta.json (step, model, layout, data position, config, format_version and
+                           tensor_layout: versions.py), rng/rank_<r>.pt
     .tmp-step_0000200-save a checkpoint being written (ignored; removed by the next save)
     carried/               tensors of the starting HF checkpoint that are not trained (vision, MTP), as stored
 

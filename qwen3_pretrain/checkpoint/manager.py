@@ -6,7 +6,9 @@ adds ``meta.json`` and publishes it with one atomic rename, and only then
 replaces ``latest``. A run killed at any moment therefore leaves ``latest``
 naming a complete checkpoint. Model and optimizer states are saved by
 parameter name (DCP), so a checkpoint resumes under any other (tp, pp, dp);
-the vocabulary rows, padded to a multiple of tp, are re-padded or trimmed.
+the vocabulary rows, padded to a multiple of tp, are re-padded or trimmed. Every checkpoint records the
+layout version of its model family's saved tensors (``versions.py``); one of an older layout is converted on
+load, one this code cannot read refused before anything is read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from qwen3_pretrain.checkpoint.layout import (FORMAT, LATEST, META_FILE, list_checkpoints, problem,
                                               read_dcp_metadata, read_meta, step_dir_name)
 from qwen3_pretrain.checkpoint.reshard import VocabRowsPlanner, aliased_keys, rename, repadded_vocab_rows
+from qwen3_pretrain.checkpoint.versions import FORMAT_VERSION, LAYOUT_KEY, Conversion, conversion, layout_record
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic, write_text_atomic
 
@@ -111,16 +116,25 @@ class Checkpointer:
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         self._agree(what, _attempt(lambda: torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")))
         start = time.perf_counter()
-        meta = dict(meta, format=FORMAT, format_version=1, step=step,
-                    created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        state = self._state_dict()
+        meta = dict(meta, format=FORMAT, format_version=FORMAT_VERSION, **{LAYOUT_KEY: self._layout(state)},
+                    step=step, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         if self.async_save:
-            future = dcp.async_save(self._state_dict(), checkpoint_id=str(tmp), process_group=self._async_group,
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
                                     async_stager=self._stager)
             # what training waited for: the state's copy into host memory (the write runs in the background)
             self._pending = (future, tmp, final, dict(meta, _start=start, _blocked=time.perf_counter() - start))
             return
-        self._run_collective_io(lambda: dcp.save(self._state_dict(), checkpoint_id=str(tmp)), tmp)
+        self._run_collective_io(lambda: dcp.save(state, checkpoint_id=str(tmp)), tmp)
         self._publish(tmp, final, meta, start)
+
+    @staticmethod
+    def _layout(state: dict[str, Any]) -> dict[str, Any]:
+        """meta.json's tensor layout record (checkpoint/versions.py), of the whole model: a pipeline stage
+        holds some of its layers only, so every rank's parameter names count (collective)."""
+        names: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(state["model"]))
+        return layout_record(name for rank in names for name in rank)
 
     def wait(self) -> None:
         """Finish a pending asynchronous save (collective)."""
@@ -192,7 +206,10 @@ class Checkpointer:
         meta = read_meta(path)
         per_part = self._part_state_dicts()
         state = self._merge(per_part)
-        saved = read_dcp_metadata(path).state_dict_metadata
+        metadata = read_dcp_metadata(path)
+        saved = metadata.state_dict_metadata
+        # refused here, before anything is read, when the saved tensors' layout has no way to today's
+        convert = conversion(meta, (key for key in saved if key.startswith("model.")), path)
         renamed = {part: aliased_keys(self.aliases, part, state[part], set(saved)) for part in ("model", "optim")}
         rename(state, renamed)  # read those entries under the checkpoint's names ...
         repadded = repadded_vocab_rows(self.vocab_size, state, saved)
@@ -206,6 +223,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
         rename(state, renamed, back=True)  # ... and give them ours again
+        if convert.needed:
+            _convert(path, metadata, state, convert)
         # DCP fills tensors in place but replaces other values (optimizer hyper-parameters) in the
         # merged dict: give each part its own keys back from there.
         for part, opt, (m, o) in zip(self.parts, self.optimizers, per_part):
@@ -218,6 +237,39 @@ class Checkpointer:
             if saved.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
         return meta
+
+
+def _convert(path: Path, metadata, state: dict[str, Any], convert: Conversion) -> None:
+    """Give the tensors a layout change touched (weights and their optimizer states) today's layout: each is
+    read whole from the checkpoint on this rank alone (no collective, so pipeline stages holding other layers
+    need not take part), converted, and this rank's share of it copied in, the share DCP itself reads."""
+    from qwen3_pretrain.checkpoint.merge import DCPTensorReader  # merge reads a tensor without a process group
+
+    reader = DCPTensorReader(path, metadata)
+    log.info("converting checkpoint %s from %s tensor layout %d to %d", path, convert.family, convert.saved,
+             convert.saved + len(convert.changes))
+    for part, entries in state.items():
+        for key, target in entries.items():
+            name = key if part == "model" else _state_param(key)
+            if name is None or not isinstance(target, torch.Tensor) or not convert.applies(name):
+                continue
+            if tuple(target.shape) != tuple(state["model"][name].shape):
+                continue  # a state of another shape than its parameter's (AdamW's step count) has no rows
+            full = convert(name, reader.read(f"{part}.{key}"))
+            with torch.no_grad():
+                if isinstance(target, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh,
+                                                                          target.placements)
+                    box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                    target.to_local().copy_(full[box])
+                else:
+                    target.copy_(full)
+
+
+def _state_param(key: str) -> str | None:
+    """The parameter of a flattened optimizer key holding a tensor per parameter (``state.<param>.<name>``)."""
+    kind, _, rest = key.partition(".")
+    return rest.rpartition(".")[0] if kind == "state" else None
 
 
 def _stager(parts: list[nn.Module]) -> DefaultStager:

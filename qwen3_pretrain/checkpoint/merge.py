@@ -11,7 +11,8 @@ tensor twice (its saved fp32 chunk and its converted copy), not the model; the
 optimizer state in the same files is never read.
 
 Training pads the embedding and the head to a multiple of ``tp`` rows; the
-padding rows are dropped here. A tied head is stored once, as the embedding,
+padding rows are dropped here. A checkpoint of an older tensor layout is converted
+tensor by tensor on the way (checkpoint/versions.py), or refused before anything is written. A tied head is stored once, as the embedding,
 by a one-stage run; a pipelined run keeps it on the last stage as its own
 (identical) parameter, which is not read: HF stores a tied model's head once.
 """
@@ -37,8 +38,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from tqdm import tqdm
 
 from qwen3_pretrain.checkpoint.layout import DCP_METADATA, META_FILE, check_complete, find_checkpoint, read_meta
+from qwen3_pretrain.checkpoint.versions import conversion
 from qwen3_pretrain.config.args import CommandParser
 from qwen3_pretrain.errors import MissingFileError, UserError
+from qwen3_pretrain.models.ops.moe import EXPERT_BIAS
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.hf_io import HFCheckpointWriter, expected_shapes, parse_size
 from qwen3_pretrain.models.qwen3.model import HEAD, MTP_PREFIX, VOCAB_TENSORS
@@ -112,7 +115,14 @@ def tensors_to_merge(metadata: Metadata, config: Qwen3Config, checkpoint: Path) 
             raise UserError(f"{where} has no tensor {_MODEL_PREFIX + name!r}, which its model_config "
                             f"({config.num_hidden_layers} layers, tied={config.tie_word_embeddings}) needs")
         _check_shape(name, tuple(md.size), shape, where)
-    extra = [name for name in saved if name not in expected and name != HEAD]
+    # The aux-loss-free balancing bias steers training's top-k choice only; Qwen3-MoE's HF format has no place
+    # for it, so the merged model routes by the router's probabilities alone (docs/moe.md).
+    biases = [name for name in saved if name.rpartition(".")[2] == EXPERT_BIAS]
+    if biases:
+        log.warning("%s: leaving out the %d MoE layers' aux-loss-free balancing biases (%s ...), which Qwen3-MoE's "
+                    "HF format does not hold: the merged model chooses experts by the router's probabilities "
+                    "alone (docs/moe.md)", where, len(biases), _MODEL_PREFIX + biases[0])
+    extra = [name for name in saved if name not in expected and name != HEAD and name not in biases]
     if extra:
         raise UserError(f"{where} holds {_MODEL_PREFIX + extra[0]!r}, which its model_config "
                         f"({config.num_hidden_layers} layers) does not describe")
@@ -190,6 +200,9 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
     check_model_name(meta, model_name, checkpoint)
     config = model_config(meta, checkpoint)
     shapes = tensors_to_merge(metadata, config, checkpoint)
+    # the saved tensors in today's layout (checkpoint/versions.py), or refused before anything is written
+    convert = conversion(meta, (key for key in metadata.state_dict_metadata if key.startswith(_MODEL_PREFIX)),
+                         checkpoint)
     extra_files = tokenizer_files(tokenizer_path, meta, checkpoint)
     reader = DCPTensorReader(checkpoint, metadata)
     num_bytes = 0
@@ -198,6 +211,8 @@ def merge_checkpoint(input_path: str | os.PathLike, output_path: str | os.PathLi
     with _open_writer(output_path, config, dtype, max_shard_size, carried, mtp) as writer:
         for name in tqdm(shapes, desc="merge", unit="tensor", file=sys.stderr, disable=not progress):
             tensor = reader.read(_MODEL_PREFIX + name, rows=shapes[name][0], dtype=dtype)
+            if convert.applies(name):
+                tensor = convert(name, tensor)
             writer.add(name, tensor)
             num_bytes += tensor.nbytes
             del tensor  # so a tensor of a flushed shard is freed before the next read
