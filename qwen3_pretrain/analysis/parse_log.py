@@ -73,6 +73,32 @@ def _fraction(m: re.Match) -> float:
     return float(Decimal(m[1]) / (100 if m[2] else 1))
 
 
+# the observer's fields (train/observe): "time data 0.01 fb 0.7 reduce 0.05 opt 0.04 s" (phases, named as in
+# metrics.jsonl: time_<phase>_s), "slowest r1 +0.35 s", "health util 45%@r3 temp 81C@r1 ..." (each figure's worst
+# rank: health_<figure> and health_<figure>_rank)
+_PHASE_NAMES = {"data": "data", "fb": "forward_backward", "reduce": "reduce", "opt": "optimizer",
+                "ckpt": "checkpoint", "eval": "eval"}
+_HEALTH_NAMES = {"util": "util_pct", "mem": "mem_used_gib", "reserved": "mem_reserved_gib", "power": "power_w",
+                 "temp": "temp_c", "clock": "sm_clock_mhz", "cpu": "cpu_util_pct", "rss": "rss_gib"}
+_PHASE_ITEM = re.compile(rf"([a-z]+) ({_NUM})")
+_HEALTH_ITEM = re.compile(rf"([a-z]+) ({_NUM})(?:%|C|W|MHz|GiB)@r(\d+)")
+
+
+def _phases(m: re.Match) -> dict[str, float] | None:
+    items = _PHASE_ITEM.findall(m[1])
+    if not items or any(name not in _PHASE_NAMES for name, _ in items):
+        return None
+    return {f"time_{_PHASE_NAMES[name]}_s": float(value) for name, value in items}
+
+
+def _health(m: re.Match) -> dict[str, float]:
+    row: dict[str, float] = {}
+    for name, value, rank in _HEALTH_ITEM.findall(m[0]):
+        key = f"health_{_HEALTH_NAMES.get(name, name)}"
+        row[key], row[key + "_rank"] = float(value), int(rank)
+    return row
+
+
 def _memory(m: re.Match) -> dict[str, float]:
     unit = _GIB_PER_UNIT[m[3]]
     reserved = {"memory_reserved_gib": float(m[2]) * unit} if m[2] else {}
@@ -100,7 +126,11 @@ _KNOWN: dict[str, tuple[re.Pattern, Callable[[re.Match], dict[str, Any]]]] = {
         ("z", f"({_NUM})", lambda m: {"moe_z_loss": float(m[1])}),
         ("load", rf"({_NUM}) max/mean, ({_NUM})% idle",
          lambda m: {"moe_load_max": float(m[1]), "moe_idle_experts": float(Decimal(m[2]) / 100)}),
+        ("dropped", rf"({_NUM})%", lambda m: {"moe_dropped": float(Decimal(m[1]) / 100)}),
         ("routing", r"forced \(benchmark\)", lambda m: {"moe_force_balance": True}),
+        ("time", rf"((?:[a-z]+ {_NUM} ?)+) s", _phases),
+        ("slowest", rf"r(\d+) \+({_NUM}) s", lambda m: {"slowest_rank": int(m[1]), "slowest_excess_s": float(m[2])}),
+        ("health", rf"(?:[a-z]+ {_NUM}(?:%|C|W|MHz|GiB)@r\d+ ?)+", _health),
     ]
 }
 

@@ -201,6 +201,35 @@ class TrainConfig:
                                       "recompute around them stays eager), and under ep > 1 a sparse layer's parts "
                                       "around the router; not with tp > 1 and selective recompute, nor with cp > 1 "
                                       "(docs/training.md).")
+    # --- observability: phases, health, profiler, memory snapshots, hangs, trackers (docs/monitoring.md) ---
+    profile_steps: str | None = field_help(None, "Trace these steps with torch.profiler, e.g. 10-12 (a range, "
+                                           "inclusive): one Chrome/Perfetto trace per rank in "
+                                           "output_path/profile/step_10-12/. Empty: no fixed range.")
+    profile_every: int = field_help(0, "Trace profile_window steps ending at every this-many-th step (e.g. 500); "
+                                    "0: never.")
+    profile_window: int = field_help(2, "Steps per profile_every trace.")
+    memory_snapshot_steps: int = field_help(0, "CUDA: record the allocator's history (each allocation with its "
+                                            "stack) for this many first steps and dump it to output_path/memory/ "
+                                            "for https://pytorch.org/memory_viz; 0: off. An out-of-memory error "
+                                            "dumps a snapshot there whatever this is, its path in the error.")
+    hang_factor: float = field_help(10.0, "Hang watchdog: a step running longer than this many times the median "
+                                    "of the recent steps (and hang_min_s) writes every rank's Python stacks to "
+                                    "output_path/hang/, names the ranks behind and ends the run (exit code 3). "
+                                    "0: no watchdog.")
+    hang_min_s: float = field_help(300.0, "The hang watchdog's floor: no step counts as hung before this many "
+                                   "seconds.")
+    nccl_trace_buffer_size: int = field_help(2000, "CUDA: collectives kept per rank by NCCL's flight recorder "
+                                             "(TORCH_NCCL_TRACE_BUFFER_SIZE), dumped to output_path/hang/ on a "
+                                             "collective timeout; 0: off. The environment's own setting wins.")
+    trackers: list[str] = field_help([], "Experiment trackers besides TensorBoard: wandb, swanlab (optional "
+                                     "packages: pip install 'qwen3-pretrain[trackers]'); one that cannot start "
+                                     "is a warning.")
+    tracker_project: str = field_help("qwen3-pretrain", "The trackers' project.")
+    tracker_run_name: str | None = field_help(None, "The trackers' run name; empty: the tracker's own choice.")
+    tracker_tags: list[str] = field_help([], "The trackers' tags.")
+    tracker_mode: Literal["offline", "online"] = field_help("offline", "offline: the trackers write under "
+                                                            "output_path/<tracker> for a later sync; online: sent "
+                                                            "as the run goes.")
     # --- mixture of experts (Qwen3-MoE models; docs/moe.md) ------------------------------------------------
     moe_aux_loss: Literal["global_batch", "micro_batch", "none"] = field_help(
         "global_batch", "The load-balancing loss of a MoE model. global_batch: each layer's expert frequencies "
@@ -230,6 +259,21 @@ class TrainConfig:
              "of the HF format (merge leaves it out). docs/moe.md.")
     moe_z_loss_coef: float = field_help(0.0, "Weight of the router z-loss (the mean squared log-sum-exp of the "
                                         "router logits, ST-MoE), which keeps the logits small; 0 disables.")
+    moe_capacity_factor: float | None = field_help(
+        None, "Expert capacity with token dropping: each expert computes at most ceil(factor x pairs / "
+              "num_experts) of the (token, expert) pairs that chose it, those with the largest routing weights "
+              "(Megatron's --moe-expert-capacity-factor with the probs drop policy); a dropped pair contributes "
+              "nothing (its token keeps its other experts and the residual). Bounds what one expert's rank "
+              "receives under skewed routing. Empty: dropless, every pair computed. docs/moe.md.")
+    moe_capacity_scope: Literal["micro_batch", "rank"] = field_help(
+        "micro_batch", "The pairs a capacity is decided over: micro_batch, every rank's share of the global "
+                       "micro-batch (a small all-gather of the routing weights), so every layout drops the "
+                       "same pairs as one process; rank, each rank's own tokens (Megatron's way; no "
+                       "collective, but which pairs drop depends on the layout).")
+    moe_pad_to_capacity: bool = field_help(
+        False, "With moe_capacity_factor: every expert's group padded with zero rows to the most rows it can "
+               "receive (fixed shapes, Megatron's --moe-pad-expert-input-to-capacity); costs the padding's "
+               "compute. docs/moe.md.")
     moe_force_balance: bool = field_help(False, "Benchmark mode: route every token round-robin over the experts "
                                          "(perfect balance, as published MoE throughput figures assume) instead "
                                          "of by the router; the log marks such runs. Not for real training.")
@@ -334,10 +378,46 @@ class TrainConfig:
             raise ConfigError("moe_aux_loss_scale megatron scales each layer's own balancing term, which moe_aux_loss "
                               "micro_batch (all layers pooled) does not have; use moe_aux_loss global_batch, or "
                               "moe_aux_loss_scale mean_over_layers")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ConfigError(f"moe_capacity_factor must be > 0 (1.0: each expert takes its even share of the "
+                              f"pairs), got {self.moe_capacity_factor}; leave it empty for dropless routing")
+        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
+            raise ConfigError("moe_pad_to_capacity pads each expert's group to its capacity, but "
+                              "moe_capacity_factor is empty (dropless); set a factor, or moe_pad_to_capacity false")
         for key in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate"):
             if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        self._validate_observability()
         if self.batch_size * self.gradient_accumulation_steps % self.pp_microbatch_size:
             raise ConfigError(f"batch_size x gradient_accumulation_steps ({self.batch_size} x "
                               f"{self.gradient_accumulation_steps}) must be a multiple of pp_microbatch_size "
                               f"({self.pp_microbatch_size})")
+
+    def _validate_observability(self) -> None:
+        for key in ("profile_every", "memory_snapshot_steps", "hang_factor", "hang_min_s",
+                    "nccl_trace_buffer_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.profile_window < 1:
+            raise ConfigError(f"profile_window must be >= 1, got {self.profile_window}")
+        if self.profile_every and self.profile_window > self.profile_every:
+            raise ConfigError(f"profile_window {self.profile_window} is longer than profile_every "
+                              f"{self.profile_every}: make it shorter")
+        parse_step_range(self.profile_steps)
+        unknown = [t for t in self.trackers if t not in ("wandb", "swanlab")]
+        if unknown:
+            raise ConfigError(f"trackers {unknown} unknown: use wandb and/or swanlab (TensorBoard: tensorboard true)")
+
+
+def parse_step_range(text: str | None) -> tuple[int, int] | None:
+    """``profile_steps``: ``"10-12"`` -> (10, 12); ``"7"`` -> (7, 7); empty -> None."""
+    if not text:
+        return None
+    first, _, last = str(text).partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        a, b = 0, -1
+    if a < 1 or b < a:
+        raise ConfigError(f"profile_steps must be a step range like 10-12 (first >= 1, last >= first), got {text!r}")
+    return a, b

@@ -237,17 +237,19 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------
 
-    def step(self, batches: list[Batch], lr: float, flag: bool = False, bad_token: BadToken | None = None
-             ) -> StepResult:
+    def step(self, batches: list[Batch], lr: float, flag: bool = False, bad_token: BadToken | None = None,
+             mark: Callable[[str], None] = lambda phase: None) -> StepResult:
         """One optimizer step over this rank's micro-batches: forward and backward, the global gradient norm,
         the loss's reduction (which also tells every rank whether any raised ``flag`` or was handed a
         ``bad_token`` with its batch), and the update at ``lr``, skipped where the loss or the norm is not
         finite. The step's figures reach the host in one copy, between backward and the update that needs
-        them (nothing else in a step waits for the device)."""
+        them (nothing else in a step waits for the device). ``mark`` is called where each phase ends
+        (``forward_backward``, ``reduce``, ``optimizer``: the trainer's observer times them)."""
         if self.balance is not None:
             self.balance.start_step(len(batches) if self.dims.pp == 1 else self.num_microbatches)
         self.mtp_sum.zero_()
         local = self.forward_backward(batches)
+        mark("forward_backward")
         norm = self.grad_norm()
         extra = self.balance.local_stats(self.device) if self.balance is not None else None
         if self.mtp_weight:  # the MTP loss rides along the loss's one all-reduce, first of the extras
@@ -255,7 +257,9 @@ class Engine:
         host = self._read(self.reduce(local, flag, extra, bad_token is not None), norm, bad_token)
         loss, grad_norm = host[0].item() / self.dims.tp, host[-1].item()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        mark("reduce")
         self.optimizer_step(lr, None if skipped else grad_norm)
+        mark("optimizer")
         figures, rest = {}, host[3:-1]
         if self.mtp_weight:
             # the extras are divided by the tp copies of MoE figures; the MTP sum, like the loss, by tp

@@ -193,6 +193,8 @@ def format_line(r: dict) -> str:
         if "moe_z_loss" in r:
             line += f" | z {r['moe_z_loss']:.4g}"
         line += f" | load {r['moe_load_max']:.2f} max/mean, {100 * r['moe_idle_experts']:.0f}% idle"
+        if "moe_dropped" in r:  # pairs dropped at the experts' capacity (moe_capacity_factor)
+            line += f" | dropped {100 * r['moe_dropped']:.2f}%"
         if r.get("moe_force_balance"):
             line += " | routing forced (benchmark)"
     return line + (" | skipped" if r.get("skipped") else "")
@@ -217,9 +219,11 @@ def format_mix(samples_by_dataset: dict[str, int]) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``metrics.jsonl`` (and optionally TensorBoard)."""
+    """Appends one JSON object per record to ``metrics.jsonl`` (and optionally TensorBoard). ``sinks``: more
+    receivers of every record (``write``/``close``: the experiment trackers, ``train/observe/trackers.py``)."""
 
-    def __init__(self, output_path: str | os.PathLike, tensorboard: bool = False) -> None:
+    def __init__(self, output_path: str | os.PathLike, tensorboard: bool = False, sinks: list | None = None) -> None:
+        self.sinks = list(sinks or [])
         self.file = open(Path(output_path) / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         if tensorboard:
@@ -237,8 +241,16 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tb.add_scalar(f"train/{key}", value, record["step"])
+            for row in record.get("ranks", ()):  # every rank's step time, phases and device health
+                for key, value in row.items():
+                    if key != "rank":
+                        self.tb.add_scalar(f"ranks/{key}/rank{row['rank']}", value, record["step"])
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self.file.close()
+        for sink in self.sinks:
+            sink.close()
         if self.tb is not None:
             self.tb.close()

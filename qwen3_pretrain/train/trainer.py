@@ -46,6 +46,7 @@ from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, d
                                           device_peak_tflops, format_line, measure_cpu_tflops,
                                           memory_warning, runtime_reserved_gib, step_memory, utilization)
 from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
+from qwen3_pretrain.train.observe import Observer, flight_recorder_env, format_observed, tracker_sinks
 from qwen3_pretrain.train.optim import describe_optimizer, lr_at
 
 log = logging.getLogger("qwen3_pretrain.train")
@@ -74,6 +75,7 @@ class Trainer:
         if cfg.allow_tf32 and self.device.type == "cuda":  # before any matmul; the MFU peak follows it
             torch.backends.cuda.matmul.fp32_precision = "tf32"
         self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
+        flight_recorder_env(self.device.type, cfg.nccl_trace_buffer_size, cfg.output_path)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
@@ -90,7 +92,10 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.stop_requested = self.stop_agreed = False
         make_dirs(cfg.output_path, "output_path")
-        self.metrics = MetricsWriter(cfg.output_path, cfg.tensorboard) if self.is_log_rank else None
+        self.metrics = (MetricsWriter(cfg.output_path, cfg.tensorboard, tracker_sinks(cfg, to_dict(cfg)))
+                        if self.is_log_rank else None)
+        self.observer = Observer(cfg, self.device, self.launch.rank, self.launch.world_size, self.parts,
+                                 self.engine.stage_indices)
         # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
         # the last stage's head (weight and optimizer state) reads the embedding's.
         aliases = TIED_ALIASES if self.source.config.tie_word_embeddings else None
@@ -239,13 +244,17 @@ class Trainer:
         # No wait for the device here: the step read its figures after backward, which waited for everything
         # queued before (the previous step's update included), so a step's time is one period of the device's
         # work, and its update runs while the host prepares the next step.
-        batches = next(self.loader)
-        result = self.engine.step(batches, lr, flag=self.stop_requested, bad_token=self.loader.bad_token)
+        with self.observer.step(self.step + 1):  # phases, profiler window, hang watchdog, OOM snapshot
+            batches = next(self.loader)
+            self.observer.mark("data")
+            result = self.engine.step(batches, lr, flag=self.stop_requested, bad_token=self.loader.bad_token,
+                                      mark=self.observer.mark)
+            seconds = time.perf_counter() - start  # a profile's export at the step's end is not its time
         self.stop_agreed = result.flagged
         self.step += 1
         self.tokens_seen += self.global_tokens
         return {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                "skipped": result.skipped, "step_time_s": time.perf_counter() - start,
+                "skipped": result.skipped, "step_time_s": seconds,
                 "consumed_samples": self.loader.consumed_samples, **result.figures}
 
     # --- the loop -------------------------------------------------------------------
@@ -278,20 +287,25 @@ class Trainer:
             self._check_finite(rec)
             if avg_step is None or rec["step"] > 1:  # the first step pays for warm-up
                 avg_step = rec["step_time_s"] if avg_step is None else 0.9 * avg_step + 0.1 * rec["step_time_s"]
-            # The first steps are always logged: the first loss comes at once, whatever log_steps is.
-            if self.is_log_rank and (rec["step"] % cfg.log_steps == 0 or rec["step"] == cfg.total_steps
-                                     or rec["step"] <= started_at + ALWAYS_LOGGED_STEPS or rec["skipped"]
-                                     or self.stop_agreed):
-                self._log_step(rec, peak, flops_per_token, avg_step)
+            # The first steps are always logged: the first loss comes at once, whatever log_steps is. Every
+            # rank decides alike (skipped and stop_agreed are global): the observer gathers from each.
+            if (rec["step"] % cfg.log_steps == 0 or rec["step"] == cfg.total_steps
+                    or rec["step"] <= started_at + ALWAYS_LOGGED_STEPS or rec["skipped"] or self.stop_agreed):
+                rec.update(self.observer.collect(rec["step_time_s"]))
+                if self.is_log_rank:
+                    self._log_step(rec, peak, flops_per_token, avg_step)
             due = self.step == cfg.total_steps or (cfg.save_steps and self.step % cfg.save_steps == 0)
             # A step skipped for a non-finite loss is not saved: 'latest' keeps naming the last good state.
             if (due or self.stop_agreed) and not rec["skipped"]:
-                self.save_checkpoint()
+                with self.observer.between_steps("checkpoint"):
+                    self.save_checkpoint()
                 saved_at = self.step
             if self.is_log_rank and rec["step"] == started_at + 3:
                 self._log_measured_memory()
             if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == cfg.total_steps):
-                self._log_eval(self.evaluate())
+                with self.observer.between_steps("eval"):
+                    loss = self.evaluate()
+                self._log_eval(loss)
             if self.stop_agreed:
                 if self.is_log_rank:
                     log.info("stopped on request after step %d; checkpoint saved, resume by running the same command",
@@ -353,11 +367,13 @@ class Trainer:
             "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
         }
         record.update({key: value for key, value in rec.items() if key.startswith(("moe_", "mtp_"))})
+        record.update({key: value for key, value in rec.items()
+                       if key.startswith(("time_", "slowest_")) or key in ("ranks", "health_worst")})
         if self.cfg.moe_force_balance:
             record["moe_force_balance"] = True
         if rec["skipped"]:
             record["skipped"] = True
-        log.info(format_line(record))
+        log.info(format_line(record) + format_observed(record))
         self.metrics.write(record)
 
     def _log_eval(self, loss: float) -> None:
@@ -461,6 +477,7 @@ class Trainer:
                             "predicted_total_gib": self.predicted_memory.total / 2**30})
 
     def close(self) -> None:
+        self.observer.close()
         self.loader.close()
         self.checkpointer.close()
         if self.metrics is not None:
