@@ -304,5 +304,64 @@ def test_every_save_records_the_families_version(tmp_path, world_of_one):
         assert meta["format_version"] == versions.FORMAT_VERSION
 
 
+# A hybrid the trainer runs in a few seconds: 2 key heads, so tp 2 splits the Gated DeltaNet's rows by heads.
+TRAIN_HYBRID = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.25,
+                    model_type="qwen3_5_text", tie_word_embeddings=True, max_position_embeddings=256,
+                    bos_token_id=0, eos_token_id=1)
+
+
+def _old_layout_copy(checkpoint: Path, root: Path, scratch: Path) -> None:
+    """``checkpoint`` (a trainer's, today's layout) rewritten as layout 1 into output_path ``root``: every
+    regrouped weight and optimizer state put back in the HF rows' order, DCP files rewritten with torch's own
+    converters, meta.json without ``tensor_layout``, the random states copied."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    meta = json.loads((checkpoint / META_FILE).read_text())
+    config = Qwen3Config.from_hf_dict(meta.pop(versions.LAYOUT_KEY) and meta["model_config"])
+    dcp_to_torch_save(checkpoint, scratch / "state.pt")
+    state = torch.load(scratch / "state.pt", weights_only=False)
+    for part, entries in state.items():
+        for key, value in entries.items():
+            name = key if part == "model" else key.partition(".")[2].rpartition(".")[0]
+            if (isinstance(value, torch.Tensor) and versions.CHANGES[0].applies(name)
+                    and value.shape == state["model"][name].shape):
+                entries[key] = versions.INVERSES[("hybrid", 1)](config, name, value)
+    torch.save(state, scratch / "old.pt")
+    target = root / checkpoint.name
+    torch_save_to_dcp(scratch / "old.pt", target)
+    (target / META_FILE).write_text(json.dumps(meta))
+    shutil.copytree(checkpoint / "rng", target / "rng")
+    (root / "latest").write_text(checkpoint.name + "\n")
+
+
+@pytest.mark.distributed
+def test_old_layout_hybrid_checkpoint_resumes_under_tp_as_the_current_one(tmp_path):
+    """The trainer's resume under tp 2 (the regrouped rows split by heads over the ranks: DTensor shards of the
+    weights and of AdamW's states) from a layout-1 checkpoint continues exactly as from the same checkpoint
+    in today's layout."""
+    from qwen3_pretrain.models.qwen3.hf_io import save_hf_model
+    from tests._checkpoint_helpers import resume_from
+    from tests._train_helpers import check_ok, make_corpus, run_train, step_records, write_config
+
+    init = Qwen3Model(Qwen3Config(**TRAIN_HYBRID))
+    randomize(init, SEED)
+    save_hf_model(init, tmp_path / "init", dtype=torch.float32)
+    config = write_config(tmp_path / "c.yaml", make_corpus(tmp_path / "corpus"), tmp_path / "first",
+                          model_name="tiny-hybrid", model_path=str(tmp_path / "init"), model_overrides={},
+                          document_mask=True, total_steps=2, save_steps=2)
+    check_ok(run_train(config, 1))
+    resume_from(tmp_path / "first", 2, tmp_path / "new")
+    (tmp_path / "scratch").mkdir()
+    _old_layout_copy(tmp_path / "first" / step_dir_name(2), tmp_path / "old", tmp_path / "scratch")
+    for out in ("new", "old"):
+        check_ok(run_train(config, 2, "tp=2", f"output_path={tmp_path / out}", "total_steps=4"))
+    new, old = step_records(tmp_path / "new"), step_records(tmp_path / "old")
+    assert [r["step"] for r in old] == [3, 4]
+    assert [(r["loss"], r["grad_norm"]) for r in old] == [(r["loss"], r["grad_norm"]) for r in new]
+
+
 if __name__ == "__main__":
     write_goldens()
