@@ -31,7 +31,7 @@ from qwen3_pretrain.plan.step import StepEstimate, predict_step
 # Training-config keys the planner reads, with their types; every other key is ignored.
 CONFIG_KEYS: dict[str, Any] = {
     "model_name": str, "model_path": str | None, "model_overrides": dict, "rank_size": int | None,
-    "tp": int, "pp": int, "cp": int, "seq_length": int, "batch_size": int, "gradient_accumulation_steps": int,
+    "tp": int, "pp": int, "cp": int, "ep": int, "seq_length": int, "batch_size": int, "gradient_accumulation_steps": int,
     "mixed_precision": str, "distributed_optimizer": bool, "gradient_checkpointing": bool,
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
