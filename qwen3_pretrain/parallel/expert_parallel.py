@@ -19,6 +19,12 @@ Dispatch, per layer and micro-batch (``ExpertParallel``), dropless:
 4. the local experts compute (the build's expert kernel: grouped matmul or per-expert loop), the rows are
    put back in arrival order and travel back by the reverse all-to-all, in the order they left.
 
+The groups are padded where the experts compute, on the expert's rank (what travels is unpadded): to the
+kernel's alignment (``models/ops/moe.py``: ``pad_groups``), or with pad-to-capacity to the rows one copy of
+an expert can receive at most. With a capacity the pairs a rank sends are the ones kept: dropping is
+decided before dispatch, over the ranks that split the micro-batch (``gather_over`` collects the routing
+weights there), so the rows an expert's rank receives are bounded by the capacity whatever the routing.
+
 Autograd runs the same all-to-alls in reverse for the gradients (``all_to_all_single_autograd``). The
 collectives are torch's functional ones, so a compiled layer traces the dispatch whole: the host-read split
 sizes become symbolic sizes (``torch._dynamo.config.capture_scalar_outputs``, set by
@@ -27,9 +33,13 @@ sizes become symbolic sizes (``torch._dynamo.config.capture_scalar_outputs``, se
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+import torch.distributed as dist
+from torch.distributed._functional_collectives import (all_gather_tensor, all_to_all_single,
+                                                       all_to_all_single_autograd)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -54,7 +64,7 @@ class ExpertParallel:
         return recv, splits[0], splits[1]
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
+                 experts: GroupedExperts, group_rows: int | None = None) -> torch.Tensor:
         ep, local = self.size, counts.numel() // self.size
         recv, send_splits, recv_splits = self.exchange_counts(counts, tokens.shape[0])
         payload = torch.cat([tokens, weights], dim=1)  # each pair's routing weight travels as one more column
@@ -66,9 +76,16 @@ class ExpertParallel:
         order = expert_of_row.argsort(stable=True)
         x, w = arrived[:, :-1].index_select(0, order), arrived[:, -1:].index_select(0, order)
         y = experts.kernel(x, recv.sum(0), w, local_tensor(experts.gate_proj), local_tensor(experts.up_proj),
-                           local_tensor(experts.down_proj))
+                           local_tensor(experts.down_proj), group_rows)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         return all_to_all_single_autograd(y.index_select(0, back), send_splits, recv_splits, self.group)
+
+
+def gather_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Concatenates a tensor over ``group``'s ranks on its first dim, rank order (torch's functional
+    all-gather, so a compiled layer traces it): how a MoE layer's capacity sees the whole micro-batch's
+    routing (``models/ops/moe.py``: ``Capacity``)."""
+    return lambda t: all_gather_tensor(t, 0, group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

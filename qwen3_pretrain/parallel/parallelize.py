@@ -29,7 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, delta_rule_kernel
 from qwen3_pretrain.models.ops.elementwise import ElementwiseKernels, elementwise_kernels
 from qwen3_pretrain.models.ops.loss import TiedLMHead
-from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
+from qwen3_pretrain.models.ops.moe import Capacity, MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_linear
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, attention_kernel
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
@@ -108,8 +108,9 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                 document_mask: bool = False, cp_mesh: DeviceMesh | None = None,
                 experts: ExpertsKernel | None = None, router_observer: RouterObserver | None = None,
                 moe_force_balance: bool = False, multi_token_prediction: bool = False,
-                delta_rule: DeltaRuleKernel | None = None, elementwise: ElementwiseKernels | None = None
-                ) -> Qwen3Model:
+                delta_rule: DeltaRuleKernel | None = None, elementwise: ElementwiseKernels | None = None,
+                moe_router_fp32: bool = False, moe_expert_bias: bool = False,
+                moe_capacity: Capacity | None = None) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
@@ -122,7 +123,9 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     hybrids' MTP layer is trained (on the last stage; the next tokens' embeddings travel down the pipeline);
     ``delta_rule``: the Gated DeltaNet layers' kernel (``models/ops/delta_rule.py``: ``delta_rule_kernel``);
     ``elementwise``: the norms', RoPE's and SwiGLU's (``models/ops/elementwise.py``: ``elementwise_kernels``;
-    by default the CPU's)."""
+    by default the CPU's); ``moe_router_fp32``: the routers' logits in fp32, ``moe_expert_bias``: the MoE
+    layers hold an aux-loss-free balancing bias (``ModelOptions``); ``moe_capacity``: the experts' capacity
+    (``models/ops/moe.py``: ``Capacity``; None: dropless)."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     last = spec.stage_index == spec.num_stages - 1
     # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
@@ -134,6 +137,8 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                            recompute=ac_mode, document_mask=document_mask, loss_head=loss_head,
                            experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
                            router_observer=router_observer, moe_force_balance=moe_force_balance,
+                           moe_router_fp32=moe_router_fp32, moe_expert_bias=moe_expert_bias,
+                           moe_capacity=moe_capacity,
                            head_split=ContextParallelHeads(cp_mesh) if cp_mesh is not None else None,
                            multi_token_prediction=multi_token_prediction,
                            delta_rule=delta_rule)

@@ -12,7 +12,8 @@ layer's backward directly, attached to the layer's output by an identity
 function (``_Attach``). That works wherever the layer runs: on any pipeline
 stage, in any micro-batch.
 
-Notation, for sparse layer l of L, micro-batch m of M in the step (a *global*
+Notation, for sparse layer l of L (the multi-token-prediction layer's MoE
+included where it is trained, as Megatron counts it), micro-batch m of M in the step (a *global*
 micro-batch: the samples all data-parallel ranks process in their m-th forward,
 cut over the context-parallel ranks), E experts, top-k routing:
   N_m             the micro-batch's tokens;
@@ -38,6 +39,26 @@ Both equal k for a perfectly balanced router. The objective is the language-mode
 loss plus ``coef * aux``; the logged ``loss`` stays the language-model loss and
 ``moe_aux_loss`` is ``aux``. The z-loss (ST-MoE), with its own coefficient:
   z = (1/M) sum_m (1/L) sum_l (1/N_m) sum_t (logsumexp_e logits_{l,t,e})^2.
+
+Scale (``moe_aux_loss_scale``). ``mean_over_layers`` (above: transformers' scale,
+a mean over the layers) or ``megatron``: Megatron-core's, whose layers each add
+their own term, the balancing one normalised by k (its switch / global aux
+loss), the z-loss not averaged:
+  aux = (1/M) sum_m sum_l (E/k) sum_e f_{l,e}^(m) P_{l,e}^(m)      (L at balance)
+  z   = (1/M) sum_m sum_l (1/N_m) sum_t (logsumexp_e logits_{l,t,e})^2
+so at one coefficient each layer's balancing gradient is L/k times the
+mean_over_layers one's, its z-loss gradient L times (global_batch only: the
+micro_batch loss pools the layers, which Megatron never does).
+
+Aux-loss-free balancing (DeepSeek-V3; ``bias_rate`` > 0): each MoE layer holds a
+per-expert bias b_l that only steers its top-k choice (models/ops/moe.py). After
+each optimizer step, from the step's global load c_l (tokens per expert summed
+over every rank and micro-batch, the figure the step reduces anyway):
+  b_l += rate * (s - mean_e s),   s = sign(mean_e c_{l,e} - c_{l,e})
+(an under-loaded expert's bias rises; the centring keeps the biases' sum at 0
+and changes no choice). Every rank adds the same values to the same fp32
+buffer, so the biases stay identical on every rank; they are saved with the
+model's state and resume exactly.
 """
 
 from __future__ import annotations
@@ -49,8 +70,10 @@ import torch
 
 from qwen3_pretrain.models.ops.moe import RouterStats
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
+from qwen3_pretrain.models.qwen3.model import Qwen3Model, routed_layers
 
 AUX_LOSSES = ("global_batch", "micro_batch", "none")
+AUX_LOSS_SCALES = ("mean_over_layers", "megatron")
 
 
 class _Attach(torch.autograd.Function):
@@ -74,27 +97,43 @@ class RouterBalance:
     """One rank's balancing terms and expert counts over one step (``start_step`` ... ``local_stats``).
 
     ``group_size``: R, the ranks that split a micro-batch's tokens (dp x cp); ``reduce``: sums a tensor in
-    place over them (None when R is 1). ``coef``/``z_coef``: the terms' weights in the objective.
+    place over them (None when R is 1). ``coef``/``z_coef``: the terms' weights in the objective; ``scale``:
+    their scale over the layers (``AUX_LOSS_SCALES``); ``mtp``: the multi-token-prediction layer is trained
+    (its MoE counts as one more layer); ``bias_rate``: the aux-loss-free balancing biases' step (0: none;
+    ``attach_biases`` hands over the model parts' buffers).
     """
 
     def __init__(self, cfg: Qwen3Config, mode: str, coef: float, z_coef: float = 0.0, group_size: int = 1,
-                 reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], None] | None = None, *, scale: str = "mean_over_layers",
+                 mtp: bool = False, bias_rate: float = 0.0) -> None:
         if mode not in AUX_LOSSES:
             raise ValueError(f"moe_aux_loss must be one of {AUX_LOSSES}, not {mode!r}")
+        if scale not in AUX_LOSS_SCALES or (scale == "megatron" and mode == "micro_batch"):
+            raise ValueError(f"moe_aux_loss_scale {scale!r} is not one of {AUX_LOSS_SCALES} or does not go "
+                             f"with moe_aux_loss {mode!r}")
         self.mode, self.coef, self.z_coef = mode, coef, z_coef
         self.z_loss = z_coef > 0  # the layers report their squared log-sum-exps (RouterObserver)
-        self.sparse_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)]
+        self.sparse_layers = routed_layers(cfg, mtp)
         self.row = {layer: j for j, layer in enumerate(self.sparse_layers)}
+        # each layer's name in the per-layer figures: its index, or mtp.<i> for the MTP layer's
+        self.labels = [str(i) if i < cfg.num_hidden_layers else f"mtp.{i - cfg.num_hidden_layers}"
+                       for i in self.sparse_layers]
         self.num_layers, self.num_experts, self.top_k = len(self.sparse_layers), cfg.num_experts, \
             cfg.num_experts_per_tok
+        # each layer's weight in the balancing term and in the z-loss (module docstring: Scale)
+        self.aux_layer_weight = 1.0 / (self.top_k if scale == "megatron" else self.num_layers)
+        self.z_layer_weight = 1.0 if scale == "megatron" else 1.0 / self.num_layers
         self.group_size, self.reduce = group_size, reduce
         self.attaches = (mode != "none" and coef > 0) or z_coef > 0
+        self.bias_rate = bias_rate
+        self.biases: dict[int, torch.Tensor] = {}  # layer -> its MoE's expert_bias buffer, on this rank
         self.start_step(1)
 
     def start_step(self, num_microbatches: int) -> None:
         self.num_microbatches = num_microbatches
         self.load: torch.Tensor | None = None  # [L, E] tokens per expert on this rank this step
         self.aux = self.z = 0.0  # this rank's shares of the step's terms (tensors once a layer ran)
+        self.dropped = 0.0  # pairs this rank's layers dropped at the experts' capacity (moe_capacity_factor)
         self.seen: dict[int, int] = defaultdict(int)  # layer -> micro-batches it has run
         self.running: dict[int, torch.Tensor] = {}  # layer -> [E + 1] counts and tokens so far (global_batch)
         self.pooled: dict[int, torch.Tensor] = {}  # micro-batch -> [2, E] pooled counts, probability sums
@@ -118,19 +157,22 @@ class RouterBalance:
         if self.load is None:
             self.load = torch.zeros(self.num_layers, self.num_experts, device=counts.device)
         self.load[self.row[layer]] += counts
+        if stats.dropped is not None:
+            self.dropped = self.dropped + stats.dropped
         m = self.seen[layer]
         self.seen[layer] += 1
         # this rank's tokens, from its (token, slot) pairs: a device value, not a host read
         local_tokens = counts.sum() / self.top_k
         tokens = local_tokens * self.group_size  # N_m: every rank holds as many of the micro-batch's tokens
-        scale = 1.0 / (self.num_layers * self.num_microbatches)
         probs_grad = None
         if self.mode == "global_batch":
-            probs_grad = self._global_batch(layer, counts, probs_sum, tokens, scale)
+            probs_grad = self._global_batch(layer, counts, probs_sum, tokens,
+                                            self.aux_layer_weight / self.num_microbatches)
         elif self.mode == "micro_batch":
             probs_grad = self._micro_batch(m, counts, probs_sum, local_tokens)
         z_grad = None
         if self.z_loss:
+            scale = self.z_layer_weight / self.num_microbatches
             self.z = self.z + stats.z_sum.detach() * scale / tokens
             z_grad = self.z_coef * scale / tokens
         return (probs_grad if self.coef > 0 else None), z_grad
@@ -166,7 +208,8 @@ class RouterBalance:
     # --- the step's figures ----------------------------------------------------------------------------------
 
     def local_stats(self, device: torch.device) -> torch.Tensor:
-        """This rank's [aux share, z share, tokens per expert (L x E)], for one sum over all ranks."""
+        """This rank's [aux share, z share, tokens per expert (L x E), pairs dropped], for one sum over all
+        ranks."""
         aux = self.aux
         if self.mode == "micro_batch":
             for m, pooled in self.pooled.items():
@@ -175,19 +218,53 @@ class RouterBalance:
                     self.num_microbatches * self.group_size)
         load = self.load if self.load is not None else torch.zeros(self.num_layers, self.num_experts)
         head = torch.stack([torch.as_tensor(aux, dtype=torch.float32), torch.as_tensor(self.z, dtype=torch.float32)])
-        return torch.cat([head.to(device), load.to(device).reshape(-1)])
+        dropped = torch.as_tensor(self.dropped, dtype=torch.float32).reshape(1)  # last: the dropped pairs
+        return torch.cat([head.to(device), load.to(device).reshape(-1), dropped.to(device)])
 
-    def step_figures(self, reduced: torch.Tensor) -> dict[str, float]:
-        """The logged figures from the sum of every rank's ``local_stats`` (each counted once)."""
-        load = reduced[2:].view(self.num_layers, self.num_experts)
+    def step_figures(self, reduced: torch.Tensor) -> dict[str, float | dict[str, float]]:
+        """The logged figures from the sum of every rank's ``local_stats`` (each counted once): the worst
+        layer's in the log line, each layer's (by ``labels``) in metrics.jsonl."""
+        load = reduced[2:-1].view(self.num_layers, self.num_experts)
         per_layer_mean = load.sum(1, keepdim=True) / self.num_experts
-        figures = {
-            # the worst layer's busiest expert, over its mean load (1 = perfect balance)
-            "moe_load_max": (load / per_layer_mean.clamp(min=1e-9)).max().item(),
-            # experts (over all layers) that received no token this step
-            "moe_idle_experts": (load == 0).float().mean().item()}
+        # each layer's busiest expert over its mean load (1 = perfect balance), its fraction of idle experts
+        load_max = (load / per_layer_mean.clamp(min=1e-9)).amax(1).tolist()
+        idle = (load == 0).double().mean(1).tolist()
+        figures: dict[str, float | dict[str, float]] = {
+            "moe_load_max": max(load_max), "moe_idle_experts": max(idle),
+            "moe_layer_load_max": dict(zip(self.labels, load_max)),
+            "moe_layer_idle_experts": dict(zip(self.labels, idle))}
+        if reduced[-1] > 0:  # the fraction of the step's (token, expert) pairs dropped at the capacity
+            figures["moe_dropped"] = (reduced[-1] / load.sum().clamp(min=1)).item()
         if self.mode != "none":
             figures["moe_aux_loss"] = reduced[0].item()
         if self.z_coef > 0:
             figures["moe_z_loss"] = reduced[1].item()
+        if self.biases:  # the largest bias of this rank's layers (the same on every rank holding them)
+            figures["moe_expert_bias_max"] = max(b.abs().max().item() for b in self.biases.values())
         return figures
+
+    # --- aux-loss-free balancing -----------------------------------------------------------------------------
+
+    def attach_biases(self, parts: list[Qwen3Model]) -> None:
+        """Take the expert-bias buffers of this rank's model ``parts`` (where the layers hold them) and start
+        them at zero (a resume then loads the saved ones into the same buffers)."""
+        if self.bias_rate <= 0:
+            return
+        for part in parts:
+            for layer, mlp in part.routed_mlps().items():
+                if mlp.expert_bias is not None:
+                    with torch.no_grad():
+                        mlp.expert_bias.zero_()
+                    self.biases[layer] = mlp.expert_bias
+
+    @torch.no_grad()
+    def update_biases(self, reduced: torch.Tensor) -> None:
+        """After an optimizer step: move each of this rank's layers' biases toward balance from the step's
+        global load (in ``reduced``, the sum of every rank's ``local_stats``; module docstring)."""
+        if not self.biases:
+            return
+        load = reduced[2:].view(self.num_layers, self.num_experts).double()
+        for layer, bias in self.biases.items():
+            row = load[self.row[layer]]
+            step = torch.sign(row.mean() - row)
+            bias.add_((self.bias_rate * (step - step.mean())).to(bias.device, bias.dtype))

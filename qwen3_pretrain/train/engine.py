@@ -26,11 +26,12 @@ from qwen3_pretrain.models.qwen3.attention import attention_kernel
 from qwen3_pretrain.models.ops.delta_rule import delta_rule_kernel
 from qwen3_pretrain.models.ops.elementwise import elementwise_kernels
 from qwen3_pretrain.models.ops.loss import IGNORE_INDEX
-from qwen3_pretrain.models.ops.moe import GroupedExperts
+from qwen3_pretrain.models.ops.moe import Capacity, GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
 from qwen3_pretrain.parallel.dims import ParallelDims, check_expert_split, padded_vocab_size, stage_layer_ranges
+from qwen3_pretrain.parallel.expert_parallel import gather_over
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
     KernelFactory,
@@ -141,6 +142,7 @@ class Engine:
         self.tp_mesh = mesh["tp"]
         self.cp_rank = mesh.get_local_rank("cp")
         self.balance = self._router_balance() if source.config.is_moe else None
+        self.capacity = self._capacity() if source.config.is_moe else None
         # The multi-token-prediction loss's weight (0: no MTP layer built) and its sum over this rank's
         # micro-batches in the step, for the log.
         self.mtp_weight = cfg.mtp_loss_weight
@@ -156,7 +158,21 @@ class Engine:
             group = self.dims.token_mesh(self.mesh).get_group()
             reduce = lambda t: dist.all_reduce(t, group=group)  # noqa: E731
         coef = model_cfg.router_aux_loss_coef if cfg.moe_aux_loss_coef is None else cfg.moe_aux_loss_coef
-        return RouterBalance(model_cfg, cfg.moe_aux_loss, coef, cfg.moe_z_loss_coef, group_size, reduce)
+        return RouterBalance(model_cfg, cfg.moe_aux_loss, coef, cfg.moe_z_loss_coef, group_size, reduce,
+                             scale=cfg.moe_aux_loss_scale, mtp=cfg.mtp_loss_weight > 0,
+                             bias_rate=cfg.moe_bias_update_rate)
+
+    def _capacity(self) -> Capacity | None:
+        """The MoE layers' expert capacity (None: dropless), decided over the ranks that split a micro-batch's
+        tokens for them (the balancing loss's ``token_mesh``) unless its scope is each rank's own."""
+        cfg, dims = self.cfg, self.dims
+        if cfg.moe_capacity_factor is None:
+            return None
+        gather = None
+        if cfg.moe_capacity_scope == "micro_batch" and dims.token_ranks > 1:
+            gather = gather_over(dims.token_mesh(self.mesh).get_group())
+        return Capacity(cfg.moe_capacity_factor, pad=cfg.moe_pad_to_capacity, gather=gather,
+                        group_size=dims.token_ranks, senders=dims.ep)
 
     # --- set-up ------------------------------------------------------------------
 
@@ -173,7 +189,9 @@ class Engine:
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,
                            experts=experts, router_observer=self.balance, moe_force_balance=cfg.moe_force_balance,
                            multi_token_prediction=self.mtp_weight > 0,
-                           delta_rule=delta_rule_kernel(self.target_device_type), elementwise=self.elementwise)
+                           delta_rule=delta_rule_kernel(self.target_device_type), elementwise=self.elementwise,
+                           moe_router_fp32=cfg.moe_router_dtype == "fp32",
+                           moe_expert_bias=cfg.moe_bias_update_rate > 0, moe_capacity=self.capacity)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes,
                           keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype)
@@ -196,6 +214,8 @@ class Engine:
         self.dp_mesh = dims.dp_mesh(self.mesh)
         self.expert_meshes = dims.expert_meshes(self.mesh) if dims.ep > 1 else None
         self.parts = [self.build_part(idx, allocate) for idx in self.stage_indices]
+        if self.balance is not None:
+            self.balance.attach_biases(self.parts)
         self.tied = TiedWeights(self.parts, self.mesh) if model_cfg.tie_word_embeddings and dims.pp > 1 else None
         self.params = [p for part in self.parts for p in part.parameters()]
         # The tied head's gradient equals the embedding's: count it once in the global norm.
@@ -268,6 +288,8 @@ class Engine:
             rest = rest[1:]
         if self.balance is not None:
             figures.update(self.balance.step_figures(rest))
+            if not skipped:  # the aux-loss-free biases follow the step's load, as the weights its update
+                self.balance.update_biases(rest)
         return StepResult(loss - self.mtp_weight * figures.get("mtp_loss", 0.0), grad_norm, skipped,
                           bool(host[1] > 0), figures)
 

@@ -35,7 +35,6 @@ shared expert whose output a sigmoid gate scales.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,7 +46,7 @@ from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel
 from qwen3_pretrain.models.ops.elementwise import CPU_KERNELS, ElementwiseKernels
 from qwen3_pretrain.models.ops.gated_delta import document_starts
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
-from qwen3_pretrain.models.ops.moe import MoE, ExpertLoop, ExpertsKernel, RouterObserver, RouterStats
+from qwen3_pretrain.models.ops.moe import Capacity, MoE, ExpertLoop, ExpertsKernel, RouterObserver, RouterStats
 from qwen3_pretrain.models.ops.rope import rope_cos_sin
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
@@ -123,6 +122,15 @@ class ModelOptions:
     router_observer: RouterObserver | None = None
     # Benchmark mode: MoE layers route round-robin (perfectly balanced) instead of by the router's choice.
     moe_force_balance: bool = False
+    # The MoE routers' logits computed in fp32 (models/ops/moe.py: ``Fp32Router``); False: in the model's
+    # dtype, as transformers computes them.
+    moe_router_fp32: bool = False
+    # Each MoE layer holds a per-expert bias for its top-k choice (aux-loss-free balancing; a buffer the
+    # training engine updates: train/balance.py).
+    moe_expert_bias: bool = False
+    # Each MoE layer's experts take at most this many pairs each (models/ops/moe.py ``Capacity``: token
+    # dropping); None: dropless.
+    moe_capacity: Capacity | None = None
     # Where the sequence is split over ranks (context parallelism), how a Gated DeltaNet layer, whose
     # recurrence needs the whole sequence, trades tokens for heads; None: each row is whole here.
     head_split: HeadSplit | None = None
@@ -234,7 +242,8 @@ class SparseMLP(MoE):
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                          cfg.norm_topk_prob, kernel=options.experts or ExpertLoop(), linear=options.linear,
                          report=observer is not None, z_loss=observer is not None and observer.z_loss,
-                         balanced=options.moe_force_balance)
+                         balanced=options.moe_force_balance, router_fp32=options.moe_router_fp32,
+                         expert_bias=options.moe_expert_bias, capacity=options.moe_capacity)
         self.recompute = options.recompute == "mlp"
         self.shared_expert: MLP | None = None
         if cfg.shared_expert_intermediate_size:
@@ -312,8 +321,10 @@ class MultiTokenPrediction(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
         self.fc = options.linear(2 * h, h, bias=False)
-        # its MoE routing is not balanced by the training's balancing loss (no observer)
-        options = dataclasses.replace(options, router_observer=None)
+        # Its MoE routing goes to the router observer as the decoder layers' does (the balancing losses count
+        # it, as Megatron's do), under the indices after theirs (``routed_layers``).
+        self.router_observer = options.router_observer
+        self.first_index = cfg.num_hidden_layers
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, attention, 0, full_attention=True)
                                      for i in range(cfg.mtp_num_hidden_layers)})
         self.norm = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
@@ -321,9 +332,23 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask=None) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        for layer in self.layers.values():
+        for index, layer in self.layers.items():
             x = layer(x, cos, sin, mask)
+            if layer.reports_routing:
+                x, stats = x
+                if torch.is_grad_enabled():  # training: as in the model's layer loop
+                    x = self.router_observer(self.first_index + int(index), x, stats)
         return self.norm(x)
+
+
+def routed_layers(cfg: Qwen3Config, mtp: bool = False) -> list[int]:
+    """The indices under which a router observer sees the sparse layers: the decoder layers' own, then, where
+    the multi-token-prediction layer is trained (``mtp``) and its MLP is sparse (it takes layer 0's), its
+    layers' as ``num_hidden_layers + i``."""
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)]
+    if mtp and cfg.is_sparse_layer(0):
+        layers += [cfg.num_hidden_layers + i for i in range(cfg.mtp_num_hidden_layers)]
+    return layers
 
 
 class Qwen3Model(nn.Module):
@@ -437,6 +462,14 @@ class Qwen3Model(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return h, positions, (cos, sin, mask)
+
+    def routed_mlps(self) -> dict[int, MoE]:
+        """This part's sparse MLPs by the index its router observer sees them under (``routed_layers``)."""
+        mlps = {int(i): layer.mlp for i, layer in self.layers.items() if isinstance(layer.mlp, MoE)}
+        if self.mtp is not None:
+            mlps.update({self.mtp.first_index + int(i): layer.mlp for i, layer in self.mtp.layers.items()
+                         if isinstance(layer.mlp, MoE)})
+        return mlps
 
     @property
     def output_weight(self) -> torch.Tensor:
