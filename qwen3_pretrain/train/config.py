@@ -190,17 +190,18 @@ class TrainConfig:
         False, "Deterministic kernels: torch.use_deterministic_algorithms (flash attention's deterministic "
                "backward; no atomic adds in index and scatter kernels), cuBLAS with a fixed workspace "
                "(CUBLAS_WORKSPACE_CONFIG), cuDNN deterministic, HCCL deterministic reductions on NPUs. Two runs "
-               "of one layout then give bit-equal losses on a GPU (a resume checked against an uninterrupted "
-               "run); a few percent slower (torch also fills new tensors' memory, so that reading it unwritten "
-               "cannot differ between runs). CPU steps are deterministic either way.")
+               "of one layout are then meant to give bit-equal losses on a GPU (never run on a GPU or NPU yet: "
+               "bench/device_check.sh checks a resume against an uninterrupted run); a few percent slower "
+               "(torch also fills new tensors' memory, so that reading it unwritten cannot differ between "
+               "runs). CPU steps are deterministic either way.")
     compile: bool = field_help(False, "torch.compile each decoder layer, the MTP layer's too (after activation "
                                       "checkpointing, before FSDP): one graph per layer kind, no graph break (the "
-                                      "log says what was compiled after the first step); faster on GPUs once "
-                                      "compiled; the first step pays the compilation (tens of seconds). Under tp > 1 "
-                                      "with full recompute each layer's attention and MLP are compiled instead (the "
-                                      "recompute around them stays eager), and under ep > 1 a sparse layer's parts "
-                                      "around the router; not with tp > 1 and selective recompute, nor with cp > 1 "
-                                      "(docs/training.md).")
+                                      "log says what was compiled after the first step); meant to be faster on "
+                                      "GPUs once compiled (never timed on one yet); the first step pays the "
+                                      "compilation (tens of seconds). Under tp > 1 with full recompute each layer's "
+                                      "attention and MLP are compiled instead (the recompute around them stays "
+                                      "eager), and under ep > 1 a sparse layer's parts around the router; not with "
+                                      "tp > 1 and selective recompute, nor with cp > 1 (docs/training.md).")
     # --- observability: phases, health, profiler, memory snapshots, hangs, trackers (docs/monitoring.md) ---
     profile_steps: str | None = field_help(None, "Trace these steps with torch.profiler, e.g. 10-12 (a range, "
                                            "inclusive): one Chrome/Perfetto trace per rank in "
