@@ -291,7 +291,7 @@ class Trainer:
             # rank decides alike (skipped and stop_agreed are global): the observer gathers from each.
             if (rec["step"] % cfg.log_steps == 0 or rec["step"] == cfg.total_steps
                     or rec["step"] <= started_at + ALWAYS_LOGGED_STEPS or rec["skipped"] or self.stop_agreed):
-                rec.update(self.observer.collect(rec["step_time_s"]))
+                rec.update(self.observer.collect(rec["step_time_s"], warn=self.is_log_rank))
                 if self.is_log_rank:
                     self._log_step(rec, peak, flops_per_token, avg_step)
             due = self.step == cfg.total_steps or (cfg.save_steps and self.step % cfg.save_steps == 0)

@@ -65,17 +65,18 @@ class Observer:
 
     def mark(self, phase: str) -> None:
         """``phase`` of the running step ended (``phases.PHASES``)."""
-        if self.sleep is not None and phase == "data" and self.clock.step == self.sleep[0]:
-            time.sleep(self.sleep[1])
+        if self.sleep is not None and phase == "data" and self.sleep[0] <= self.clock.step <= self.sleep[1]:
+            time.sleep(self.sleep[2])
         self.clock.mark(phase)
 
     def between_steps(self, phase: str):
         """Time a checkpoint save's blocking part or an evaluation (``phases.BETWEEN_STEPS``)."""
         return self.clock.between_steps(phase)
 
-    def collect(self, step_time_s: float) -> dict:
+    def collect(self, step_time_s: float, warn: bool) -> dict:
         """On every rank at a logged step (a collective): the record's phase times (this rank's), ``ranks``
-        (every rank's step time, phases and device health), ``health_worst`` and the slowest rank."""
+        (every rank's step time, phases and device health), ``health_worst`` and the slowest rank; ``warn``:
+        this rank warns of a rank that stays the slowest (the logging rank)."""
         mine = {"step_time_s": step_time_s, **self.clock.read(), **self.health.read()}
         rows = gather_rows(mine, self.device)
         record = {k: v for k, v in mine.items() if k.startswith("time_")}
@@ -83,7 +84,7 @@ class Observer:
         health = worst(rows)
         if health:
             record["health_worst"] = {k: list(v) for k, v in health.items()}
-        record.update(self.stragglers.observe(rows))
+        record.update(self.stragglers.observe(rows, warn))
         return record
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ fast ranks wait for the slow one, inside ``forward_backward`` or ``reduce``.
 What tells the ranks apart is their local work, the phases with no
 collective in them: ``data`` (the loader) and ``optimizer`` (the update of
 the rank's own shard). The slowest rank is the one with the most local time;
-its excess is over the median rank's. A rank slowed inside forward or
+its excess is over the median of the other ranks'. A rank slowed inside forward or
 backward alone (a throttled device under FSDP) spreads its delay over every
 rank's waits and is not named here: its device health and the profiler show
 it. A rank that
@@ -36,7 +36,7 @@ log = logging.getLogger("qwen3_pretrain.train")
 KEYS = ("step_time_s",) + tuple(field(p) for p in PHASES + BETWEEN_STEPS) + tuple(FIELDS)
 # logged steps in a row with the same slowest rank before the warning
 REPEATS = 3
-# below this excess over the median rank (seconds, and share of the step time) no rank is called slow
+# below this excess over the other ranks' median (seconds, and share of the step time) no rank is called slow
 MIN_EXCESS_S, MIN_EXCESS_SHARE = 1e-3, 0.02
 
 
@@ -61,25 +61,24 @@ class Stragglers:
     def __init__(self) -> None:
         self.last_rank, self.in_a_row = None, 0
 
-    def observe(self, rows: list[dict]) -> dict:
-        """The record's ``slowest_rank``, ``slowest_excess_s`` (its local time over the median rank's) and
+    def observe(self, rows: list[dict], warn: bool = True) -> dict:
+        """The record's ``slowest_rank``, ``slowest_excess_s`` (its local time over the median of the other ranks') and
         ``slowest_in_a_row``; nothing with one rank or when no rank stands out."""
         local = (field("data"), field("optimizer"))
         times = [(r[local[0]] + r[local[1]], r["rank"]) for r in rows if all(k in r for k in local)]
         if len(times) < 2:
             return {}
-        median = statistics.median(t for t, _ in times)
         slowest, rank = max(times)
-        excess = slowest - median
+        excess = slowest - statistics.median(t for t, r in times if r != rank)
         step = statistics.median(r.get("step_time_s", 0.0) for r in rows)
         if excess < max(MIN_EXCESS_S, MIN_EXCESS_SHARE * step):
             self.last_rank, self.in_a_row = None, 0
             return {}
         self.in_a_row = self.in_a_row + 1 if rank == self.last_rank else 1
         self.last_rank = rank
-        if self.in_a_row == REPEATS:
+        if self.in_a_row == REPEATS and warn:
             log.warning("rank %d has been the slowest in %d logged steps in a row (%.3g s more local work, data and "
-                        "optimizer, than the median rank, %.0f%% of a step): check its host's load, its device's "
+                        "optimizer, than the other ranks' median, %.0f%% of a step): check its host's load, its device's "
                         "health and clocks (docs/monitoring.md, 'Uneven')", rank, REPEATS, excess,
                         100 * excess / max(step, 1e-9))
         return {"slowest_rank": rank, "slowest_excess_s": excess, "slowest_in_a_row": self.in_a_row}

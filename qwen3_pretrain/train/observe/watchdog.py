@@ -48,7 +48,8 @@ HANG_EXIT_CODE = 3
 ARM_AFTER = 3  # steps timed before the watchdog is armed
 RECENT = 20  # steps the median is taken over
 GATHER_S = 10.0  # how long rank 0 waits for the other ranks' posts
-# a test-only hook: QWEN3_PRETRAIN_TEST_SLEEP="rank:step:seconds" sleeps in that rank's data phase of that step
+# a test-only hook: QWEN3_PRETRAIN_TEST_SLEEP="rank:first-last:seconds" sleeps in that rank's data phase of
+# those steps (a straggler, or a hang)
 TEST_SLEEP_ENV = "QWEN3_PRETRAIN_TEST_SLEEP"
 
 
@@ -68,13 +69,14 @@ def flight_recorder_env(device_type: str, buffer_size: int, output_path: str,
     return set_now
 
 
-def test_sleep(rank: int) -> tuple[int, float] | None:
-    """(step, seconds) of the test-only sleep for this rank, or None."""
+def test_sleep(rank: int) -> tuple[int, int, float] | None:
+    """(first step, last step, seconds) of the test-only sleep for this rank, or None."""
     spec = os.environ.get(TEST_SLEEP_ENV)
     if not spec:
         return None
-    who, step, seconds = spec.split(":")
-    return (int(step), float(seconds)) if int(who) == rank else None
+    who, steps, seconds = spec.split(":")
+    first, _, last = steps.partition("-")
+    return (int(first), int(last or first), float(seconds)) if int(who) == rank else None
 
 
 def _sequence_number() -> int | None:
