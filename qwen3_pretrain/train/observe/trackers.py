@@ -73,7 +73,7 @@ def open_trackers(names: list[str], output_path: str, config: dict, project: str
                                   mode=mode)
             else:
                 run = module.init(project=project, experiment_name=run_name, tags=list(tags), config=config,
-                                  logdir=str(folder), mode="local" if mode == "offline" else "cloud")
+                                  logdir=str(folder), mode="offline" if mode == "offline" else "cloud")
         except Exception as e:  # noqa: BLE001 - no network, no login, a bad key: the run goes on
             log.warning("tracker %s could not start (%s); going on without it", name, e)
             continue
