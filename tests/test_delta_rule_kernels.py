@@ -55,3 +55,34 @@ def test_fla_equals_ours_on_packed_documents(packed):
     assert (outs[0] - outs[1]).abs().max() <= 2e-3 * scale
     for mine, theirs in zip(grads[0], grads[1]):
         assert (mine - theirs).abs().max() <= 5e-3 * theirs.abs().max()
+
+
+def _fla_at_least(version: tuple[int, int, int]) -> bool:
+    if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
+        return False
+    from qwen3_pretrain.models.ops.delta_rule import check_fla_version
+
+    return check_fla_version() >= version
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not _fla_at_least((0, 5, 0)), reason="needs a CUDA device and flash-linear-attention >= 0.5")
+def test_fla_grouped_heads_equal_repeated_heads():
+    """From flash-linear-attention 0.5 q and k reach its kernel with their own heads (2 here, for 4 value
+    heads): the same outputs and gradients as q and k repeated per value head, as older versions get them."""
+    tensors, starts = _inputs("cuda")
+    grouped = FlaDeltaRule()
+    assert grouped.grouped
+    outs, grads = [], []
+    for kernel in (grouped, FlaDeltaRule(grouped.chunk, grouped=False)):
+        out = kernel(*tensors, starts)
+        out.float().square().sum().backward()
+        outs.append(out.detach().float())
+        grads.append([t.grad.clone() for t in tensors])
+        for t in tensors:
+            t.grad = None
+    diff = (outs[0] - outs[1]).abs().max().item()
+    print(f"\n[fla grouped vs repeated heads] max output diff {diff:.3g}")
+    assert diff <= 1e-4 * outs[1].abs().max()
+    for mine, theirs in zip(grads[0], grads[1]):
+        assert (mine - theirs).abs().max() <= 1e-3 * theirs.abs().max()

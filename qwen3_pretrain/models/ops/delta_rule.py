@@ -5,17 +5,32 @@ every device, the reference of the tests. ``FlaDeltaRule``: flash-linear-attenti
 (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``; CUDA, and NPUs through its Ascend backend), an
 optional dependency, never needed on a CPU; packed documents reach it as ``cu_seqlens`` over the batch
 flattened into one row, its variable-length mode. ``bench/device_check.sh`` compares the two on a device.
+
+flash-linear-attention's versions (``FLA_MIN_VERSION``, the ``fla`` extra's floor): 0.1 has no ``cu_seqlens``
+(``offsets``, heads first by default), 0.3.0-0.3.2 assert that the inputs are not fp32 (a training run with
+``mixed_precision: fp32`` stopped there with a raw traceback), 0.4.0 takes both. Choosing the kernel where an
+older one is installed is refused with the installed version and what to do. From 0.5.0 its kernel takes
+grouped value heads itself (more value heads than q/k heads, each q/k head serving consecutive value heads,
+as ours: ``FLA_GROUPED_VERSION``), so q and k reach it with their own heads instead of repeated per value head
+(Qwen3.5-397B: 64 value heads over 16 key heads, q and k 4x their bytes when repeated, saved for backward).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 import weakref
 from typing import Protocol
 
 import torch
 
+from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.models.ops.gated_delta import chunk_gated_delta_rule
+
+FLA_DIST = "flash-linear-attention"
+FLA_MIN_VERSION = (0, 4, 0)  # cu_seqlens and fp32 inputs (the module docstring)
+FLA_GROUPED_VERSION = (0, 5, 0)  # grouped value heads taken by the kernel
 
 
 class DeltaRuleKernel(Protocol):
@@ -45,10 +60,16 @@ class FlaDeltaRule:
 
     name = "fla"
 
-    def __init__(self, chunk=None) -> None:
+    def __init__(self, chunk=None, grouped: bool | None = None) -> None:
+        """``chunk``: the kernel (flash-linear-attention's, after checking its version, when None); ``grouped``:
+        it takes q and k with their own heads (flash-linear-attention's from 0.5.0 when None; a given ``chunk``
+        gets them repeated unless told)."""
         if chunk is None:
+            version = check_fla_version()
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+            grouped = version >= FLA_GROUPED_VERSION if grouped is None else grouped
         self.chunk = chunk
+        self.grouped = bool(grouped)
         # (weak reference to a micro-batch's ``starts``, its offsets); one per micro-batch still in flight
         self._offsets: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._rows: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -56,7 +77,7 @@ class FlaDeltaRule:
     def __call__(self, q, k, v, g, beta, starts):
         batch, seq, v_heads = v.shape[:3]
         group = v_heads // q.shape[2]
-        if group > 1:  # each key head serves consecutive value heads
+        if group > 1 and not self.grouped:  # each key head serves consecutive value heads
             q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         flat = [t.reshape(1, batch * seq, *t.shape[2:]) for t in (q, k, v, g, beta)]
         out, _ = self.chunk(*flat, cu_seqlens=self.offsets(starts, batch, seq, q.device),
@@ -92,8 +113,36 @@ def cu_seqlens(starts: torch.Tensor | None, batch: int, seq: int, device: torch.
     return torch.cat([bounds, end]).to(torch.int32)
 
 
+def installed_fla_version() -> str | None:
+    """flash-linear-attention's installed version (its distribution's metadata, else the package's
+    ``__version__``), None where it is not installed."""
+    try:
+        return importlib.metadata.version(FLA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        if importlib.util.find_spec("fla") is None:
+            return None
+        import fla
+
+        return str(getattr(fla, "__version__", "0"))
+
+
+def check_fla_version() -> tuple[int, int, int]:
+    """The installed flash-linear-attention's version as numbers; a UserError below ``FLA_MIN_VERSION``."""
+    installed = installed_fla_version()
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", installed or "")
+    version = tuple(int(part or 0) for part in match.groups()) if match else (0, 0, 0)
+    if version < FLA_MIN_VERSION:
+        floor = ".".join(map(str, FLA_MIN_VERSION))
+        raise UserError(f"{FLA_DIST} {installed} is installed; the Gated DeltaNet layers need {floor} or newer "
+                        f"on this device (older ones take no cu_seqlens or refuse fp32 inputs): "
+                        f"pip install '{FLA_DIST}>={floor}' (or pip install -e '.[fla]'), or uninstall it to "
+                        "run this project's plain-torch delta rule")
+    return version
+
+
 def delta_rule_kernel(device_type: str) -> DeltaRuleKernel:
-    """flash-linear-attention's kernel on a CUDA device or an NPU where it is installed, else ours."""
+    """flash-linear-attention's kernel on a CUDA device or an NPU where it is installed (refused below
+    ``FLA_MIN_VERSION``), else ours."""
     if device_type in ("cuda", "npu") and importlib.util.find_spec("fla") is not None:
         return FlaDeltaRule()
     return TorchDeltaRule()

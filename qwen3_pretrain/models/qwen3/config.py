@@ -348,8 +348,9 @@ class Qwen3Config:
         sizes above).
 
         This is the model's count, the torch kernel's: flash-linear-attention's kernel
-        (models/ops/delta_rule.py ``FlaDeltaRule``) is handed q and k repeated to the value heads and computes
-        ``K K^T`` and ``Q K^T`` once per value head, ``(value heads - key heads) 2 C dk`` more multiply-adds
+        (models/ops/delta_rule.py ``FlaDeltaRule``; q and k repeated to the value heads before its 0.5, their own
+        heads from 0.5, whose kernel reads each key head once per value head) computes ``K K^T`` and ``Q K^T``
+        once per value head, ``(value heads - key heads) 2 C dk`` more multiply-adds
         per token forward, which MFU leaves out as redundant work (HFU too: it adds recompute, not kernels)."""
         dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
         per_value_head = chunk * (2 * dv + dk) + 3 * dk * dv
