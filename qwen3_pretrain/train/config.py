@@ -19,7 +19,8 @@ from qwen3_pretrain.parallel.dims import sequence_split_problem, unsupported_com
 CONVENTIONS = ("default", "megatron")
 # The keys whose default depends on ``conventions``: (this project's default, Megatron-LM / Megatron-Bridge's).
 # Each is declared with default None ("from conventions") so that a value set explicitly, even the
-# project's default, is never overridden. MoE keys of this kind join the table as they are added.
+# project's default, is never overridden. moe_router_dtype is not one: its default, fp32, is Megatron's
+# already. A key added here belongs in docs/from-megatron.md's conventions table (a test holds them equal).
 CONVENTION_KEYS: dict[str, tuple[Any, Any]] = {
     "lr_warmup_from_zero": (False, True),
     "weight_decay_embeddings": (False, True),
@@ -127,7 +128,8 @@ class TrainConfig:
     conventions: Literal["default", "megatron"] = field_help(
         "default", "Defaults of the convention keys left empty (those whose help says 'from conventions'): "
                    "default is this project's; megatron takes Megatron-LM / Megatron-Bridge's (warm-up from lr "
-                   "0, weight decay on the embedding; docs/from-megatron.md). A key set explicitly wins; the "
+                   "0, weight decay on the embedding, the MoE balancing loss and z-loss summed over layers; "
+                   "docs/from-megatron.md). A key set explicitly wins; the "
                    "run-start log line lists the values in force.")
     adam_beta1: float = field_help(0.9, "AdamW beta1.")
     adam_beta2: float = field_help(0.95, "AdamW beta2.")
