@@ -136,6 +136,11 @@ def test_conventions_from_yaml_and_bad_values():
         TrainConfig(lr_decay_style="wsd", total_steps=10, lr_wsd_decay_steps=11)
     with pytest.raises(ConfigError, match="lr_decay_steps"):
         TrainConfig(lr_decay_steps=0)
+    # the umbrella's MoE value meets a loss it cannot scale: the message says where the value came from
+    with pytest.raises(ConfigError, match=r"moe_aux_loss_scale megatron \(from conventions megatron\)"):
+        TrainConfig(conventions="megatron", moe_aux_loss="micro_batch")
+    assert TrainConfig(conventions="megatron", moe_aux_loss="micro_batch",
+                       moe_aux_loss_scale="mean_over_layers").weight_decay_embeddings is True
 
 
 def _model(preset: str, **changes) -> Qwen3Model:

@@ -378,9 +378,10 @@ class TrainConfig:
             raise ConfigError("moe_aux_loss micro_batch pools a micro-batch's layers (transformers' definition), "
                               "which pp > 1 puts on different ranks; use moe_aux_loss global_batch, or pp 1")
         if self.moe_aux_loss_scale == "megatron" and self.moe_aux_loss == "micro_batch":
-            raise ConfigError("moe_aux_loss_scale megatron scales each layer's own balancing term, which moe_aux_loss "
-                              "micro_batch (all layers pooled) does not have; use moe_aux_loss global_batch, or "
-                              "moe_aux_loss_scale mean_over_layers")
+            origin = " (from conventions megatron)" if self.conventions == "megatron" else ""
+            raise ConfigError(f"moe_aux_loss_scale megatron{origin} scales each layer's own balancing term, which "
+                              "moe_aux_loss micro_batch (all layers pooled) does not have; use moe_aux_loss "
+                              "global_batch, or moe_aux_loss_scale mean_over_layers")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             raise ConfigError(f"moe_capacity_factor must be > 0 (1.0: each expert takes its even share of the "
                               f"pairs), got {self.moe_capacity_factor}; leave it empty for dropless routing")
