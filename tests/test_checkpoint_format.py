@@ -192,6 +192,9 @@ def test_golden_checkpoint_merges_to_its_logits(name, tmp_path):
 def test_family_is_read_off_the_parameter_names():
     assert {name: versions.family(dict(build(name).named_parameters())) for name in FAMILIES} == \
         {name: name for name in FAMILIES}
+    # pipeline stages' families (a save gathers one word per rank): a stage of Gated DeltaNet layers only
+    # and one of MoE layers make a hybrid MoE
+    assert versions.family(["hybrid", "moe"]) == "hybrid_moe" and versions.family(["dense", "dense"]) == "dense"
 
 
 def _trained(name: str) -> tuple[Qwen3Model, torch.optim.Optimizer]:

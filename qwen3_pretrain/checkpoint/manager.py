@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 from qwen3_pretrain.checkpoint.layout import (FORMAT, LATEST, META_FILE, list_checkpoints, problem,
                                               read_dcp_metadata, read_meta, step_dir_name)
 from qwen3_pretrain.checkpoint.reshard import VocabRowsPlanner, aliased_keys, rename, repadded_vocab_rows
-from qwen3_pretrain.checkpoint.versions import FORMAT_VERSION, LAYOUT_KEY, Conversion, conversion, layout_record
+from qwen3_pretrain.checkpoint.versions import (FORMAT_VERSION, LAYOUT_KEY, Conversion, conversion, family,
+                                                layout_record)
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic, write_text_atomic
 
@@ -132,9 +133,9 @@ class Checkpointer:
     def _layout(state: dict[str, Any]) -> dict[str, Any]:
         """meta.json's tensor layout record (checkpoint/versions.py), of the whole model: a pipeline stage
         holds some of its layers only, so every rank's parameter names count (collective)."""
-        names: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(names, sorted(state["model"]))
-        return layout_record(name for rank in names for name in rank)
+        families: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(families, family(state["model"]))  # a word per rank, not its names
+        return layout_record(families)
 
     def wait(self) -> None:
         """Finish a pending asynchronous save (collective)."""

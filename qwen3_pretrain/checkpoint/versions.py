@@ -56,15 +56,17 @@ _REGROUPED = ("linear_attn.conv1d.weight", "linear_attn.in_proj_qkv.weight")
 
 
 def family(names: Iterable[str]) -> str:
-    """The model family of a model with these parameter names (a checkpoint's or a model's, any prefix)."""
+    """The model family of a model with these parameter names (a checkpoint's or a model's, any prefix), or
+    of a model whose parts (pipeline stages) have these families."""
     names = list(names)
-    hybrid = any(".linear_attn." in name for name in names)
-    moe = any(".mlp.experts." in name or name.endswith(".mlp.gate.weight") for name in names)
+    hybrid = any(".linear_attn." in name or name.startswith("hybrid") for name in names)
+    moe = any(".mlp.experts." in name or name.endswith((".mlp.gate.weight", "moe")) for name in names)
     return ("hybrid" if hybrid else "") + ("_" if hybrid and moe else "") + ("moe" if moe else "") or "dense"
 
 
 def layout_record(names: Iterable[str]) -> dict[str, Any]:
-    """meta.json's ``tensor_layout`` for a checkpoint of a model with these parameter names."""
+    """meta.json's ``tensor_layout`` for a checkpoint of a model with these parameter names (or its parts'
+    families)."""
     fam = family(names)
     return {"family": fam, "version": LAYOUT_VERSIONS[fam]}
 
