@@ -136,6 +136,8 @@ def test_conventions_from_yaml_and_bad_values():
         TrainConfig(lr_decay_style="wsd", total_steps=10, lr_wsd_decay_steps=11)
     with pytest.raises(ConfigError, match="lr_decay_steps"):
         TrainConfig(lr_decay_steps=0)
+    with pytest.raises(ConfigError, match=r"lr_decay_steps \(10\) must be above warmup_steps \(10\)"):
+        TrainConfig(lr_decay_steps=10, warmup_steps=10)
     # the umbrella's MoE value meets a loss it cannot scale: the message says where the value came from
     with pytest.raises(ConfigError, match=r"moe_aux_loss_scale megatron \(from conventions megatron\)"):
         TrainConfig(conventions="megatron", moe_aux_loss="micro_batch")

@@ -287,7 +287,8 @@ class TrainConfig:
 
     def resolve_conventions(self) -> None:
         """Fill the convention keys left empty with ``conventions``' values (the resolved config.yaml then
-        records the values in force, so a resume reads them back whatever the table says later)."""
+        records the values in force, so a resume reads them back whatever the table says later). Resolved
+        once, at construction: ``dataclasses.replace(cfg, conventions=...)`` keeps the values already filled."""
         if self.conventions not in CONVENTIONS:
             raise ConfigError(f"conventions: {self.conventions!r} is not one of {', '.join(CONVENTIONS)}")
         which = CONVENTIONS.index(self.conventions)
@@ -335,6 +336,10 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         parse_data_path(self.data_path)  # a bad data_path stops here, before anything starts
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
+            raise ConfigError(f"lr_decay_steps ({self.lr_decay_steps}) must be above warmup_steps "
+                              f"({self.warmup_steps}): the decay ends that many steps into the run, after the "
+                              "warm-up; raise it, or leave it empty to decay until total_steps")
         if self.lr_decay_style == "wsd":
             end = self.total_steps if self.lr_decay_steps is None else self.lr_decay_steps
             if self.lr_wsd_decay_steps is None or self.lr_wsd_decay_steps > end:
