@@ -37,7 +37,7 @@ RTOL = 1e-5
 
 
 def _build(cfg: Qwen3Config, recompute: str) -> tuple[Qwen3Model, RouterBalance | None]:
-    balance = RouterBalance(cfg, "global_batch", 0.3, 0.05) if cfg.is_moe else None
+    balance = RouterBalance(cfg, "global_batch", 0.3, 0.05, mtp=cfg.is_hybrid) if cfg.is_moe else None
     options = ModelOptions(recompute=recompute, router_observer=balance, document_mask=cfg.is_hybrid,
                            multi_token_prediction=cfg.is_hybrid)
     return Qwen3Model(cfg, options), balance

@@ -187,7 +187,8 @@ def _mtp_plan(mtp: nn.Module, moe_local_tokens: bool) -> dict:
     for name, layer in mtp.layers.items():
         sparse, shared = isinstance(layer.mlp, MoE), getattr(layer.mlp, "shared_expert", None) is not None
         plan.update({f"mtp.layers.{name}.{k}": v
-                     for k, v in _layer_plan(sparse, moe_local_tokens, shared=shared).items()})
+                     for k, v in _layer_plan(sparse, moe_local_tokens, shared=shared,
+                                             routed=layer.reports_routing).items()})
     return plan
 
 

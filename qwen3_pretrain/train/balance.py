@@ -221,10 +221,14 @@ class RouterBalance:
         dropped = torch.as_tensor(self.dropped, dtype=torch.float32).reshape(1)  # last: the dropped pairs
         return torch.cat([head.to(device), load.to(device).reshape(-1), dropped.to(device)])
 
+    def step_load(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The step's tokens per expert [L, E], summed over every rank, from the sum of their ``local_stats``."""
+        return reduced[2:2 + self.num_layers * self.num_experts].view(self.num_layers, self.num_experts)
+
     def step_figures(self, reduced: torch.Tensor) -> dict[str, float | dict[str, float]]:
         """The logged figures from the sum of every rank's ``local_stats`` (each counted once): the worst
         layer's in the log line, each layer's (by ``labels``) in metrics.jsonl."""
-        load = reduced[2:-1].view(self.num_layers, self.num_experts)
+        load = self.step_load(reduced)
         per_layer_mean = load.sum(1, keepdim=True) / self.num_experts
         # each layer's busiest expert over its mean load (1 = perfect balance), its fraction of idle experts
         load_max = (load / per_layer_mean.clamp(min=1e-9)).amax(1).tolist()
@@ -263,7 +267,7 @@ class RouterBalance:
         global load (in ``reduced``, the sum of every rank's ``local_stats``; module docstring)."""
         if not self.biases:
             return
-        load = reduced[2:].view(self.num_layers, self.num_experts).double()
+        load = self.step_load(reduced).double()
         for layer, bias in self.biases.items():
             row = load[self.row[layer]]
             step = torch.sign(row.mean() - row)
