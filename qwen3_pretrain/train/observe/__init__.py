@@ -43,7 +43,8 @@ class Observer:
         if self.profiler.enabled:
             self.clock.ranges = self.profiler.phase_range
         self.snapshots = MemorySnapshots(cfg.output_path, rank, device, cfg.memory_snapshot_steps)
-        self.watchdog = (Watchdog(self.clock, cfg.output_path, rank, world, cfg.hang_factor, cfg.hang_min_s)
+        self.watchdog = (Watchdog(self.clock, cfg.output_path, rank, world, cfg.hang_factor, cfg.hang_min_s,
+                                  nccl=device.type == "cuda" and cfg.nccl_trace_buffer_size > 0)
                          if cfg.hang_factor > 0 else None)
         self.sleep = test_sleep(rank)
 

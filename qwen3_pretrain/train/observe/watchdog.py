@@ -8,7 +8,9 @@ rank's watchdog fires within a second or two of the others. Each then:
 
 1. writes its Python stacks (all threads, ``faulthandler``) to
    ``output_path/hang/rank<r>.txt`` with its step, its phase and its default
-   process group's collective sequence number;
+   process group's collective sequence number; on CUDA also the flight
+   recorder's entries, ``output_path/hang/nccl_trace_rank<r>.pickle`` (the
+   watchdog fires before the collective timeout would dump them);
 2. posts the same to the rendezvous store (a TCP connection of its own, which
    works while the collectives are stuck);
 3. rank 0 waits a few seconds for every rank's post and logs which ranks are
@@ -109,10 +111,10 @@ class Watchdog:
     (``os._exit``; a test passes a recorder)."""
 
     def __init__(self, clock: PhaseClock, output_path: str, rank: int, world: int, factor: float,
-                 min_s: float, exit=os._exit, poll_s: float = 1.0) -> None:
+                 min_s: float, exit=os._exit, poll_s: float = 1.0, nccl: bool = False) -> None:
         self.clock, self.rank, self.world = clock, rank, world
         self.dir = Path(output_path) / HANG_DIR
-        self.factor, self.min_s, self.exit, self.poll_s = factor, min_s, exit, poll_s
+        self.factor, self.min_s, self.exit, self.poll_s, self.nccl = factor, min_s, exit, poll_s, nccl
         self.recent: deque[float] = deque(maxlen=RECENT)
         self.in_step = False
         self.stopped = threading.Event()
@@ -154,6 +156,8 @@ class Watchdog:
         log.error("rank %d: step %d has run %.0f s, over the hang limit of %.0f s (hang_factor x the median step, at "
                   "least hang_min_s), in phase %s; Python stacks written to %s", self.rank, clock.step, age, limit,
                   clock.phase, path)
+        if self.nccl:
+            self._dump_flight_recorder()
         store = _store()
         if store is not None:
             self._exchange(store, post)
@@ -162,6 +166,13 @@ class Watchdog:
         for handler in logging.getLogger("qwen3_pretrain").handlers:
             handler.flush()
         self.exit(HANG_EXIT_CODE)
+
+    def _dump_flight_recorder(self) -> None:
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+            (self.dir / f"nccl_trace_rank{self.rank}.pickle").write_bytes(_dump_nccl_trace())
+        except Exception as e:  # noqa: BLE001 - a torch without it, or the recorder off: the stacks remain
+            log.warning("rank %d: NCCL flight recorder not dumped: %s", self.rank, e)
 
     def _exchange(self, store, post: dict) -> None:
         try:
