@@ -376,3 +376,21 @@ def test_log_line_fields_parse_back(tmp_path):
     assert (row["health_temp_c"], row["health_temp_c_rank"]) == (81, 1)
     assert (row["health_sm_clock_mhz"], row["health_rss_gib"], row["health_rss_gib_rank"]) == (1410, 12.3, 0)
     assert "health_mem_total_gib" not in row  # capacity stays in metrics.jsonl
+
+
+def test_a_step_that_raises_is_neither_timed_nor_watched(tmp_path):
+    from qwen3_pretrain.train.observe import Observer
+    observer = Observer(_config(tmp_path), torch.device("cpu"), 0, 1, [], [])
+    try:
+        with pytest.raises(ValueError):
+            with observer.step(1):
+                observer.mark("data")
+                raise ValueError("bad batch")
+        assert not observer.watchdog.in_step and len(observer.watchdog.recent) == 0
+        with observer.step(2):
+            for phase in PHASES:
+                observer.mark(phase)
+        assert len(observer.watchdog.recent) == 1
+        assert set(observer.collect(0.1, warn=True)) >= {"time_data_s", "ranks", "health_worst"}
+    finally:
+        observer.close()

@@ -55,12 +55,15 @@ class Observer:
         self.clock.begin(step)
         if self.watchdog is not None:
             self.watchdog.begin()
-        start = time.perf_counter()
-        with self.snapshots.on_oom(step):
-            yield
-        self.clock.end()
-        if self.watchdog is not None:
-            self.watchdog.end(time.perf_counter() - start)
+        start, finished = time.perf_counter(), False
+        try:
+            with self.snapshots.on_oom(step):
+                yield
+            finished = True
+        finally:  # a step that raised is not timed, and no longer watched
+            self.clock.end()
+            if self.watchdog is not None:
+                self.watchdog.end(time.perf_counter() - start if finished else None)
         self.profiler.end(step)
         self.snapshots.end(step)
 

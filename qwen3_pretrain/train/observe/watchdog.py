@@ -124,9 +124,10 @@ class Watchdog:
     def begin(self) -> None:
         self.in_step = True
 
-    def end(self, seconds: float) -> None:
+    def end(self, seconds: float | None) -> None:
         self.in_step = False
-        self.recent.append(seconds)
+        if seconds is not None:
+            self.recent.append(seconds)
 
     def limit(self) -> float | None:
         if len(self.recent) < ARM_AFTER:
