@@ -98,11 +98,15 @@ def _chunk_terms(q, k, v, g, beta, doc):
     size = g.shape[-1]
     causal = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
     same_doc = (doc[..., :, None] == doc[..., None, :]) & causal  # [.., i, j]: j <= i, in i's document
-    # decay summed from the start of the token's document (or chunk) to the token, over that document only
-    cum = (g[..., None, :] * same_doc).sum(-1)  # [chunks, batch, k_heads, group, chunk]
-    pair = _masked_exp(cum[..., :, None] - cum[..., None, :], same_doc)  # decay from token j's write to token i
+    # decay summed from the start of the token's document (or chunk) to the token, over that document only, in
+    # fp64: after strong decays the sums are large (g = -300 over 32 tokens: -9600, where fp32's steps are
+    # ~1e-3) while the differences between them that the pairs below need are small, so sums and differences
+    # in fp32 blurred each later decay of the chunk by ~1e-3 (tests/test_delta_rule_precision.py); only this
+    # [.., chunk] tensor and its differences are fp64, each cast back before its exponential
+    cum = (g.double()[..., None, :] * same_doc).sum(-1)  # [chunks, batch, k_heads, group, chunk]
+    pair = _masked_exp((cum[..., :, None] - cum[..., None, :]).float(), same_doc)  # decay from j's write to i
     carried = doc == 0
-    from_start = _masked_exp(cum, carried)
+    from_start = _masked_exp(cum.float(), carried)
 
     ut = (k @ k.transpose(-1, -2)) * beta[..., :, None] * pair  # diagonal ignored: the solve is unitriangular
     inverse = _unit_lower_inverse(ut)
@@ -112,8 +116,8 @@ def _chunk_terms(q, k, v, g, beta, doc):
     attn = (q @ k.transpose(-1, -2)) * pair
     q_carried = q * from_start[..., None]
     in_last_doc = doc == doc[..., -1:]
-    k_to_end = k * _masked_exp(cum[..., -1:] - cum, in_last_doc)[..., None]
-    chunk_decay = _masked_exp(cum[..., -1:], carried[..., -1:])  # [chunks, batch, k_heads, group, 1]
+    k_to_end = k * _masked_exp((cum[..., -1:] - cum).float(), in_last_doc)[..., None]
+    chunk_decay = _masked_exp(cum[..., -1:].float(), carried[..., -1:])  # [chunks, batch, k_heads, group, 1]
     return u, w, attn, q_carried, k_to_end, chunk_decay
 
 
