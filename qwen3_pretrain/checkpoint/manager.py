@@ -27,8 +27,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the share DCP reads
 
 from qwen3_pretrain.checkpoint.layout import (FORMAT, LATEST, META_FILE, list_checkpoints, problem,
                                               read_dcp_metadata, read_meta, step_dir_name)
@@ -132,7 +132,7 @@ class Checkpointer:
     @staticmethod
     def _layout(state: dict[str, Any]) -> dict[str, Any]:
         """meta.json's tensor layout record (checkpoint/versions.py), of the whole model: a pipeline stage
-        holds some of its layers only, so every rank's parameter names count (collective)."""
+        holds some of its layers only, so every rank's family counts (collective)."""
         families: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(families, family(state["model"]))  # a word per rank, not its names
         return layout_record(families)
@@ -254,7 +254,8 @@ def _convert(path: Path, metadata, state: dict[str, Any], convert: Conversion) -
             name = key if part == "model" else _state_param(key)
             if name is None or not isinstance(target, torch.Tensor) or not convert.applies(name):
                 continue
-            if tuple(target.shape) != tuple(state["model"][name].shape):
+            param = state["model"].get(name)
+            if param is None or tuple(target.shape) != tuple(param.shape):
                 continue  # a state of another shape than its parameter's (AdamW's step count) has no rows
             full = convert(name, reader.read(f"{part}.{key}"))
             with torch.no_grad():
