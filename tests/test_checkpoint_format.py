@@ -366,5 +366,24 @@ def test_old_layout_hybrid_checkpoint_resumes_under_tp_as_the_current_one(tmp_pa
     assert [(r["loss"], r["grad_norm"]) for r in old] == [(r["loss"], r["grad_norm"]) for r in new]
 
 
+@pytest.mark.distributed
+def test_resuming_a_newer_layout_stops_the_trainer_with_one_line(tmp_path):
+    """``qwen3-pretrain train`` resuming a checkpoint of a layout newer than it reads: exit 2, the message
+    naming both versions, no traceback, and no step taken."""
+    from tests._train_helpers import check_ok, make_corpus, run_train, write_config
+
+    config = write_config(tmp_path / "c.yaml", make_corpus(tmp_path / "corpus"), tmp_path / "out",
+                          total_steps=1, save_steps=1)
+    check_ok(run_train(config, 1))
+    meta_path = tmp_path / "out" / step_dir_name(1) / META_FILE
+    meta = json.loads(meta_path.read_text())
+    assert meta[versions.LAYOUT_KEY] == {"family": "dense", "version": 1}
+    meta_path.write_text(json.dumps(dict(meta, **{versions.LAYOUT_KEY: {"family": "dense", "version": 7}})))
+    proc = run_train(config, 1, "total_steps=2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "its dense tensor layout is version 7" in proc.stderr and "(version 1)" in proc.stderr
+    assert not (tmp_path / "out" / step_dir_name(2)).exists()
+
+
 if __name__ == "__main__":
     write_goldens()
