@@ -103,6 +103,22 @@ class StepResult:
     figures: dict[str, float] = field(default_factory=dict)
 
 
+def mtp_targets(labels: torch.Tensor, input_ids: torch.Tensor, eod_id: int | None = None) -> torch.Tensor:
+    """The multi-token-prediction layer's targets [batch, seq]: each position's token after next (``labels``
+    moved one on), the last position ignored (its token lies beyond the sample). With ``eod_id`` (packed
+    documents with per-document positions) a position is ignored too where its token after next lies in the
+    next document, that is where it or the next token ends its document (is ``eod_id``): a document's last
+    two positions, whose targets only the next document could tell (Megatron masks them as well). The main
+    loss's targets are left as they are (an EOD's label stays the next document's first token)."""
+    ahead = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    if eod_id is None:
+        return ahead
+    ends = input_ids.to(labels.device) == eod_id
+    crosses = ends.clone()
+    crosses[:, :-1] |= ends[:, 1:]
+    return ahead.masked_fill(crosses, IGNORE_INDEX)
+
+
 class Engine:
     """This rank's share of the model and of every training step.
 
@@ -117,7 +133,7 @@ class Engine:
                  allocate: Callable[[nn.Module], None] | None = None, stage_io: StageIO | None = None,
                  target_device_type: str | None = None, make_attention: KernelFactory = attention_kernel,
                  play_experts: Callable[[GroupedExperts], None] | None = None,
-                 init_threads: int = 1, progress: Progress | None = None) -> None:
+                 init_threads: int = 1, progress: Progress | None = None, eod_id: int | None = None) -> None:
         # The device type whose kernels are chosen; the simulation builds for an accelerator on CPU tensors
         # (and plays that device's attention kernels there, ``make_attention``, and each MoE layer's experts,
         # whose kernel and dispatch read token counts a fake tensor does not have: ``play_experts``).
@@ -147,6 +163,9 @@ class Engine:
         # micro-batches in the step, for the log.
         self.mtp_weight = cfg.mtp_loss_weight
         self.mtp_sum = torch.zeros((), device=device)
+        # The data's end-of-document token: with per-document positions an MTP target in the next document
+        # is ignored (mtp_labels); None (the simulation's data has no documents) ignores none.
+        self.eod_id = eod_id
         self._create_model(allocate, stage_io)
 
     def _router_balance(self) -> RouterBalance:
@@ -360,10 +379,11 @@ class Engine:
 
     def mtp_labels(self, mb: Batch) -> torch.Tensor:
         """Each position's token after next [batch, seq] (this cp rank's part): the labels moved one on, the
-        last position ignored (its token lies beyond the sample)."""
-        labels = mb["labels"]
-        ahead = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-        return shard_sequence(ahead, self.dims.cp, self.cp_rank).to(self.device)
+        last position ignored (its token lies beyond the sample); with per-document positions also every
+        position whose token after next lies in another document (``mtp_targets``)."""
+        eod_id = self.eod_id if self.cfg.per_document_positions else None
+        return shard_sequence(mtp_targets(mb["labels"], mb["input_ids"], eod_id), self.dims.cp,
+                              self.cp_rank).to(self.device)
 
     def micro_batch_loss(self, part: nn.Module, mb: Batch) -> torch.Tensor:
         """One micro-batch's scaled loss on a one-stage model (with the MTP layer's, where it has one)."""
@@ -482,4 +502,5 @@ def engine_layout(cfg: TrainConfig, parallelism: Parallelism, loss_chunk_tokens:
                   reduce_grads_every_microbatch=cfg.reduce_grads_every_microbatch,
                   keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype,
                   compile=cfg.compile,
-                  optimizer_impl=optimizer_impl(device_type), fp32_matmul=fp32_matmul)
+                  optimizer_impl=optimizer_impl(device_type), fp32_matmul=fp32_matmul,
+                  moe_capacity_factor=cfg.moe_capacity_factor, moe_pad_to_capacity=cfg.moe_pad_to_capacity)

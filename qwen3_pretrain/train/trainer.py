@@ -130,7 +130,8 @@ class Trainer:
         progress = _progress_logger("materializing this rank's parameters") if self.is_log_rank else None
         allocate = (lambda part: part.to_empty(device=self.device)) if self.latest is not None else None
         self.engine = Engine(self.cfg, self.source, self.parallelism, self.mesh, self.device, self.fp32_matmul,
-                             self.loss_chunk_tokens, allocate, init_threads=threads, progress=progress)
+                             self.loss_chunk_tokens, allocate, init_threads=threads, progress=progress,
+                             eod_id=self.manifests[0]["tokenizer"]["eod_id"])  # one tokenizer for all sources
         e = self.engine
         self.parts, self.optimizers, self.padded_vocab = e.parts, e.optimizers, e.padded_vocab
 
