@@ -44,6 +44,7 @@ from qwen3_pretrain.checkpoint.versions import (FORMAT_VERSION, LAYOUT_KEY, Conv
                                                 layout_record)
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.fsutil import write_json_atomic, write_text_atomic
+from qwen3_pretrain.models.ops.moe import EXPERT_BIAS
 
 log = logging.getLogger("qwen3_pretrain.checkpoint")
 
@@ -219,8 +220,13 @@ class Checkpointer:
             with torch.no_grad():
                 state[part][name].zero_()
         planner = VocabRowsPlanner(repadded, self.vocab_size) if repadded else None
+        # aux-loss-free balancing turned on at this resume: its biases, which the checkpoint lacks, start at zero
+        new = [k for k in state["model"] if k.rpartition(".")[2] == EXPERT_BIAS and f"model.{k}" not in saved]
+        if new:
+            log.info("checkpoint %s holds no MoE expert biases (moe_bias_update_rate was 0): they start at zero", path)
+        loaded = {"model": {k: v for k, v in state["model"].items() if k not in new}, "optim": state["optim"]}
         try:
-            dcp.load(state, checkpoint_id=str(path), planner=planner)
+            dcp.load(loaded if new else state, checkpoint_id=str(path), planner=planner)
         except (Exception, CheckpointException) as exc:
             raise UserError(f"loading checkpoint {path} failed: {_root_cause(exc)}") from None
         rename(state, renamed, back=True)  # ... and give them ours again
