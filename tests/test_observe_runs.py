@@ -19,6 +19,24 @@ from tests._train_helpers import check_ok, child_env, make_corpus, step_records,
 
 PHASE_KEYS = [f"time_{p}_s" for p in PHASES]
 
+# A stand-in for the wandb package (not a dependency): what the run hands it, written where a real offline run
+# would write its files.
+STANDIN_WANDB = """
+import json, os
+_file = None
+def init(**kwargs):
+    global _file
+    _file = open(os.path.join(kwargs["dir"], "standin.jsonl"), "a")
+    _file.write(json.dumps({"init": {k: v for k, v in kwargs.items() if k != "config"},
+                            "config": kwargs["config"]}) + "\\n")
+    return object()
+def log(values, step=None):
+    _file.write(json.dumps({"step": step, **values}) + "\\n")
+    _file.flush()
+def finish():
+    _file.close()
+"""
+
 
 def _run(tmp_path, nproc: int, env: dict | None = None, timeout: int = 240, **overrides):
     data = tmp_path / "data"
@@ -37,7 +55,10 @@ def _assert_phases_add_up(records: list[dict]) -> None:
 
 
 def test_one_process_phases_profile_and_parse_log(tmp_path):
-    proc, out = _run(tmp_path, 1, total_steps=6, save_steps=3, profile_steps="4-5")
+    (tmp_path / "standin").mkdir()
+    (tmp_path / "standin" / "wandb.py").write_text(STANDIN_WANDB)
+    proc, out = _run(tmp_path, 1, env={"PYTHONPATH": str(tmp_path / "standin")}, total_steps=6, save_steps=3,
+                     profile_steps="4-5", trackers=["wandb"], tracker_run_name="r1", tracker_tags=["t"])
     check_ok(proc)
     records = step_records(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -61,6 +82,14 @@ def test_one_process_phases_profile_and_parse_log(tmp_path):
     assert {f"phase:{p}" for p in PHASES} <= names
     assert {"stage 0 forward", "layer 0", "layer 3"} <= names
     assert not (out / "profile" / "step_1-1").exists()
+    # the tracker got the config and, per step, the scalars TensorBoard gets
+    tracked = [json.loads(line) for line in (out / "wandb" / "standin.jsonl").read_text().splitlines()]
+    assert tracked[0]["init"]["mode"] == "offline" and tracked[0]["init"]["name"] == "r1"
+    assert tracked[0]["init"]["tags"] == ["t"] and tracked[0]["config"]["seq_length"] == 64
+    by_step = {t["step"]: t for t in tracked[1:]}
+    for rec in records:
+        assert by_step[rec["step"]]["train/loss"] == rec["loss"]
+        assert by_step[rec["step"]]["train/time_reduce_s"] == rec["time_reduce_s"]
 
 
 @pytest.mark.slow
@@ -91,6 +120,7 @@ def test_two_processes_hang_names_the_rank_and_ends_the_run(tmp_path):
     assert summary["behind"] == [1]
     assert summary["ranks"]["1"]["phase"] == "data" and summary["ranks"]["0"]["phase"] == "forward_backward"
     assert summary["ranks"]["1"]["step"] == summary["ranks"]["0"]["step"] == 6
+    assert all(isinstance(summary["ranks"][r]["collective_seq"], int) for r in ("0", "1"))
     for rank in (0, 1):
         stacks = (out / "hang" / f"rank{rank}.txt").read_text()
         assert "most recent call first" in stacks and "train_step" in stacks, stacks

@@ -13,9 +13,8 @@ the rank's own shard). The slowest rank is the one with the most local time;
 its excess is over the median of the other ranks'. A rank slowed inside forward or
 backward alone (a throttled device under FSDP) spreads its delay over every
 rank's waits and is not named here: its device health and the profiler show
-it. A rank that
-is slowest in ``REPEATS`` logged steps in a row gets a warning: a rank whose
-host is loaded, whose device is throttled, or whose link is slow, holds every
+it. A rank that is slowest in ``REPEATS`` logged steps in a row gets a
+warning: a rank whose host is loaded or whose device is throttled holds every
 other rank up by that much at each step.
 """
 
@@ -78,8 +77,8 @@ class Stragglers:
         self.last_rank = rank
         if self.in_a_row == REPEATS and warn:
             log.warning("rank %d has been the slowest in %d logged steps in a row (%.3g s more local work, data and "
-                        "optimizer, than the other ranks' median, %.0f%% of a step): check its host's load, its device's "
-                        "health and clocks (docs/monitoring.md, 'Uneven')", rank, REPEATS, excess,
+                        "optimizer, than the other ranks' median, %.0f%% of a step): check its host's load, its "
+                        "device's health and clocks (docs/monitoring.md, 'Uneven')", rank, REPEATS, excess,
                         100 * excess / max(step, 1e-9))
         return {"slowest_rank": rank, "slowest_excess_s": excess, "slowest_in_a_row": self.in_a_row}
 
