@@ -61,7 +61,10 @@ def _bf16_moe(router_fp32: bool, seed: int = 0) -> tuple[MoE, torch.Tensor]:
 def test_fp32_router_logits_are_an_fp32_matmul_of_the_bf16_operands():
     router = Fp32Router(H, E, bias=False).to(torch.bfloat16)
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
-    logits = router(x)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logits = router(x)
+    assert saved and all(t.dtype == torch.bfloat16 for t in saved)  # no fp32 copy kept for backward
     want = (x.detach().double() @ router.weight.detach().double().T).float()
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
