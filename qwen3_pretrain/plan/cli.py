@@ -28,6 +28,11 @@ from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS,
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.step import StepEstimate, predict_step
 
+# The default --moe-imbalance: the heaviest expert's load over the mean measured in a MoE model's first
+# training steps (docs/planner.md, "Routing imbalance"); the heaviest ep rank, which holds E / ep experts,
+# averages several and is below it, so this errs on the safe side.
+DEFAULT_MOE_IMBALANCE = 2.0
+
 # Training-config keys the planner reads, with their types; every other key is ignored.
 CONFIG_KEYS: dict[str, Any] = {
     "model_name": str, "model_path": str | None, "model_overrides": dict, "rank_size": int | None,
@@ -46,6 +51,7 @@ class Candidate:
     memory: MemoryBreakdown
     step: StepEstimate
     fits: bool
+    fits_if_balanced: bool = False  # does not fit at the layout's routing imbalance, would at perfect balance
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -62,6 +68,8 @@ class Candidate:
             "tokens_per_sec_per_device": round(self.step.tokens_per_sec_per_device, 1),
             "mfu": round(self.step.mfu, 4), "hfu": round(self.step.hfu, 4),
             "mfu_full_square": round(self.step.mfu_full_square, 4), "fits": self.fits,
+            "moe_imbalance": lay.moe_imbalance, "moe_rank_load": lay.moe_rank_load,
+            "fits_if_balanced": self.fits_if_balanced,
             "global_batch_size": lay.global_batch_size, "peak_stage": self.memory.stage,
             "peak_moment": self.memory.moment,
             "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.comm_bytes_per_axis.items()},
@@ -131,7 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--mixed-precision", choices=PRECISIONS)
     lay.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                      help="the multi-token-prediction layer is trained (mtp_loss_weight > 0): count its FLOPs "
-                          "(default: the config's mtp_loss_weight, else off)")
+                          "and memory (default: the config's mtp_loss_weight, else off)")
+    lay.add_argument("--moe-imbalance", type=float, default=DEFAULT_MOE_IMBALANCE,
+                     help="MoE routing imbalance: the heaviest expert-parallel rank's received pairs over its "
+                          f"even share (default {DEFAULT_MOE_IMBALANCE:g}, early training's measured skew: "
+                          "docs/planner.md; 1 = perfect balance); a config's moe_capacity_factor bounds it")
+    lay.add_argument("--moe-capacity-factor", type=float,
+                     help="the training's moe_capacity_factor (default: the config's; none: dropless)")
+    lay.add_argument("--moe-pad-to-capacity", action=argparse.BooleanOptionalAction, default=None,
+                     help="the training's moe_pad_to_capacity (default: the config's)")
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
     lay.add_argument("--pp-microbatch-size", type=int, help="samples per pipeline micro-batch")
@@ -249,6 +265,9 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         grad_reduce_dtype=pick(args.grad_reduce_dtype, "grad_reduce_dtype", "fp32"),
         compile=pick(args.compile, "compile", False),
         mtp=args.mtp if args.mtp is not None else conf.get("mtp_loss_weight", 0.0) > 0,
+        moe_imbalance=args.moe_imbalance,
+        moe_capacity_factor=pick(args.moe_capacity_factor, "moe_capacity_factor", None),
+        moe_pad_to_capacity=pick(args.moe_pad_to_capacity, "moe_pad_to_capacity", False),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 
@@ -292,7 +311,11 @@ def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Clu
     out = []
     for layout in layouts:
         memory = predict_memory(cfg, layout, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB)
-        out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), memory.total <= limit))
+        fits, balanced = memory.total <= limit, False
+        if not fits and layout.moe_rank_load > 1:  # would it fit were the routing perfectly even?
+            even = layout.replace(moe_imbalance=1.0, moe_capacity_factor=None, moe_pad_to_capacity=False)
+            balanced = predict_memory(cfg, even, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB).total <= limit
+        out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), fits, balanced))
     return sorted(out, key=_rank)
 
 
@@ -374,6 +397,7 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         f"intra / {hw.inter_node_gbps:g} GB/s inter node",
         f"memory overhead: {OVERHEAD_FRACTION:.0%} of allocations + {hw.runtime_reserved_gib:g} GiB runtime; "
         f"{len(candidates)} layout(s), {sum(c.fits for c in candidates)} fit",
+        *([_routing_line(candidates[0].layout)] if cfg.is_moe else []),
         "",
         " #  tp cp pp dp shard ep  mbs gas recompute dp-mode  | params  grads  optim    act logits    ovh |  total fits "
         "| bubble  step s tok/s/dev   MFU   HFU "
@@ -389,17 +413,34 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
             f"{lay.activation_checkpointing:9s} {_dp_mode(lay):8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))
-            + f" | {gib['total']:6.2f} {'yes' if c.fits else 'NO':4s} | {step.bubble_fraction:6.1%} "
+            + f" | {gib['total']:6.2f} {_fits(c):4s} | {step.bubble_fraction:6.1%} "
             f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} {step.hfu:5.1%}"
             f"{'+' if step.host_bound else ' '}| {comm} {step.cross_node_bytes / 1e9:.1f}")
     if any(c.step.host_bound for c in candidates[:top]):
         lines.append("+ host-bound: the host issues the layers' operators slower than the device computes them "
                      "(eager DTensor under tp, a Gated DeltaNet layer's loop over the sequence's chunks; "
                      "--compile)")
+    if any(c.fits_if_balanced for c in candidates[:top]):
+        lines.append("bal: fits only if the routing were perfectly balanced, not at the imbalance above; set "
+                     "moe_capacity_factor to bound it, or choose a larger ep")
     if candidates[0].layout.mtp and cfg.mtp_num_hidden_layers:
-        lines.append("the multi-token-prediction layer is trained: its FLOPs are counted on the last stage (time, "
-                     "MFU, HFU), its parameters and activations are not in the memory columns")
+        lines.append("the multi-token-prediction layer is trained: counted on the last stage, its FLOPs (time, "
+                     "MFU, HFU) and its parameters, gradients, optimizer state and activations (memory)")
     return "\n".join(lines)
+
+
+def _fits(c: Candidate) -> str:
+    return "yes" if c.fits else "bal" if c.fits_if_balanced else "NO"
+
+
+def _routing_line(lay: Layout) -> str:
+    """How the memory columns take the MoE routing: the imbalance, and the capacity that bounds it."""
+    line = (f"MoE routing: imbalance {lay.moe_imbalance:g} (the heaviest expert-parallel rank's pairs over its "
+            "even share; --moe-imbalance, docs/planner.md)")
+    if lay.moe_capacity_factor is not None:
+        line += (f", capacity factor {lay.moe_capacity_factor:g}" + (" padded" if lay.moe_pad_to_capacity else "")
+                 + f": the memory columns hold {lay.moe_rank_load:g}x an ep rank's even share")
+    return line
 
 
 def main(argv: list[str]) -> int:

@@ -139,8 +139,26 @@ def moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
     # expert parallelism's dispatch keeps one more int64 index vector over the pairs that arrive (their
     # regrouping by expert; measured), as many as leave under balanced routing
     saved += 8 * cfg.num_experts_per_tok if layout.ep > 1 else 0
+    # Under skewed routing the heaviest expert rank receives ``moe_rank_load`` times its share of the pairs:
+    # what it keeps per pair that arrives (the pair's hidden state, weight and index, its experts' gate, up
+    # and weighted product) scales with it; the router's and the sort's per-token bytes do not.
+    saved += (layout.moe_rank_load - 1) * received_bytes_per_token(cfg, layout)
     # per token of the rank's share of the sequence: a tp rank routes 1/tp of it when ep borrows tp
     return saved / (layout.tp if layout.moe_tokens_split_by_tp else 1)
+
+
+def moe_groups_padded(layout: Layout) -> bool:
+    """Whether the experts compute on groups padded with zero rows (``models/ops/moe.py``: ``pad_groups``):
+    CUDA's grouped kernel (bf16) pads them to its alignment, pad-to-capacity to the capacity."""
+    return layout.moe_pad_to_capacity or (layout.device_type == "cuda" and layout.attention_dtype == "bfloat16")
+
+
+def received_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What a MoE block keeps per pair its experts compute, times ``top_k`` (per token under balanced
+    routing): the pair's hidden state and weight, its gate, up and weighted product, and under ep the
+    arrival index."""
+    d, k = layout.dtype_bytes, cfg.num_experts_per_tok
+    return k * (d * cfg.hidden_size + d + 3 * d * cfg.moe_intermediate_size + (8 if layout.ep > 1 else 0))
 
 
 def recomputed_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str,
@@ -171,7 +189,9 @@ def backward_gradient_bytes_per_token(cfg: Qwen3Config, layout: Layout, kind: La
     d, h = layout.dtype_bytes, cfg.hidden_size
     if kind.sparse:
         grads = F.qwen3_backward_working_bytes_per_token(h, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
-        grads /= layout.tp if layout.moe_tokens_split_by_tp else 1
+        if moe_groups_padded(layout):  # the padded rows' gradient beside the unpadded rows' (models/ops/moe.py)
+            grads += d * h * cfg.num_experts_per_tok
+        grads *= layout.moe_rank_load / (layout.tp if layout.moe_tokens_split_by_tp else 1)
     else:
         grads = F.qwen3_backward_working_bytes_per_token(h, cfg.intermediate_size, layout.tp, d)
     if kind.linear:
@@ -257,6 +277,46 @@ def mtp_flops_per_token(cfg: Qwen3Config, layout: Layout) -> tuple[float, float]
         return 0.0, 0.0
     parts = [_hardware_flops(layout, layer, cfg.is_sparse_layer(0)) for layer in mtp_layers(cfg, layout.seq_length)]
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+# --- the multi-token-prediction layer ---------------------------------------------------------------
+
+
+def mtp_kind(cfg: Qwen3Config) -> LayerKind:
+    """The kind of the multi-token-prediction layer's decoder layers: full attention, layer 0's MLP."""
+    return LayerKind(linear=False, sparse=cfg.is_sparse_layer(0))
+
+
+def mtp_trained(cfg: Qwen3Config, layout: Layout) -> int:
+    """The multi-token-prediction layer's decoder layers the head's stage trains (0: none)."""
+    return cfg.mtp_num_hidden_layers if layout.mtp else 0
+
+
+def mtp_params(cfg: Qwen3Config, layout: Layout, all_experts: bool = False) -> float:
+    """Parameters of the multi-token-prediction layer on a tp rank of the head's stage, where ``layout.mtp``
+    trains it: its decoder layers (``layer_params``), ``fc`` ([embedding | hidden] to hidden, column-parallel
+    over tp) and its three norms (whole: sequence-parallel)."""
+    if not mtp_trained(cfg, layout):
+        return 0.0
+    h = cfg.hidden_size
+    layers = mtp_trained(cfg, layout) * layer_params(cfg, layout, mtp_kind(cfg), all_experts)
+    return layers + 2 * h * h / layout.tp + 3 * h
+
+
+def mtp_saved_bytes_per_token(cfg: Qwen3Config, layout: Layout, checkpointing: str) -> float:
+    """What the multi-token-prediction layer keeps for backward per local token (0 where not trained): its
+    decoder layers as any of their kind under ``checkpointing``; outside them (never recomputed) the two
+    norms before ``fc`` and the one after the layers (on the sequence shard, each an fp32 reciprocal root
+    and, zero-centred in a hybrid, its fp32 input and normalized value: ``formulas.qwen3_layer_saved_bytes_
+    per_token``), ``fc``'s input, the [embedding | hidden] pair gathered over tp, and the gradient of the
+    gathered hidden states its pass of the fused loss computes in forward, as the main pass's."""
+    n = mtp_trained(cfg, layout)
+    if not n:
+        return 0.0
+    d, t, h = layout.dtype_bytes, layout.tp, cfg.hidden_size
+    norm = 8 if cfg.is_hybrid else d  # per element
+    layers = n * saved_bytes_per_token(cfg, layout, checkpointing, mtp_kind(cfg))
+    return layers + 3 * (norm * h + 4) / t + 2 * d * h + d * h
 
 
 def _hardware_flops(layout: Layout, layer: LayerFlops, sparse: bool) -> tuple[float, float]:

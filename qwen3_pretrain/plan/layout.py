@@ -67,9 +67,15 @@ class Layout:
     device_type: str = "cuda"
     reduce_grads_every_microbatch: bool = False  # reduce-scatter per micro-batch (pp 1), not once per step
     fp32_matmul: bool = False  # bf16 matmuls on fp32 copies (a CPU without native bf16: models/ops/precision.py)
-    # the multi-token-prediction layer is trained (mtp_loss_weight > 0): its FLOPs counted on the head's stage
-    # (not its parameters' or activations' memory); ignored for a model without one
+    # the multi-token-prediction layer is trained (mtp_loss_weight > 0): its FLOPs and memory (parameters, their
+    # gradients and optimizer state, activations) counted on the head's stage; ignored for a model without one
     mtp: bool = False
+    # Routing imbalance: the heaviest expert-parallel rank receives this many times its even share of the
+    # (token, expert) pairs (1: perfectly balanced routing); bounded by a capacity factor where one is set, and
+    # exactly the capacity with pad-to-capacity (``moe_rank_load``)
+    moe_imbalance: float = 1.0
+    moe_capacity_factor: float | None = None  # each expert takes at most this many times its even share
+    moe_pad_to_capacity: bool = False  # each expert's group padded to its capacity (fixed shapes)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
@@ -89,6 +95,9 @@ class Layout:
         problem = sequence_split_problem(self.seq_length, self.cp, self.tp)
         if problem:
             raise UserError(f"layout: {problem}")
+        if not self.moe_imbalance >= 1:
+            raise UserError(f"layout: moe_imbalance {self.moe_imbalance} is the heaviest expert rank's load over "
+                            "the mean: at least 1 (1 = perfect balance)")
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
@@ -141,6 +150,19 @@ class Layout:
     def moe_tokens_split_by_tp(self) -> bool:
         """Whether a MoE layer runs on each tp rank's share of the sequence (ep borrows the tp ranks)."""
         return self.ep > 1 and self.tp > 1
+
+    @property
+    def moe_rank_load(self) -> float:
+        """The heaviest expert-parallel rank's received pairs over its even share: the imbalance, at most the
+        capacity factor, exactly it with pad-to-capacity (when ep spans the ranks that decide the capacity;
+        else the padding is larger); 1 without ep (each rank computes its own pairs, however they spread)."""
+        if self.ep == 1:
+            return 1.0
+        if self.moe_capacity_factor is None:
+            return self.moe_imbalance
+        if self.moe_pad_to_capacity:
+            return self.moe_capacity_factor
+        return min(self.moe_imbalance, self.moe_capacity_factor)
 
     @property
     def moe_tokens(self) -> int:

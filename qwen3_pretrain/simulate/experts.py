@@ -8,6 +8,12 @@ round-robin routing of a benchmark run, and the balance the load-balancing
 loss aims at): the same collectives and the same tensors, of the same total
 sizes, kept for backward, which is what memory and bytes depend on. The
 grouped kernel reads no counts and runs as built.
+
+Skewed routing is played as the planner counts it (``Layout.moe_rank_load``):
+the simulated rank receives ``load`` times its even share of the pairs, spread
+evenly over its experts and senders, while what it sends stays even (the
+heaviest rank's memory, not a consistent world). With a capacity, the kept
+pairs are all of them (even routing fills no expert past a factor >= 1).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from qwen3_pretrain.models.ops.moe import ExpertLoop, GroupedExperts
+from qwen3_pretrain.models.ops.moe import Capacity, ExpertLoop, GroupedExperts
 from qwen3_pretrain.parallel.expert_parallel import ExpertParallel
 
 
@@ -34,21 +40,37 @@ class EvenExpertParallel(ExpertParallel):
     """``ExpertParallel`` whose counts all-to-all runs (its bytes are counted) but whose splits are even:
     every rank sends and receives the same number of pairs for every expert."""
 
-    def __init__(self, played: ExpertParallel) -> None:
-        self.group, self.size = played.group, played.size
+    def __init__(self, played: ExpertParallel, load: float = 1.0) -> None:
+        self.group, self.size, self.load = played.group, played.size, load
 
     def exchange_counts(self, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
         send = counts.view(self.size, -1)
         dist.all_to_all_single(torch.empty_like(send), send, group=self.group)
         local = send.shape[1]
-        flat = _even(num_rows, self.size * local)
-        splits = [sum(flat[r * local:(r + 1) * local]) for r in range(self.size)]
-        return torch.tensor(flat, device=counts.device).view(self.size, local), splits, splits
+        sent = _even(num_rows, self.size * local)
+        send_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(self.size)]
+        flat = _even(round(num_rows * self.load), self.size * local)  # the heaviest rank's arrivals
+        recv_splits = [sum(flat[r * local:(r + 1) * local]) for r in range(self.size)]
+        return torch.tensor(flat, device=counts.device).view(self.size, local), send_splits, recv_splits
 
 
-def play_experts(experts: GroupedExperts) -> None:
-    """The engine's ``play_experts`` for the simulation: in place, on each MoE layer's experts."""
+class EvenCapacity(Capacity):
+    """``Capacity`` whose kept pairs are not read from the counts: all of them (even routing)."""
+
+    def __init__(self, played: Capacity) -> None:
+        super().__init__(played.factor, pad=played.pad, gather=played.gather, group_size=played.group_size,
+                         senders=played.senders)
+
+    def kept_rows(self, counts: torch.Tensor, num_pairs: int) -> int:
+        return num_pairs
+
+
+def play_experts(experts: GroupedExperts, load: float = 1.0) -> None:
+    """The engine's ``play_experts`` for the simulation: in place, on each MoE layer's experts; ``load``: the
+    heaviest ep rank's pairs over its even share (``Layout.moe_rank_load``)."""
     if isinstance(experts.kernel, ExpertLoop):
-        experts.kernel = EvenExpertLoop(experts.kernel.linear)
+        experts.kernel = EvenExpertLoop(experts.kernel.linear, experts.kernel.align)
     if isinstance(experts.dispatch, ExpertParallel):
-        experts.dispatch = EvenExpertParallel(experts.dispatch)
+        experts.dispatch = EvenExpertParallel(experts.dispatch, load)
+    if experts.capacity is not None:
+        experts.capacity = EvenCapacity(experts.capacity)

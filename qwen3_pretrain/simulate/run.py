@@ -16,6 +16,7 @@ those it uses on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import time
 import warnings
@@ -82,12 +83,13 @@ def model_source(cfg: TrainConfig) -> ModelSource:
     return ModelSource(preset.config, None, f"{cfg.model_name} preset")
 
 
-def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda") -> World:
-    """Check the layout against the world and the model, as the trainer does before it starts."""
+def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda", moe_imbalance: float = 1.0) -> World:
+    """Check the layout against the world and the model, as the trainer does before it starts.
+    ``moe_imbalance``: the routing skew the MoE layers are played with (``Layout.moe_imbalance``)."""
     source = model_source(cfg)
     parallelism = resolve_parallelism(cfg, world_size, source.config)
     chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target)
-    layout = engine_layout(cfg, parallelism, chunk, target, fp32_matmul=False)
+    layout = engine_layout(cfg, parallelism, chunk, target, fp32_matmul=False).replace(moe_imbalance=moe_imbalance)
     return World(cfg, source, parallelism, layout, target)
 
 
@@ -116,7 +118,8 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
         engine = Engine(cfg, world.source, world.parallelism, mesh, device, False,
                         world.layout.loss_chunk_tokens, allocate=allocate,
                         stage_io=lambda e: _stage_io(e, fake), target_device_type=world.target,
-                        make_attention=simulated_kernels(kernels), play_experts=play_experts)
+                        make_attention=simulated_kernels(kernels),
+                        play_experts=functools.partial(play_experts, load=world.layout.moe_rank_load))
         for group in engine.dp_mesh.get_all_groups():  # under cp, FSDP's flattened dp_shard x cp group
             groups.setdefault(group.group_name, "dp")
         if engine.expert_meshes is not None:  # FSDP of each rank's experts (all-to-alls count as ep by kind)

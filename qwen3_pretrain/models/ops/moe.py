@@ -272,6 +272,12 @@ class Capacity:
         sets = 1 if self.gather is not None else self.senders
         return min(self.limit(num_pairs, num_experts) * sets, num_tokens * self.senders)
 
+    def kept_rows(self, counts: torch.Tensor, num_pairs: int) -> int:
+        """How many of the ``num_pairs`` pairs the experts keep (``counts`` [E] each), read on the host (the
+        one sync dropping adds; the dispatch under expert parallelism reads its splits anyway). The scale
+        simulation plays it."""
+        return int(counts.sum())
+
     @torch.no_grad()
     def keep(self, chosen: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
         """Which of the pairs ``chosen`` [T, k] with routing ``weights`` [T, k] (fp32) each expert keeps:
@@ -326,7 +332,7 @@ class GroupedExperts(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within each
         counts = expert_counts(flat, self.num_experts + (keep is not None))[:self.num_experts]
         if keep is not None:
-            order = order[:self.kept_rows(counts)]
+            order = order[:self.capacity.kept_rows(counts, flat.numel())]
         pairs, pair_weights = x.index_select(0, order // top_k), weights.reshape(-1, 1)[order]
         rows = None if self.capacity is None else self.capacity.group_rows(
             num_tokens, flat.numel(), self.num_experts)
@@ -340,11 +346,6 @@ class GroupedExperts(nn.Module):
         # Back to (token, slot) order, then each token's k outputs summed.
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return y[back].view(num_tokens, top_k, -1).sum(1)
-
-    def kept_rows(self, counts: torch.Tensor) -> int:
-        """How many pairs the experts keep, read on the host (the one sync dropping adds; the dispatch under
-        expert parallelism reads its splits anyway). The scale simulation plays it on fake tensors."""
-        return int(counts.sum())
 
 
 class _Fp32Logits(torch.autograd.Function):
