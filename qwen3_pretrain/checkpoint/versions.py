@@ -51,6 +51,9 @@ LAYOUT_VERSIONS = {"dense": 1, "moe": 1, "hybrid": 2, "hybrid_moe": 2}
 # The version a checkpoint that records none is read as (written before versions were recorded).
 UNRECORDED = {"dense": 1, "moe": 1, "hybrid": 1, "hybrid_moe": 1}
 
+# When hybrid layout 2 came in (commit 54ac416): a checkpoint's ``created`` (the saving machine's local time)
+# beside it tells an unrecorded checkpoint's layout where the two are hours apart.
+REGROUPED_AT = "2026-12-05 21:18 UTC"
 # A Gated DeltaNet layer's tensors whose rows version 2 regrouped per key head (the MTP layer has none).
 _REGROUPED = ("linear_attn.conv1d.weight", "linear_attn.in_proj_qkv.weight")
 
@@ -161,9 +164,10 @@ def conversion(meta: dict[str, Any], saved_names: Iterable[str], path: Path) -> 
                             f"{current} needs the model's sizes, and {where} has no model_config")
         config = Qwen3Config.from_hf_dict(meta["model_config"], source=f"{where}: model_config")
         if LAYOUT_KEY not in meta:
-            log.warning("checkpoint %s records no %s: read as %s layout version %d (written before the "
-                        "layout was recorded) and converted to version %d; if it was written after the Gated "
-                        "DeltaNet rows were regrouped per key head (docs/checkpoints.md, 'Format versions'), "
-                        "add \"%s\": {\"family\": \"%s\", \"version\": %d} to %s", path, LAYOUT_KEY, fam, saved,
-                        current, LAYOUT_KEY, fam, current, where)
+            log.warning("checkpoint %s (created %s) records no %s: read as %s layout version %d (written "
+                        "before the layout was recorded) and converted to version %d; if it was written after "
+                        "the Gated DeltaNet rows were regrouped per key head (%s, docs/checkpoints.md 'Format "
+                        "versions'), add \"%s\": {\"family\": \"%s\", \"version\": %d} to %s", path,
+                        meta.get("created", "at an unrecorded time"), LAYOUT_KEY, fam, saved, current, REGROUPED_AT,
+                        LAYOUT_KEY, fam, current, where)
     return Conversion(fam, saved, changes, config)
