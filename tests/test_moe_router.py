@@ -129,31 +129,35 @@ def _tp_router(rank: int, world_size: int) -> None:
 
 
 def _check_tp_router(mesh, local_tokens: bool) -> None:
-    """One bf16 model under tp 2, its MoE layers replicated (``local_tokens`` False) or on this rank's share of
-    the sequence (the router's weight a replicated DTensor, its input a sequence shard): the logits are fp32
-    and equal an fp64 matmul of the rank's router input, and the router's weight gets a bf16 gradient."""
+    """A bf16 hybrid MoE with its MTP layer under tp 2, the MoE layers replicated (``local_tokens`` False) or
+    on this rank's share of the sequence (the router's weight a replicated DTensor, its input a sequence
+    shard): each router's logits, the MTP layer's too, are fp32 and equal an fp64 matmul of the rank's router
+    input; the routers' weights get bf16 gradients; the MTP layer's routing reaches the balancing loss."""
+    from qwen3_pretrain.models.qwen3.model import LossHead
     from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel, local_tensor
 
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=64, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=16)
-    balance = RouterBalance(cfg, "global_batch", COEF)
-    model = Qwen3Model(cfg, ModelOptions(router_observer=balance, moe_router_fp32=True)).to(torch.bfloat16)
+    cfg = Qwen3Config(**HYBRID_MOE)
+    balance = RouterBalance(cfg, "global_batch", COEF, mtp=True)
+    options = ModelOptions(router_observer=balance, moe_router_fp32=True, multi_token_prediction=True,
+                           loss_head=LossHead())
+    model = Qwen3Model(cfg, options).to(torch.bfloat16)
     apply_tensor_parallel(model, mesh, moe_local_tokens=local_tokens)
     captured = []
-    for layer in model.layers.values():
+    for layer in (*model.layers.values(), *model.mtp.layers.values()):
         layer.mlp.gate.register_forward_hook(
             lambda mod, args, out: captured.append((local_tensor(args[0]), local_tensor(out), mod.weight)))
     balance.start_step(1)
     ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    h, _ = model.hidden_states(ids)
-    h.float().square().sum().backward()
-    assert len(captured) == 2
+    main, mtp = model(ids, None, torch.roll(ids, -1, dims=1))  # hidden states (the loss head's input)
+    (main.float().square().sum() + mtp.float().square().sum()).backward()
+    assert len(captured) == 3
     for x, logits, weight in captured:
         want = (x.detach().double() @ local_tensor(weight).detach().double().T).float()
         assert logits.dtype == torch.float32
         torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
         assert local_tensor(weight.grad).abs().sum() > 0 and weight.grad.dtype == torch.bfloat16
+    load = balance.local_stats(torch.device("cpu"))[2:2 + 3 * cfg.num_experts].view(3, -1)
+    assert (load.sum(1) > 0).all()  # the MTP layer's row counted too
 
 
 @pytest.mark.distributed
