@@ -166,3 +166,123 @@ def test_main_loss_at_boundaries_is_unchanged(tiny_config):
     assert torch.equal(mb["labels"], labels)
     assert engine.mtp_sum.item() == pytest.approx(mtp.item(), rel=1e-5)
     assert total == pytest.approx(main.item() + 0.5 * mtp.item(), rel=1e-5)
+
+
+# --- FLOPs (MFU, HFU, the planner's time) and the planner's memory ---------------------------------------
+
+PLAN_HYBRID = dict(model_type="qwen3_5_text", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, intermediate_size=768, vocab_size=128,
+                   layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
+                   partial_rotary_factor=0.25, mtp_num_hidden_layers=1)
+PLAN_MOE = dict(PLAN_HYBRID, model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, shared_expert_intermediate_size=96)
+
+
+def _mtp_forward_flops(cfg, seq: int) -> float:
+    """The MTP layer's forward FLOPs per token from its matmul shapes (2 per multiply-add): fc [2h -> h]; a
+    gated full-attention layer (q_proj with its gate, k, v, o; Q K^T and A V over the causal half); its MLP,
+    layer 0's (dense SwiGLU, or the router, the routed experts and the gated shared expert); the shared head's
+    second pass [h -> vocab]."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    matmuls = 2 * h * h + h * 2 * q + 2 * h * kv + q * h + cfg.vocab_size * h
+    if cfg.num_experts:
+        matmuls += h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+        matmuls += 3 * h * cfg.shared_expert_intermediate_size + h
+    else:
+        matmuls += 3 * h * cfg.intermediate_size
+    return 2 * matmuls + 2 * 2 * q * seq / 2
+
+
+@pytest.mark.parametrize("model", [PLAN_HYBRID, PLAN_MOE])
+def test_mfu_counts_the_mtp_layer_as_its_matmuls(model):
+    """The training log's count (``flops.token_flops``, MFU and HFU) and the planner's step time count the MTP
+    layer: 3x its forward in the model count, and under full recompute its decoder layer's forward once more
+    (fc and the head pass are not recomputed; nor is a dense MLP's down projection, whose output backward
+    does not need: torch's checkpoint stops before it)."""
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+    from qwen3_pretrain.plan.flops import token_flops
+
+    cfg, seq = Qwen3Config(**model), 512
+    forward = _mtp_forward_flops(cfg, seq)
+    without, with_mtp = token_flops(cfg, seq, "full"), token_flops(cfg, seq, "full", mtp=True)
+    assert with_mtp.model - without.model == pytest.approx(3 * forward, rel=1e-12)
+    not_rerun = 2 * (2 * cfg.hidden_size ** 2 + cfg.vocab_size * cfg.hidden_size)
+    not_rerun += 0 if cfg.num_experts else 2 * cfg.hidden_size * cfg.intermediate_size
+    assert with_mtp.hardware - without.hardware == pytest.approx(4 * forward - not_rerun, rel=1e-12)
+
+
+def test_mtp_share_of_a_released_hybrids_flops():
+    """Qwen3.5-9B at seq 4096: the MTP layer is a tenth or more of the trained FLOPs (the issue's 10-17%)."""
+    from qwen3_pretrain.models.qwen3.config import get_preset
+    from qwen3_pretrain.plan.flops import token_flops
+
+    cfg = get_preset("qwen3.5-9b")
+    without, with_mtp = token_flops(cfg, 4096), token_flops(cfg, 4096, mtp=True)
+    assert 0.08 < 1 - without.model / with_mtp.model < 0.2
+
+
+def _layout(dtype: torch.dtype, mtp: bool, **kwargs):
+    from qwen3_pretrain.plan.layout import Layout
+
+    return Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", device_type="cpu", mtp=mtp,
+                  activation_checkpointing="none", **kwargs)
+
+
+@pytest.mark.parametrize("model", [PLAN_HYBRID, PLAN_MOE])
+def test_planner_counts_the_mtp_layers_parameters_gradients_and_optimizer_state(model):
+    """The real MTP layer's parameters (fc, norms, decoder layer, every expert) on the head's stage, their
+    fp32 master copy, gradient and AdamW moments; nothing on the other stages."""
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+    from qwen3_pretrain.plan import memory
+    from qwen3_pretrain.plan.layout import stage_shapes
+
+    cfg = Qwen3Config(**model)
+    real = sum(p.numel() for p in Qwen3Model(cfg, ModelOptions(multi_token_prediction=True)).mtp.parameters())
+    for pp in (1, 2):
+        base, with_mtp = _layout(torch.bfloat16, False, pp=pp), _layout(torch.bfloat16, True, pp=pp)
+        for shape in stage_shapes(cfg, base):
+            extra = real if shape.has_head else 0
+            assert memory.stage_params(cfg, with_mtp, shape).total - memory.stage_params(cfg, base, shape).total \
+                == extra
+            step = [memory._moments(cfg, lay, shape)["optimizer step"] for lay in (base, with_mtp)]
+            assert step[1]["optimizer"] - step[0]["optimizer"] == 8 * extra  # AdamW's two fp32 moments
+            assert step[1]["gradients"] - step[0]["gradients"] == 4 * extra
+            assert step[1]["parameters"] - step[0]["parameters"] == 4 * extra
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planner_counts_what_the_mtp_layer_saves_for_backward(dtype):
+    """Counted by saved-tensor hooks on the real MTP layer and its pass of the fused loss (parameters and the
+    RoPE tables excluded; its inputs, the next tokens' embeddings and the final hidden states, counted: only
+    it keeps them): what the planner adds per micro-batch, plus the per-call tensors it leaves out (each
+    zero-centred norm's fp32 ``1 + weight``, the q/k norms' scales) and the head's weight gradient its loss
+    pass keeps, which the planner adds at the loss."""
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+    from qwen3_pretrain.models.qwen3.model import rope_cos_sin
+    from qwen3_pretrain.plan import memory
+    from qwen3_pretrain.plan.layout import stage_shapes
+
+    cfg, seq = Qwen3Config(**PLAN_HYBRID), 128
+    h, d = cfg.hidden_size, dtype.itemsize
+    model = Qwen3Model(cfg, ModelOptions(multi_token_prediction=True, loss_head=LossHead(chunk_tokens=64))).to(dtype)
+    embeds, hidden = (torch.randn(1, seq, h, dtype=dtype, requires_grad=True) for _ in range(2))
+    cos, sin = rope_cos_sin(torch.arange(seq)[None], cfg.rotary_dim, cfg.rope_theta, dtype)
+    outside = {t.untyped_storage()._cdata for t in [*model.parameters(), cos, sin]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in outside:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.lm_head(model.mtp(embeds, hidden, cos, sin, None), torch.randint(0, cfg.vocab_size, (1, seq)))
+    per_call = 5 * 4 * h + 2 * 4 * cfg.head_dim  # five zero-centred norms, the q and k norms
+    head_grad = d * cfg.vocab_size * h
+    base, with_mtp = _layout(dtype, False, seq_length=seq), _layout(dtype, True, seq_length=seq)
+    shape = stage_shapes(cfg, base)[-1]
+    planned = memory._microbatch_activations(cfg, with_mtp, shape) - memory._microbatch_activations(cfg, base, shape)
+    assert sum(saved.values()) == planned + per_call + head_grad
+    loss = [memory._moments(cfg, lay, shape)["loss"]["logits"] for lay in (base, with_mtp)]
+    assert loss[1] - loss[0] == head_grad

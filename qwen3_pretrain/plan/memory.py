@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan.layers import (backward_gradient_bytes_per_token, cp_mask_bytes, largest_tensor,
-                                        layer_params, recomputed_bytes_per_token, saved_bytes_per_token)
+                                        layer_params, mtp_kind, mtp_params, mtp_saved_bytes_per_token,
+                                        mtp_trained, recomputed_bytes_per_token, saved_bytes_per_token)
 from qwen3_pretrain.plan.layout import LayerKind, Layout, StageShape, check_model_fits_layout, stage_shapes
 
 GiB = 1024**3
@@ -102,14 +103,22 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
     layers = sum(n * per_layer[kind] for kind, n in shape.layer_kinds)
     every_expert = sum(n * (layer_params(cfg, layout, kind, all_experts=True) - per_layer[kind])
                        for kind, n in shape.layer_kinds if kind.sparse)
-    sizes = sorted(size for kind, n in shape.layer_kinds for size in [per_layer[kind]] * min(n, 2))[-2:]
+    # The multi-token-prediction layer, trained on the head's stage: its decoder layers are FSDP units as the
+    # stage's own, its fc and norms belong to the root unit.
+    mtp_layers = mtp_trained(cfg, layout) if shape.has_head else 0
+    mtp_layer = layer_params(cfg, layout, mtp_kind(cfg)) if mtp_layers else 0.0
+    mtp_rest = mtp_params(cfg, layout) - mtp_layers * mtp_layer if mtp_layers else 0.0
+    every_expert += mtp_layers * (layer_params(cfg, layout, mtp_kind(cfg), all_experts=True) - mtp_layer)
+    layers += mtp_layers * mtp_layer
+    sizes = sorted([size for kind, n in shape.layer_kinds for size in [per_layer[kind]] * min(n, 2)]
+                   + [mtp_layer] * min(mtp_layers, 2))[-2:]
     layer, pair = (sizes[-1] if sizes else 0.0), sum(sizes)
     vocab = cfg.vocab_size * h / t
     # A tied head beside its embedding applies the embedding's weight (models/ops/loss.py:TiedLMHead); under
     # pp > 1 it is a parameter of its own on the last stage (parallel/grads.py:TiedWeights).
     tied_head = cfg.tie_word_embeddings and shape.has_embedding and shape.has_head
     head = vocab if shape.has_head and not tied_head else 0.0
-    root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0)
+    root = (vocab if shape.has_embedding else 0.0) + (h if shape.has_head else 0.0) + mtp_rest
     tensors = [largest_tensor(cfg, layout, kind) for kind, _ in shape.layer_kinds]
     largest = max(tensors + ([vocab] if shape.has_head or shape.has_embedding else []) + [0.0])
     held = layers + head + root
@@ -143,6 +152,7 @@ def _microbatch_activations(cfg: Qwen3Config, layout: Layout, shape: StageShape)
         # Final norm (its input and fp32 reciprocal root, sequence-sharded) and the gradient of the
         # gathered hidden states that the fused loss computes in forward and keeps for backward.
         per_mb += tokens * ((d * h + 4) / layout.tp + d * h)
+        per_mb += tokens * mtp_saved_bytes_per_token(cfg, layout, ac)
     return per_mb
 
 
@@ -245,9 +255,12 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     held = _held_activations(cfg, layout, shape)
     step_temp = {"fused": 0.0, "foreach": 4 * sp.total / shard,
                  "for-loop": 2 * 4 * sp.largest_tensor / shard}[layout.optimizer_impl]
+    # With the multi-token-prediction layer its pass of the fused loss comes first and keeps the head's
+    # weight gradient it computed (in the compute dtype) while the main pass runs.
+    mtp_head = d * cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_head and mtp_trained(cfg, layout) else 0
     moments = {
-        "loss": dict(parameters=gathered(head_weight, sp.layer), gradients=before, optimizer=adam,
-                     activations=held, logits=loss_working_bytes(cfg, layout) if shape.has_head else 0.0),
+        "loss": dict(parameters=gathered(head_weight, sp.layer), gradients=before, optimizer=adam, activations=held,
+                     logits=loss_working_bytes(cfg, layout) + mtp_head if shape.has_head else 0.0),
         "backward start": dict(parameters=gathered(sp.root) + root_gathering, optimizer=adam,
                                gradients=before + head_grad + head_copy, activations=held, logits=0.0),
         "layer backward": dict(parameters=gathered(sp.root, sp.pair), optimizer=adam,
