@@ -149,7 +149,8 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def init_a_log(num_heads: int, generator: torch.Generator) -> torch.Tensor:
-        """``log(A)`` with ``A`` uniform in [1, 16] as the releases' recipe (decay rates spread over heads)."""
+        """``log(A)`` with ``A`` uniform in [1, 16], Megatron-core's range (decay rates spread over heads;
+        transformers draws from [0, 16]: models/qwen3/init.py says why we keep Megatron's)."""
         return torch.empty(num_heads).uniform_(1, 16, generator=generator).log()
 
 

@@ -41,9 +41,15 @@ def init_param(name: str, shape: tuple[int, ...], cfg: Qwen3Config, seed: int,
     projections that write into the residual stream (o_proj, down_proj, the
     experts' down_proj, Gated DeltaNet's out_proj) scaled down by
     sqrt(2 * num_layers) so the residual's variance does not grow with depth.
-    Gated DeltaNet's decay parameters start as the releases' recipe (``A``
-    uniform in [1, 16], ``dt_bias`` one) and its convolution as PyTorch's
-    default.
+    Gated DeltaNet's decay parameters start as Megatron-core's Gated DeltaNet
+    does (``A`` uniform in [1, 16], its default ``A_init_range``; ``dt_bias``
+    one); the releases' own initialisation is not published. transformers'
+    modules draw ``A`` from [0, 16] instead ([0.01, 16] in its later
+    versions, away from log 0). We keep Megatron's floor: every head then
+    decays by at least ``softplus(a + 1)`` per token at the start, none
+    starts near ``A = 0`` (a head that never forgets), and a run from scratch
+    starts as a Megatron run of the same model does. Its convolution starts
+    as PyTorch's default.
     """
     if not shape:
         return init_param(name, (1,), cfg, seed).reshape(())
