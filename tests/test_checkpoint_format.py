@@ -341,10 +341,10 @@ def _old_layout_copy(checkpoint: Path, root: Path, scratch: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_old_layout_hybrid_checkpoint_resumes_under_tp_as_the_current_one(tmp_path):
+def test_old_layout_hybrid_checkpoint_resumes_under_tp_and_dp_as_the_current_one(tmp_path):
     """The trainer's resume under tp 2 (the regrouped rows split by heads over the ranks: DTensor shards of the
-    weights and of AdamW's states) from a layout-1 checkpoint continues exactly as from the same checkpoint
-    in today's layout."""
+    weights and of AdamW's states) and under dp 2 (FSDP's row shards) from a layout-1 checkpoint continues
+    exactly as from the same checkpoint in today's layout."""
     from qwen3_pretrain.models.qwen3.hf_io import save_hf_model
     from tests._checkpoint_helpers import resume_from
     from tests._train_helpers import check_ok, make_corpus, run_train, step_records, write_config
@@ -359,11 +359,15 @@ def test_old_layout_hybrid_checkpoint_resumes_under_tp_as_the_current_one(tmp_pa
     resume_from(tmp_path / "first", 2, tmp_path / "new")
     (tmp_path / "scratch").mkdir()
     _old_layout_copy(tmp_path / "first" / step_dir_name(2), tmp_path / "old", tmp_path / "scratch")
-    for out in ("new", "old"):
-        check_ok(run_train(config, 2, "tp=2", f"output_path={tmp_path / out}", "total_steps=4"))
-    new, old = step_records(tmp_path / "new"), step_records(tmp_path / "old")
-    assert [r["step"] for r in old] == [3, 4]
-    assert [(r["loss"], r["grad_norm"]) for r in old] == [(r["loss"], r["grad_norm"]) for r in new]
+    for layout in (["tp=2"], []):  # tp 2; dp 2, the weights and states sharded by FSDP
+        records = {}
+        for out in ("new", "old"):
+            run = tmp_path / f"{out}-{'-'.join(layout) or 'dp=2'}"
+            shutil.copytree(tmp_path / out, run)
+            check_ok(run_train(config, 2, *layout, f"output_path={run}", "total_steps=4"))
+            records[out] = [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(run)]
+        assert [r[0] for r in records["old"]] == [3, 4], layout
+        assert records["old"] == records["new"], layout
 
 
 @pytest.mark.distributed
