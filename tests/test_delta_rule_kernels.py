@@ -1,6 +1,7 @@
 """The gated-delta-rule kernel a device runs equals ours: the choice per device, the packed documents'
 offsets flash-linear-attention takes, and (on a CUDA device with flash-linear-attention installed) its
-outputs and gradients against our plain-torch kernel on packed documents."""
+outputs and gradients against our plain-torch kernel on packed documents, and (flash-linear-attention >= 0.5)
+its grouped-heads call against the repeated one."""
 
 from __future__ import annotations
 
