@@ -299,3 +299,37 @@ def test_bad_capacity_settings_are_clear_errors(overrides, words):
 
     with pytest.raises(ConfigError, match=words):
         load_config(TrainConfig, None, ["model_name=qwen3-30b-a3b", *overrides])
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["dropping", "padded"])
+def test_compiled_layers_drop_as_eager_ones_without_a_graph_break(pad):
+    """The capacity's decision and its host read of the kept pairs trace into the layer's graph (dynamo's
+    counters: no graph break), and the compiled model computes what the eager one does."""
+    from torch._dynamo.utils import counters
+
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+    from qwen3_pretrain.models.qwen3.model import ModelOptions, Qwen3Model
+    from qwen3_pretrain.parallel.parallelize import compile_stage_layers
+    from qwen3_pretrain.train.balance import RouterBalance
+    from tests.test_compile import MOE, _step
+
+    cfg = Qwen3Config(**MOE)
+
+    def build():
+        balance = RouterBalance(cfg, "global_batch", 0.3, 0.05)
+        return Qwen3Model(cfg, ModelOptions(router_observer=balance, moe_capacity=Capacity(1.0, pad=pad))), balance
+
+    torch.manual_seed(0)
+    eager, eager_balance = build()
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    compiled, compiled_balance = build()
+    compiled.load_state_dict(eager.state_dict())
+    compile_stage_layers(compiled, False)
+    ids = torch.randint(0, MOE["vocab_size"], (2, 32))
+    positions = torch.arange(32).expand(2, 32)
+    counters.clear()
+    want, got = _step(eager, eager_balance, ids, positions), _step(compiled, compiled_balance, ids, positions)
+    assert not counters["graph_break"]
+    assert want[2]["moe_dropped"] > 0 and got[2]["moe_dropped"] == want[2]["moe_dropped"]
+    assert got[:2] == pytest.approx(want[:2], rel=1e-5)
