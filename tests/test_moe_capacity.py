@@ -333,3 +333,18 @@ def test_compiled_layers_drop_as_eager_ones_without_a_graph_break(pad):
     assert not counters["graph_break"]
     assert want[2]["moe_dropped"] > 0 and got[2]["moe_dropped"] == want[2]["moe_dropped"]
     assert got[:2] == pytest.approx(want[:2], rel=1e-5)
+
+
+def test_the_dropped_fraction_reaches_the_log_line_and_parse_log(tmp_path):
+    from qwen3_pretrain.analysis.parse_log import parse_metrics
+    from qwen3_pretrain.train.metrics import format_line
+
+    record = {"step": 3, "total_steps": 10, "loss": 2.5, "grad_norm": 0.5, "lr": 1e-4, "tokens_per_sec": 100.0,
+              "tokens_per_sec_per_device": 100.0, "step_time_s": 1.0, "mfu": 0.1, "hfu": 0.1,
+              "mfu_full_square": 0.1, "memory_gib": 1.0, "eta_s": 7.0, "moe_load_max": 1.75,
+              "moe_idle_experts": 0.0, "moe_dropped": 0.0651}
+    line = format_line(record)
+    assert "dropped 6.51%" in line
+    (tmp_path / "a.log").write_text(f"2026-12-06 09:00:00 INFO {line}\n")
+    (row,) = parse_metrics(tmp_path / "a.log").rows
+    assert row["moe_dropped"] == pytest.approx(0.0651)
