@@ -348,3 +348,29 @@ def test_the_dropped_fraction_reaches_the_log_line_and_parse_log(tmp_path):
     (tmp_path / "a.log").write_text(f"2026-12-06 09:00:00 INFO {line}\n")
     (row,) = parse_metrics(tmp_path / "a.log").rows
     assert row["moe_dropped"] == pytest.approx(0.0651)
+
+
+@pytest.mark.device
+def test_padded_groups_on_the_device_match_a_float64_cpu_reference(test_device):
+    """The device's expert kernel on groups padded to 8 rows (CUDA's default for ``torch._grouped_mm``), with
+    empty groups, in bf16, against float64 on the CPU unpadded: outputs and gradients within bf16's bound
+    of tests/test_device.py (5e-2 relative for outputs, 1e-1 for gradients)."""
+    from qwen3_pretrain.models.ops.moe import experts_kernel
+
+    x, chosen, weights = _routing(tokens=64, skew=0.0)
+    chosen = chosen % 3  # expert 3 gets nothing: an empty group, padded as a whole tile or not at all
+    keep = chosen[:, 0] != chosen[:, 1]
+    x, chosen, weights = x[keep], chosen[keep], weights[keep]
+    reference = _experts(ExpertLoop(), dtype=torch.float64)
+    ours = _experts(experts_kernel(test_device.type, torch.bfloat16, align=8), dtype=torch.bfloat16).to(test_device)
+    results = []
+    for experts, dtype, device in ((reference, torch.float64, "cpu"), (ours, torch.bfloat16, test_device)):
+        xs = x.to(device, dtype).requires_grad_()
+        ws = weights.to(device, dtype).requires_grad_()
+        out = experts(xs, chosen.to(device), ws)
+        out.double().pow(2).sum().backward()
+        results.append([t.detach().double().cpu() for t in (out, xs.grad, ws.grad, *[p.grad for p in
+                                                                                      experts.parameters()])])
+    for i, (want, got) in enumerate(zip(*results)):
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= (5e-2 if i == 0 else 1e-1), (i, rel)
