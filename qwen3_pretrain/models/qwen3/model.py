@@ -330,10 +330,12 @@ class MultiTokenPrediction(nn.Module):
         self.norm = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask=None) -> torch.Tensor:
+                mask=None, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """``starts``: what the model's layers were given (unused by this full-attention layer, passed so that
+        a compiled layer's graph is the model's full-attention layers' one, not a recompile for a None)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         for index, layer in self.layers.items():
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, starts)
             if layer.reports_routing:
                 x, stats = x
                 if torch.is_grad_enabled():  # training: as in the model's layer loop
@@ -436,7 +438,7 @@ class Qwen3Model(nn.Module):
         return h, positions
 
     def _run(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """``hidden_states``, and what attention used: (cos, sin, mask)."""
+        """``hidden_states``, and what the layers were given: (cos, sin, mask, starts)."""
         if self.embed_tokens is not None:
             h = self.embed_tokens(x)
             if positions is None:
@@ -461,7 +463,7 @@ class Qwen3Model(nn.Module):
                     h = self.router_observer(int(index), h, stats)
         if self.norm is not None:
             h = self.norm(h)
-        return h, positions, (cos, sin, mask)
+        return h, positions, (cos, sin, mask, starts)
 
     def routed_mlps(self) -> dict[int, MoE]:
         """This part's sparse MLPs by the index its router observer sees them under (``routed_layers``)."""
