@@ -198,7 +198,8 @@ def test_megatron_scale_is_megatrons_global_aux_loss_and_z_loss(moe_model):
             probs = layer_logits.float().softmax(-1)
             tokens = probs.shape[0]
             running[layer] += F.one_hot(probs.topk(top_k, -1).indices, num_experts).sum((0, 1)).float()
-            aux = aux + (probs.sum(0) * running[layer] / m).sum() * num_experts / (top_k * tokens * tokens)
+            averaged = running[layer].clone() / m  # a copy: the running counts change in place later
+            aux = aux + (probs.sum(0) * averaged).sum() * num_experts / (top_k * tokens * tokens)
             z = z + layer_logits.float().logsumexp(-1).square().mean()
         aux_logged += aux.item() / steps
         z_logged += z.item() / steps
