@@ -107,14 +107,20 @@ def test_fp32_router_under_compile_equals_eager():
 
 def test_training_config_builds_the_chosen_router(tmp_path):
     from qwen3_pretrain.parallel.parallelize import build_stage
+    from qwen3_pretrain.models.ops.precision import Fp32Linear
     from qwen3_pretrain.parallel.parallelize import PartSpec
 
     cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=64, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=16)
-    for fp32, cls in ((True, Fp32Router), (False, torch.nn.Linear)):
-        part = build_stage(cfg, PartSpec(0, 1, range(1)), 64, 64, moe_router_fp32=fp32)
+    # on a CPU that computes bf16 matmuls in fp32 (models/ops/precision.py) the bf16 router is the model's
+    # Fp32Linear, whose logits are rounded back to bf16 as a native bf16 matmul's; the fp32 one stays fp32
+    for fp32_matmul, fp32, cls in ((False, True, Fp32Router), (False, False, torch.nn.Linear),
+                                   (True, True, Fp32Router), (True, False, Fp32Linear)):
+        part = build_stage(cfg, PartSpec(0, 1, range(1)), 64, 64, fp32_matmul=fp32_matmul, moe_router_fp32=fp32)
         assert type(part.layers["0"].mlp.gate) is cls
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    assert Fp32Linear(32, 4, bias=False).to(torch.bfloat16)(x).dtype == torch.bfloat16
     assert from_dict(TrainConfig, {"data_path": "x"}).moe_router_dtype == "fp32"
 
 
