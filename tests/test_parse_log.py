@@ -18,6 +18,7 @@ import pytest
 from qwen3_pretrain.analysis.parse_log import main, parse_metrics
 from qwen3_pretrain.analysis.report import KNOWN_COLUMNS, format_summary, summarize
 from qwen3_pretrain.train.metrics import format_line
+from qwen3_pretrain.train.observe import format_observed
 
 LOG_STEPS = 10
 TOTAL = 100000
@@ -203,6 +204,17 @@ def test_reads_the_engines_own_log_lines(tmp_path: Path) -> None:
         assert row["lr"] == pytest.approx(1.23e-5) and row["tokens_per_sec"] == 732
         assert (row["tokens_per_sec_per_device"], row["step_time_s"], row["mfu"], row["hfu"], row["memory_gib"]) == (
             pytest.approx(91.5), 0.80, 0.412, 0.549, 42.0)  # fmt: skip
+
+
+def test_pipeline_busy_and_idle_read_back_beside_the_phases(tmp_path: Path) -> None:
+    """Under pp the observer's time group carries each rank's busy and idle time after ``fb``."""
+    record = {"time_data_s": 0.001, "time_forward_backward_s": 0.7, "time_pp_busy_s": 0.52, "time_pp_idle_s": 0.18,
+              "time_reduce_s": 0.05, "time_optimizer_s": 0.04}  # fmt: skip
+    line = "step 3/10 | loss 2.5 | lr 1.00e-05" + format_observed(record)
+    assert "| time data 0.001 fb 0.7 busy 0.52 idle 0.18 reduce 0.05 opt 0.04 s" in line
+    (tmp_path / "a.log").write_text(f"2026-12-02 14:05:00 INFO {line}\n")
+    (row,) = parse_metrics(tmp_path / "a.log").rows
+    assert {k: row[k] for k in record} == record
 
 
 def test_reserved_memory_beside_allocated_reads_back_and_the_old_form_still_does(tmp_path: Path, monkeypatch) -> None:

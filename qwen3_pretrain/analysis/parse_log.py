@@ -74,10 +74,11 @@ def _fraction(m: re.Match) -> float:
 
 
 # the observer's fields (train/observe): "time data 0.01 fb 0.7 reduce 0.05 opt 0.04 s" (phases, named as in
-# metrics.jsonl: time_<phase>_s), "slowest r1 +0.35 s", "health util 45%@r3 temp 81C@r1 ..." (each figure's worst
-# rank: health_<figure> and health_<figure>_rank)
+# metrics.jsonl: time_<phase>_s; under pp "busy 0.5 idle 0.2" after fb: time_pp_busy_s, time_pp_idle_s),
+# "slowest r1 +0.35 s", "health util 45%@r3 temp 81C@r1 ..." (each figure's worst rank: health_<figure> and
+# health_<figure>_rank)
 _PHASE_NAMES = {"data": "data", "fb": "forward_backward", "reduce": "reduce", "opt": "optimizer",
-                "ckpt": "checkpoint", "eval": "eval"}
+                "ckpt": "checkpoint", "eval": "eval", "busy": "pp_busy", "idle": "pp_idle"}
 _HEALTH_NAMES = {"util": "util_pct", "mem": "mem_used_gib", "reserved": "mem_reserved_gib", "power": "power_w",
                  "temp": "temp_c", "clock": "sm_clock_mhz", "cpu": "cpu_util_pct", "rss": "rss_gib"}
 _PHASE_ITEM = re.compile(rf"([a-z]+) ({_NUM})")

@@ -44,7 +44,7 @@ from qwen3_pretrain.parallel.parallelize import (
     materialize,
     parallelize_stage,
 )
-from qwen3_pretrain.parallel.pipeline import build_schedule
+from qwen3_pretrain.parallel.pipeline import StageCompute, build_schedule
 from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
 from qwen3_pretrain.train.balance import RouterBalance
 from qwen3_pretrain.train.config import TrainConfig
@@ -246,10 +246,13 @@ class Engine:
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
         self.schedule = None
+        # under pp: where each local stage's compute begins and ends, for the observer's busy and idle time
+        self.stage_compute = StageCompute() if dims.pp > 1 else None
         if dims.pp > 1:
             io = stage_io(self) if stage_io is not None else self.pipeline_messages()
             self.schedule = build_schedule(self.parts, self.stage_indices, num_stages, self.device, self.pp_group,
-                                           cfg.pp_schedule, self.num_microbatches, self.loss_fn, io)
+                                           cfg.pp_schedule, self.num_microbatches, self.loss_fn, io,
+                                           compute=self.stage_compute)
 
     def pipeline_messages(self) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
         """Per local stage, example (inputs, outputs) of its pipeline messages, from the layout: stage 0 takes

@@ -96,6 +96,8 @@ class Trainer:
                         if self.is_log_rank else None)
         self.observer = Observer(cfg, self.device, self.launch.rank, self.launch.world_size, self.parts,
                                  self.engine.stage_indices)
+        if self.engine.stage_compute is not None:  # under pp: each local stage's busy time in forward_backward
+            self.engine.stage_compute.on = self.observer.clock.watch_stages(self.engine.stage_indices).span
         # A checkpoint of one stage holds a tied weight once, as the embedding: resumed under pp > 1,
         # the last stage's head (weight and optimizer state) reads the embedding's.
         aliases = TIED_ALIASES if self.source.config.tie_word_embeddings else None

@@ -8,8 +8,9 @@ metrics writer. The engine and the model do not time themselves: the engine
 takes a ``mark`` callback and calls it where a phase ends.
 
 Costs in the steady state: five host clock reads (or device event records) per
-step; on a logged step one wait for the step's last event and one
-``all_gather`` of a few dozen floats per rank.
+step, under pp two more per stage compute chunk (``phases.StageBusy``); on a
+logged step one wait for the step's last event and one ``all_gather`` of a
+few dozen floats per rank.
 """
 
 from __future__ import annotations

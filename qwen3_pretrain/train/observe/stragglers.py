@@ -1,9 +1,10 @@
 """Every rank's figures at a logged step, gathered in one small collective, and the slowest rank named.
 
-Each rank contributes one row of floats (its step time, its phases, its
-device health; NaN where it has no figure, dropped again after the gather) to
-one ``all_gather`` of ``world x len(KEYS)`` values: on an accelerator that is
-also the logged step's one wait for the device.
+Each rank contributes one row of floats (its step time, its phases, under
+pp its stages' busy and idle time, its device health; NaN where it has no
+figure, dropped again after the gather) to one ``all_gather`` of
+``world x len(KEYS)`` values: on an accelerator that is also the logged
+step's one wait for the device.
 
 Every rank's step takes the same wall time: the step's collectives make the
 fast ranks wait for the slow one, inside ``forward_backward`` or ``reduce``.
@@ -28,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from qwen3_pretrain.train.observe.health import FIELDS
-from qwen3_pretrain.train.observe.phases import BETWEEN_STEPS, PHASES, field
+from qwen3_pretrain.train.observe.phases import BETWEEN_STEPS, PHASES, PIPELINE, field
 
 log = logging.getLogger("qwen3_pretrain.train")
 
-KEYS = ("step_time_s",) + tuple(field(p) for p in PHASES + BETWEEN_STEPS) + tuple(FIELDS)
+KEYS = ("step_time_s",) + tuple(field(p) for p in PHASES + BETWEEN_STEPS + PIPELINE) + tuple(FIELDS)
 # logged steps in a row with the same slowest rank before the warning
 REPEATS = 3
 # below this excess over the other ranks' median (seconds, and share of the step time) no rank is called slow
