@@ -212,7 +212,8 @@ def _trained(name: str) -> tuple[Qwen3Model, torch.optim.Optimizer]:
 def _write_old_layout(model: Qwen3Model, optimizer: torch.optim.Optimizer, root: Path, version: int = 1) -> Path:
     """Checkpoint ``model`` as this code wrote it at layout ``version`` (before the regrouping: the Gated
     DeltaNet's rows in the HF order, by the conversion's inverse, for weights and optimizer states; meta.json
-    without ``tensor_layout``, as it was), leaving ``model`` and ``optimizer`` as they were."""
+    marked as that layout, as a user marks such a checkpoint, which records none), leaving ``model`` and
+    ``optimizer`` as they were."""
     fam = versions.family(dict(model.named_parameters()))
     undo = versions.INVERSES[(fam, version)]
     changed = {name: p for name, p in model.named_parameters() if versions.CHANGES[0].applies(name)}
@@ -231,7 +232,7 @@ def _write_old_layout(model: Qwen3Model, optimizer: torch.optim.Optimizer, root:
             for t, original in zip(tensors, kept[name]):
                 t.copy_(original)
     meta = json.loads((path / META_FILE).read_text())
-    del meta[versions.LAYOUT_KEY]
+    meta[versions.LAYOUT_KEY] = {"family": fam, "version": version}
     (path / META_FILE).write_text(json.dumps(meta))
     return path
 
@@ -247,9 +248,9 @@ def test_old_layout_hybrid_checkpoint_resumes_converted(name, tmp_path, world_of
     diff = (logits(scrambled)["logits"] - want).abs().max().item()
     print(f"\n[{name}] old layout read unconverted: logits off by {diff:.3g} (scale {want.abs().max():.3g})")
     assert not close(logits(scrambled)["logits"], want)
-    with caplog.at_level("WARNING", logger="qwen3_pretrain.checkpoint"):
+    with caplog.at_level("INFO", logger="qwen3_pretrain.checkpoint"):
         loaded, loaded_opt = load(name, tmp_path / "old")
-    assert "records no tensor_layout" in caplog.text
+    assert f"from {name} tensor layout 1 to 2" in caplog.text
     assert close(logits(loaded)["logits"], want)
     for (pname, param), (_, again) in zip(model.named_parameters(), loaded.named_parameters()):
         assert torch.equal(param, again), pname
@@ -264,6 +265,23 @@ def test_old_layout_hybrid_checkpoint_merges_converted(name, tmp_path, world_of_
     merge_checkpoint(tmp_path / "old", tmp_path / "hf", "tiny", dtype=torch.float32, progress=False)
     merged = load_hf_model(tmp_path / "hf", mtp=model.mtp is not None)
     assert close(logits(merged)["logits"], logits(model)["logits"])
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid_moe"])
+def test_an_unrecorded_hybrid_checkpoint_is_read_as_the_layout_written_last(name, tmp_path, world_of_one, caplog):
+    """A hybrid checkpoint from before layouts were recorded was most likely written in layout 2 (the
+    regrouped rows, 54ac416 until the record began): read unconverted, with a warning saying how to mark a
+    layout-1 one. Converting it as layout 1 would scramble its Gated DeltaNet rows."""
+    model, optimizer = _trained(name)
+    path = save(model, optimizer, tmp_path / "run")
+    meta = json.loads((path / META_FILE).read_text())
+    del meta[versions.LAYOUT_KEY]
+    (path / META_FILE).write_text(json.dumps(meta))
+    with caplog.at_level("INFO", logger="qwen3_pretrain.checkpoint"):
+        loaded, _ = load(name, tmp_path / "run")
+    assert "records no tensor_layout" in caplog.text and "converting" not in caplog.text
+    for (pname, param), (_, again) in zip(model.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(param, again), pname
 
 
 def _with_layout(src: Path, dst: Path, record) -> Path:
@@ -319,11 +337,12 @@ TRAIN_HYBRID = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hi
 def _old_layout_copy(checkpoint: Path, root: Path, scratch: Path) -> None:
     """``checkpoint`` (a trainer's, today's layout) rewritten as layout 1 into output_path ``root``: every
     regrouped weight and optimizer state put back in the HF rows' order, DCP files rewritten with torch's own
-    converters, meta.json without ``tensor_layout``, the random states copied."""
+    converters, meta.json marked as layout 1, the random states copied."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
     meta = json.loads((checkpoint / META_FILE).read_text())
-    config = Qwen3Config.from_hf_dict(meta.pop(versions.LAYOUT_KEY) and meta["model_config"])
+    config = Qwen3Config.from_hf_dict(meta["model_config"])
+    meta[versions.LAYOUT_KEY] = dict(meta[versions.LAYOUT_KEY], version=1)
     dcp_to_torch_save(checkpoint, scratch / "state.pt")
     state = torch.load(scratch / "state.pt", weights_only=False)
     for part, entries in state.items():

@@ -48,11 +48,12 @@ FORMAT_VERSION = 1
 LAYOUT_KEY = "tensor_layout"
 # Each family's current layout version: bumped with every change to how one of its saved tensors is laid out.
 LAYOUT_VERSIONS = {"dense": 1, "moe": 1, "hybrid": 2, "hybrid_moe": 2}
-# The version a checkpoint that records none is read as (written before versions were recorded).
-UNRECORDED = {"dense": 1, "moe": 1, "hybrid": 1, "hybrid_moe": 1}
+# The version a checkpoint that records none is read as (written before versions were recorded): for the
+# hybrids, the layout the code wrote last before recording began (54ac416 onwards), and the longer-lived one;
+# a checkpoint of the earlier layout 1 must say so in its meta.json (docs/checkpoints.md 'Format versions').
+UNRECORDED = {"dense": 1, "moe": 1, "hybrid": 2, "hybrid_moe": 2}
 
-# When hybrid layout 2 came in (commit 54ac416): a checkpoint's ``created`` (the saving machine's local time)
-# beside it tells an unrecorded checkpoint's layout where the two are hours apart.
+# When hybrid layout 2 came in (commit 54ac416), for the message that tells how to mark a layout-1 checkpoint.
 REGROUPED_AT = "2026-12-05 21:18 UTC"
 # A Gated DeltaNet layer's tensors whose rows version 2 regrouped per key head (the MTP layer has none).
 _REGROUPED = ("linear_attn.conv1d.weight", "linear_attn.in_proj_qkv.weight")
@@ -130,6 +131,11 @@ def saved_layout(meta: dict[str, Any], saved_names: Iterable[str], path: Path) -
     found = family(saved_names)
     record = meta.get(LAYOUT_KEY)
     if record is None:
+        if found.startswith("hybrid"):
+            log.warning("checkpoint %s records no %s: read as %s layout version %d (the Gated DeltaNet's rows "
+                        "grouped per key head, as written from %s on); if it was written before, add \"%s\": "
+                        "{\"family\": \"%s\", \"version\": 1} to %s so that its rows are converted",
+                        path, LAYOUT_KEY, found, UNRECORDED[found], REGROUPED_AT, LAYOUT_KEY, found, where)
         return found, UNRECORDED[found]
     if not isinstance(record, dict) or not isinstance(record.get("version"), int) or record.get("family") is None:
         raise UserError(f"{where}: {LAYOUT_KEY} {record!r} is not {{'family': ..., 'version': <int>}}")
@@ -163,11 +169,4 @@ def conversion(meta: dict[str, Any], saved_names: Iterable[str], path: Path) -> 
             raise UserError(f"checkpoint {path}: converting its {fam} tensor layout from version {saved} to "
                             f"{current} needs the model's sizes, and {where} has no model_config")
         config = Qwen3Config.from_hf_dict(meta["model_config"], source=f"{where}: model_config")
-        if LAYOUT_KEY not in meta:
-            log.warning("checkpoint %s (created %s) records no %s: read as %s layout version %d (written "
-                        "before the layout was recorded) and converted to version %d; if it was written after "
-                        "the Gated DeltaNet rows were regrouped per key head (%s, docs/checkpoints.md 'Format "
-                        "versions'), add \"%s\": {\"family\": \"%s\", \"version\": %d} to %s", path,
-                        meta.get("created", "at an unrecorded time"), LAYOUT_KEY, fam, saved, current, REGROUPED_AT,
-                        LAYOUT_KEY, fam, current, where)
     return Conversion(fam, saved, changes, config)
