@@ -218,8 +218,10 @@ class RouterBalance:
                     self.num_microbatches * self.group_size)
         load = self.load if self.load is not None else torch.zeros(self.num_layers, self.num_experts)
         head = torch.stack([torch.as_tensor(aux, dtype=torch.float32), torch.as_tensor(self.z, dtype=torch.float32)])
-        dropped = torch.as_tensor(self.dropped, dtype=torch.float32).reshape(1)  # last: the dropped pairs
-        return torch.cat([head.to(device), load.to(device).reshape(-1), dropped.to(device)])
+        # last: the dropped pairs; made on the device when still a number (dropless), not copied there
+        dropped = (torch.full((1,), float(self.dropped), device=device) if isinstance(self.dropped, (int, float))
+                   else self.dropped.reshape(1).to(device, torch.float32))
+        return torch.cat([head.to(device), load.to(device).reshape(-1), dropped])
 
     def step_load(self, reduced: torch.Tensor) -> torch.Tensor:
         """The step's tokens per expert [L, E], summed over every rank, from the sum of their ``local_stats``."""
@@ -244,7 +246,7 @@ class RouterBalance:
         if self.z_coef > 0:
             figures["moe_z_loss"] = reduced[1].item()
         if self.biases:  # the largest bias of this rank's layers (the same on every rank holding them)
-            figures["moe_expert_bias_max"] = max(b.abs().max().item() for b in self.biases.values())
+            figures["moe_expert_bias_max"] = torch.stack([b.abs().max() for b in self.biases.values()]).max().item()
         return figures
 
     # --- aux-loss-free balancing -----------------------------------------------------------------------------

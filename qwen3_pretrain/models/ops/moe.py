@@ -148,7 +148,8 @@ class GroupedMM:
     operands with dimensions that are multiples of 8 (the expert hidden sizes of every Qwen3-MoE are).
     ``align``: each expert's run padded to a multiple of this many rows (``pad_groups``): on CUDA 8 by
     default, the bf16 kernel's alignment (16 or 32 for FP8 later), so no group starts off a 16-byte row
-    boundary and an empty group is a full tile of zeros; 1 elsewhere (the CPU's kernel takes any runs)."""
+    boundary (an empty group stays empty; the last expert's run takes the slack up to the padded total); 1
+    elsewhere (the CPU's kernel takes any runs)."""
 
     name = "grouped_mm"
 

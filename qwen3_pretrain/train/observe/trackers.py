@@ -39,7 +39,7 @@ class Tracker:
 
     def write(self, record: dict) -> None:
         values = scalars(record)
-        if values:
+        if values and self.module is not None:  # None: it failed once, was named then, and is left out
             try:
                 self.module.log(values, step=record["step"])
             except Exception as e:  # noqa: BLE001 - a tracker never stops the run
