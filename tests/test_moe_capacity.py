@@ -302,7 +302,7 @@ def test_bad_capacity_settings_are_clear_errors(overrides, words):
 
 
 @pytest.mark.parametrize("pad", [False, True], ids=["dropping", "padded"])
-def test_compiled_layers_drop_as_eager_ones_without_a_graph_break(pad, monkeypatch):
+def test_compiled_layers_drop_as_eager_ones_without_a_graph_break(pad):
     """The capacity's decision and its host read of the kept pairs trace into the layer's graph (dynamo's
     counters: no graph break), and the compiled model computes what the eager one does."""
     from torch._dynamo.utils import counters
@@ -325,14 +325,14 @@ def test_compiled_layers_drop_as_eager_ones_without_a_graph_break(pad, monkeypat
         torch.nn.init.normal_(p, std=0.05)
     compiled, compiled_balance = build()
     compiled.load_state_dict(eager.state_dict())
-    # compile_stage_layers sets capture_scalar_outputs for the process: restored after this test
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", torch._dynamo.config.capture_scalar_outputs)
     torch._dynamo.reset()  # no cache or recompile count left by an earlier test
-    compile_stage_layers(compiled, False)
-    ids = torch.randint(0, MOE["vocab_size"], (2, 32))
-    positions = torch.arange(32).expand(2, 32)
-    counters.clear()
-    want, got = _step(eager, eager_balance, ids, positions), _step(compiled, compiled_balance, ids, positions)
+    # compile_stage_layers sets capture_scalar_outputs for the process: restored after this test
+    with torch._dynamo.config.patch(capture_scalar_outputs=torch._dynamo.config.capture_scalar_outputs):
+        compile_stage_layers(compiled, False)
+        ids = torch.randint(0, MOE["vocab_size"], (2, 32))
+        positions = torch.arange(32).expand(2, 32)
+        counters.clear()
+        want, got = _step(eager, eager_balance, ids, positions), _step(compiled, compiled_balance, ids, positions)
     assert counters["stats"]["unique_graphs"] > 0  # compiled, not fallen back to eager
     assert not counters["graph_break"]
     assert want[2]["moe_dropped"] > 0 and got[2]["moe_dropped"] == want[2]["moe_dropped"]
