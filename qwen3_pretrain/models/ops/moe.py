@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen3_pretrain.models.ops.precision import fp32_logits
 from qwen3_pretrain.models.ops.swiglu import swiglu
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -112,6 +113,16 @@ def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
                         weights.new_zeros(total, 1).index_copy(0, rows, weights), sizes, rows)
 
 
+def _padded_call(kernel, tokens, counts, weights, gate, up, down, group_rows=None):
+    """An expert kernel's ``__call__``: its ``compute`` on the runs as they are, or on the runs padded
+    (``pad_groups``: to the kernel's ``align``, or to ``group_rows``) with the padding rows' outputs left out."""
+    if kernel.align > 1 or group_rows is not None:
+        padded = pad_groups(tokens, weights, counts, kernel.align, group_rows)
+        return kernel.compute(padded.tokens, padded.sizes, padded.weights, gate, up, down).index_select(
+            0, padded.rows)
+    return kernel.compute(tokens, counts, weights, gate, up, down)
+
+
 class ExpertLoop:
     """One matmul per expert through ``linear`` (``F.linear``, or the fp32-upcasting one of
     models/ops/precision.py). Reads the counts on the host (a device sync per layer). Unpadded by default
@@ -122,12 +133,7 @@ class ExpertLoop:
     def __init__(self, linear: Linear = F.linear, align: int = 1) -> None:
         self.linear, self.align = linear, align
 
-    def __call__(self, tokens, counts, weights, gate, up, down, group_rows=None):
-        if self.align > 1 or group_rows is not None:
-            padded = pad_groups(tokens, weights, counts, self.align, group_rows)
-            return self.compute(padded.tokens, padded.sizes, padded.weights, gate, up, down).index_select(
-                0, padded.rows)
-        return self.compute(tokens, counts, weights, gate, up, down)
+    __call__ = _padded_call
 
     def compute(self, tokens, counts, weights, gate, up, down):
         outs = []
@@ -156,12 +162,7 @@ class GroupedMM:
     def __init__(self, align: int = 1) -> None:
         self.align = align
 
-    def __call__(self, tokens, counts, weights, gate, up, down, group_rows=None):
-        if self.align > 1 or group_rows is not None:
-            padded = pad_groups(tokens, weights, counts, self.align, group_rows)
-            return self.compute(padded.tokens, padded.sizes, padded.weights, gate, up, down).index_select(
-                0, padded.rows)
-        return self.compute(tokens, counts, weights, gate, up, down)
+    __call__ = _padded_call
 
     def compute(self, tokens, counts, weights, gate, up, down):
         offsets = counts.cumsum(0).to(torch.int32)
@@ -349,40 +350,20 @@ class GroupedExperts(nn.Module):
         return y[back].view(num_tokens, top_k, -1).sum(1)
 
 
-class _Fp32Logits(torch.autograd.Function):
-    """``F.linear(x, weight)`` multiplied and returned in fp32, differentiated into the inputs' dtypes. Saves
-    the inputs as they are, not fp32 copies: a MoE layer keeps its (bf16) input for the experts anyway, and an
-    fp32 copy would add ``4 H`` bytes per token and layer (1.5 GiB per micro-batch of 4096 tokens in
-    Qwen3-30B-A3B). Works on DTensors (the router under tensor and expert parallelism)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x.float(), weight.float())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad = grad.float()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad, weight.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.matmul(grad.flatten(0, -2).T, x.float().flatten(0, -2)).to(weight.dtype)
-        return grad_x, grad_w
-
-
 class Fp32Router(nn.Linear):
     """The router's projection computed in fp32 whatever the dtype of its weight and input (both upcast for
     this one matmul, [T, H] x [H, E]; the logits stay fp32): a bf16 logit keeps 8 significant bits, and the
     top-k of 128 close logits rounded to them differs from the fp32 top-k for a few percent of the tokens
-    (docs/moe.md). The gradients return in the weight's and the input's dtypes. Works under compile; its
-    name and parameter are ``nn.Linear``'s, so plans, FSDP, checkpoints and HF files treat it as one."""
+    (docs/moe.md). The gradients return in the weight's and the input's dtypes; backward keeps the inputs as
+    they are (a MoE layer keeps its bf16 input for the experts anyway; an fp32 copy would add 4 H bytes per
+    token and layer, 1.5 GiB per micro-batch of 4096 tokens in Qwen3-30B-A3B). Works on DTensors and under
+    compile; its name and parameter are ``nn.Linear``'s, so plans, FSDP, checkpoints and HF files treat it as
+    one."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.linear(x, self.weight)
-        return _Fp32Logits.apply(x, self.weight)
+        return fp32_logits(x, self.weight)
 
 
 class MoE(nn.Module):

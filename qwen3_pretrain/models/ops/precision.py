@@ -52,13 +52,15 @@ def matmul_dtype(mixed_precision: str, fp32_matmul: bool) -> torch.dtype:
 
 
 class _Fp32Linear(torch.autograd.Function):
-    """``F.linear(x, w)`` (no bias) multiplied in fp32, returned and differentiated in the inputs' dtypes.
-    Saves the low-precision inputs, not their fp32 copies. Works on DTensors (tensor parallelism)."""
+    """``F.linear(x, w)`` (no bias) multiplied in fp32, returned in the inputs' dtype (in fp32 with
+    ``fp32_out``) and differentiated in the inputs' dtypes. Saves the low-precision inputs, not their fp32
+    copies. Works on DTensors (tensor parallelism)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return F.linear(x.float(), weight.float()).to(x.dtype)
+        out = F.linear(x.float(), weight.float())
+        return out if fp32_out else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -70,7 +72,13 @@ class _Fp32Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             flat_grad = grad.flatten(0, -2)  # [tokens, out]
             grad_w = torch.matmul(flat_grad.T, x.float().flatten(0, -2)).to(weight.dtype)
-        return grad_x, grad_w
+        return grad_x, grad_w, None
+
+
+def fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) multiplied and returned in fp32, differentiated into the inputs'
+    dtypes, keeping only the inputs as they are for backward (the MoE router's logits)."""
+    return _Fp32Linear.apply(x, weight, True)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
