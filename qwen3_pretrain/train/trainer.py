@@ -452,8 +452,10 @@ class Trainer:
         reserve = runtime_reserved_gib(self.device) * 2**30
         self.predicted_memory = mem = predict_memory(model, layout, runtime_reserved_bytes=reserve)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.gib().items() if k != "total")
-        log.info("predicted peak memory per device: %.2f GiB (%s GiB; worst pipeline stage %d)",
-                 mem.total / 2**30, parts, mem.stage)
+        skew = (" at even expert routing; `plan --moe-imbalance` prices skewed routing"
+                if model.num_experts and layout.ep > 1 and layout.moe_rank_load == 1 else "")
+        log.info("predicted peak memory per device: %.2f GiB (%s GiB; worst pipeline stage %d)%s",
+                 mem.total / 2**30, parts, mem.stage, skew)
         warning = memory_warning(mem.total, device_capacity(self.device))
         if warning:
             log.warning(warning)
