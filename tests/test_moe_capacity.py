@@ -378,3 +378,24 @@ def test_padded_groups_on_the_device_match_a_float64_cpu_reference(test_device):
     for i, (want, got) in enumerate(zip(*results)):
         rel = ((got - want).norm() / want.norm()).item()
         assert rel <= (5e-2 if i == 0 else 1e-1), (i, rel)
+
+
+@pytest.mark.parametrize("group_rows", [None, 9], ids=["aligned", "to-capacity"])
+def test_padding_compiles_with_symbolic_sizes(group_rows):
+    """``pad_groups`` under compile with every size symbolic (as after a recompile with other shapes, and the
+    capacity read on the host): inductor's rewrite of a cumsum of a constant tensor failed on the fixed
+    groups' starts ('unsupported operand type(s) for *: FakeTensor and Node') until they became a product."""
+    def padded(tokens, weights, counts, cap):
+        p = pad_groups(tokens, weights, counts, 8, None if cap.item() < 0 else cap.item())
+        return p.tokens, p.weights, p.sizes, p.rows
+
+    cap = torch.tensor(-1 if group_rows is None else group_rows)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(assume_static_by_default=False, capture_scalar_outputs=True):
+        compiled = torch.compile(padded, fullgraph=True)
+        for n in (36, 52):
+            counts = torch.tensor([n // 4 - 3, n // 4 + 3, n // 4, n // 4])
+            tokens, weights = torch.randn(n, 8), torch.randn(n, 1)
+            for got, want in zip(compiled(tokens, weights, counts, cap), padded(tokens, weights, counts, cap)):
+                assert torch.equal(got, want)
+    torch._dynamo.reset()

@@ -98,16 +98,20 @@ def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
     for fixed groups) and the last expert's run takes the slack, so every row the kernel reads belongs to
     a run (``torch._grouped_mm`` leaves rows past the last offset unwritten)."""
     num_rows, num_experts = tokens.shape[0], counts.numel()
+    device = counts.device
     if group_rows is not None:
         step = -(-max(group_rows, 1) // align) * align
         sizes, total = torch.full_like(counts, step), num_experts * step
+        # the padded starts as a product, not a cumsum of ``sizes``: inductor's rewrite of a cumsum of a
+        # constant tensor fails when the constant is symbolic (a capacity read on the host under compile)
+        starts = torch.arange(num_experts, device=device, dtype=counts.dtype) * step
     else:
         sizes = (counts + align - 1) // align * align
         total = -(-(num_rows + num_experts * (align - 1)) // align) * align
         sizes = torch.cat([sizes[:-1], (total - sizes[:-1].sum()).view(1)])
-    device = counts.device
+        starts = sizes.cumsum(0) - sizes
     expert_of_row = torch.arange(num_experts, device=device).repeat_interleave(counts, output_size=num_rows)
-    shift = (sizes.cumsum(0) - sizes) - (counts.cumsum(0) - counts)  # padded start minus original start
+    shift = starts - (counts.cumsum(0) - counts)  # padded start minus original start
     rows = torch.arange(num_rows, device=device) + shift[expert_of_row]
     return PaddedGroups(tokens.new_zeros(total, tokens.shape[1]).index_copy(0, rows, tokens),
                         weights.new_zeros(total, 1).index_copy(0, rows, weights), sizes, rows)
