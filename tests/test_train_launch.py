@@ -374,6 +374,7 @@ def test_a_cpu_ranks_share_of_its_node_ignores_how_the_launcher_bound_it(launch_
     from qwen3_pretrain.parallel.env import node_cpu_share, share_of_node
 
     launch_env.setattr(os, "sched_getaffinity", lambda pid: {1} if pid == 0 else {0, 1, 2, 3})
+    launch_env.setattr(os, "getppid", lambda: 4242)  # a launcher (pytest run detached has init, pid 1, instead)
     assert node_cpu_share(launched=True) == (4, 1)
     assert node_cpu_share(launched=False) == (1, 1)
     # every rank's (host, cores): the cores of a node's ranks together, over how many they are
