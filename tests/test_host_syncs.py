@@ -123,11 +123,14 @@ local = lambda p: p.detach().to_local() if hasattr(p, "to_local") else p.detach(
 before = [local(p).clone() for p in engine.params]
 try:
     engine.step(batches, 1e-3, bad_token=loader.bad_token)
-    print(f"rank {rank} stepped")
+    report = f"rank {rank} stepped"
 except UserError as exc:
     unchanged = all(torch.equal(a, local(p)) for a, p in zip(before, engine.params))
     held = loader.bad_token is not None
-    print(f"rank {rank} raised: {exc} | held a bad id: {held} | weights unchanged: {unchanged}")
+    report = f"rank {rank} raised: {exc} | held a bad id: {held} | weights unchanged: {unchanged}"
+# one write of the whole line: two ranks' prints (text, then its newline) interleaved on the shared pipe
+sys.stdout.write(report + "\\n")
+sys.stdout.flush()
 trainer.close()
 """
 
