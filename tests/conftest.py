@@ -69,3 +69,15 @@ def test_device() -> Any:
     if wanted == "auto" and device.type == "cpu":
         pytest.skip("no CUDA or NPU device (set QWEN3_PRETRAIN_TEST_DEVICE=cpu to run it on the CPU)")
     return torch.device(device)
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo process group for the test's duration (checkpoint code that calls collectives)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

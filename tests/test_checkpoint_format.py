@@ -57,15 +57,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def build(name: str) -> Qwen3Model:
     cfg = Qwen3Config(**FAMILIES[name])
     return Qwen3Model(cfg, ModelOptions(multi_token_prediction=cfg.mtp_num_hidden_layers > 0))

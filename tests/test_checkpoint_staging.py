@@ -8,20 +8,10 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from qwen3_pretrain.checkpoint.layout import step_dir_name
 from qwen3_pretrain.checkpoint.manager import Checkpointer
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _staged_storages(checkpointer: Checkpointer) -> list[int]:

@@ -37,6 +37,19 @@ def _inputs(device, seed=0, batch=2, seq=200, k_heads=2, v_heads=4, dim=32):
     return [t.to(device).requires_grad_(t.is_floating_point()) for t in (q, k, v, g, beta)], starts.to(device)
 
 
+def _outputs_and_grads(kernels, tensors, starts):
+    """Each kernel's output (fp32) and the inputs' gradients of the sum of its squares."""
+    outs, grads = [], []
+    for kernel in kernels:
+        out = kernel(*tensors, starts)
+        out.float().square().sum().backward()
+        outs.append(out.detach().float())
+        grads.append([t.grad.clone() for t in tensors])
+        for t in tensors:
+            t.grad = None
+    return outs, grads
+
+
 @pytest.mark.device
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="needs a CUDA device and flash-linear-attention")
@@ -44,14 +57,7 @@ def _inputs(device, seed=0, batch=2, seq=200, k_heads=2, v_heads=4, dim=32):
 def test_fla_equals_ours_on_packed_documents(packed):
     tensors, starts = _inputs("cuda")
     starts = starts if packed else None  # without document masking each row is one sequence
-    outs, grads = [], []
-    for kernel in (FlaDeltaRule(), TorchDeltaRule()):
-        out = kernel(*tensors, starts)
-        out.float().square().sum().backward()
-        outs.append(out.detach().float())
-        grads.append([t.grad.clone() for t in tensors])
-        for t in tensors:
-            t.grad = None
+    outs, grads = _outputs_and_grads((FlaDeltaRule(), TorchDeltaRule()), tensors, starts)
     scale = outs[1].abs().max()
     assert (outs[0] - outs[1]).abs().max() <= 2e-3 * scale
     for mine, theirs in zip(grads[0], grads[1]):
@@ -74,14 +80,7 @@ def test_fla_grouped_heads_equal_repeated_heads():
     tensors, starts = _inputs("cuda")
     grouped = FlaDeltaRule()
     assert grouped.grouped
-    outs, grads = [], []
-    for kernel in (grouped, FlaDeltaRule(grouped.chunk, grouped=False)):
-        out = kernel(*tensors, starts)
-        out.float().square().sum().backward()
-        outs.append(out.detach().float())
-        grads.append([t.grad.clone() for t in tensors])
-        for t in tensors:
-            t.grad = None
+    outs, grads = _outputs_and_grads((grouped, FlaDeltaRule(grouped.chunk, grouped=False)), tensors, starts)
     diff = (outs[0] - outs[1]).abs().max().item()
     print(f"\n[fla grouped vs repeated heads] max output diff {diff:.3g}")
     assert diff <= 1e-4 * outs[1].abs().max()

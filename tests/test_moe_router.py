@@ -33,6 +33,7 @@ from tests._train_helpers import check_ok, make_corpus, run_train, step_records,
 from tests.test_model_parity import randomize
 from tests.test_moe_balance import COEF, MOE, Z_COEF, assert_same_grads, lm_loss, microbatches, router_logits, \
     with_balance
+from tests.test_moe_balance import moe_model  # noqa: F401 (a fixture)
 
 # --- router precision -------------------------------------------------------------------------------------------
 
@@ -174,14 +175,6 @@ def test_fp32_router_under_tensor_parallelism():
 
 
 # --- Megatron's balancing scale -----------------------------------------------------------------------------------
-
-@pytest.fixture
-def moe_model(tiny_config):
-    cfg = tiny_config(**MOE)
-    model = Qwen3Model(cfg)
-    randomize(model, seed=1)
-    return cfg, model
-
 
 def test_megatron_scale_is_megatrons_global_aux_loss_and_z_loss(moe_model):
     """Megatron-core, per MoE layer and micro-batch m (of M): the switch loss with the global batch's running
