@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, delta_rule_kernel
+from qwen3_pretrain.models.ops.fp8 import Fp8Projections
 from qwen3_pretrain.models.ops.elementwise import ElementwiseKernels, elementwise_kernels
 from qwen3_pretrain.models.ops.loss import TiedLMHead
 from qwen3_pretrain.models.ops.moe import Capacity, MoE, ExpertLoop, ExpertsKernel, RouterObserver, experts_kernel
@@ -37,6 +38,7 @@ from qwen3_pretrain.models.qwen3.init import INIT_TILE
 from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, ContextParallelHeads
 from qwen3_pretrain.parallel.expert_parallel import apply_expert_parallel
+from qwen3_pretrain.parallel.fp8 import fp8_all_gather_on_gloo
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
@@ -110,7 +112,7 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
                 moe_force_balance: bool = False, multi_token_prediction: bool = False,
                 delta_rule: DeltaRuleKernel | None = None, elementwise: ElementwiseKernels | None = None,
                 moe_router_fp32: bool = False, moe_expert_bias: bool = False,
-                moe_capacity: Capacity | None = None) -> Qwen3Model:
+                moe_capacity: Capacity | None = None, fp8: Fp8Projections | None = None) -> Qwen3Model:
     """The stage's part of the model on the meta device; the last stage's head is the fused-loss head
     (the loss applies it, in chunks, to the hidden states the stage returns).
 
@@ -125,15 +127,17 @@ def build_stage(cfg: Qwen3Config, spec: PartSpec, valid_vocab: int, loss_chunk_t
     ``elementwise``: the norms', RoPE's and SwiGLU's (``models/ops/elementwise.py``: ``elementwise_kernels``;
     by default the CPU's); ``moe_router_fp32``: the routers' logits in fp32, ``moe_expert_bias``: the MoE
     layers hold an aux-loss-free balancing bias (``ModelOptions``); ``moe_capacity``: the experts' capacity
-    (``models/ops/moe.py``: ``Capacity``; None: dropless)."""
+    (``models/ops/moe.py``: ``Capacity``; None: dropless); ``fp8``: the decoder layers' projections
+    multiply in FP8 (``models/ops/fp8.py``; its ``base`` becomes this stage's high-precision class)."""
     kernel = attention or choose_attention("cpu", fp32_matmul, cp_mesh)
     last = spec.stage_index == spec.num_stages - 1
     # Under pp > 1 a tied head has a parameter of its own on the last stage, kept equal to the embedding
     # by summing the two gradients (parallel/grads.py: TiedWeights).
     loss_head = LossHead(chunk_tokens=loss_chunk_tokens, valid_vocab=valid_vocab if valid_vocab < cfg.vocab_size
                          else None, fp32_matmul=fp32_matmul)
+    linear = Fp32Linear if fp32_matmul else nn.Linear
     options = ModelOptions(attention=kernel, elementwise=elementwise or elementwise_kernels("cpu"),
-                           linear=Fp32Linear if fp32_matmul else nn.Linear,
+                           linear=linear, projections=replace(fp8, base=linear) if fp8 is not None else None,
                            recompute=ac_mode, document_mask=document_mask, loss_head=loss_head,
                            experts=experts or ExpertLoop(fp32_linear if fp32_matmul else torch.nn.functional.linear),
                            router_observer=router_observer, moe_force_balance=moe_force_balance,
@@ -207,6 +211,7 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(AllReduceScatter())
+    fp8_all_gather_on_gloo(model, dp_mesh.device_type)  # FP8 weights gathered as bytes over gloo
 
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, mixed_precision: str,

@@ -79,6 +79,26 @@ class TrainConfig:
         "auto", "On a CPU under mixed_precision bf16: bf16 multiplies bf16 natively; fp32 multiplies fp32 copies of "
                 "the bf16 operands (same products, fp32 accumulation either way; 3-5x faster on x86 CPUs without "
                 "AVX512-BF16 or AMX); auto: fp32 on such CPUs, bf16 elsewhere.")
+    fp8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] | None = field_help(
+        None, "FP8 matmuls (torchao) for the decoder layers' projections whose dimensions are multiples of 16 "
+              "(never the LM head, embedding or MoE routers; weights, optimizer state and checkpoints stay in "
+              "high precision). tensorwise: one dynamic scale per tensor, the fastest on Hopper, and the recipe "
+              "fp8_all_gather needs; rowwise: one power-of-two scale per row; rowwise_with_gw_hp: rowwise, "
+              "weight gradient in high precision; mxfp8: blocks of 32 sharing a scale, Blackwell only. Needs "
+              "torchao (pip install 'qwen3-pretrain[fp8]') and FP8 tensor cores (CUDA compute capability 8.9+, "
+              "10.0+ for mxfp8) unless fp8_emulate. Empty: off (docs/fp8.md).")
+    fp8_all_gather: bool = field_help(
+        False, "With fp8 tensorwise under FSDP: weights are all-gathered in FP8 (one byte a weight instead of "
+               "two), their scales computed in one all-reduce per step after the optimizer step.")
+    fp8_filter: list[str] = field_help(
+        [], "Projections kept out of FP8, by module path: an entry excludes every path containing it "
+            "(down_proj, layers.0., shared_expert); entries starting with + keep FP8 to paths containing one "
+            "of them (+mlp.: only the MLPs). Paths look like layers.3.attn.q_proj, layers.3.mlp.down_proj, "
+            "layers.2.linear_attn.out_proj, mtp.layers.0.mlp.up_proj.")
+    fp8_emulate: bool = field_help(
+        False, "Allow fp8 on a device without FP8 tensor cores (CPU, A100, Ascend 910B): the FP8 numerics "
+               "(operands rounded to e4m3/e5m2 with their scales), multiplied in high precision: slower than "
+               "bf16, for tests and experiments.")
     distributed_optimizer: bool = field_help(True, "Shard optimizer state, gradients and master weights over the "
                                              "data-parallel ranks (ZeRO/FSDP); false keeps full replicas.")
     dp_shard: int | None = field_help(
@@ -377,6 +397,7 @@ class TrainConfig:
         if self.allow_tf32 and self.mixed_precision != "fp32":
             raise ConfigError(f"allow_tf32 true needs mixed_precision fp32 (it is {self.mixed_precision}, whose "
                               "matmuls are bf16 already): set allow_tf32 false, or mixed_precision fp32")
+        self._validate_fp8()
         if self.mtp_loss_weight < 0:
             raise ConfigError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         if self.moe_aux_loss == "micro_batch" and self.pp > 1:
@@ -401,6 +422,24 @@ class TrainConfig:
             raise ConfigError(f"batch_size x gradient_accumulation_steps ({self.batch_size} x "
                               f"{self.gradient_accumulation_steps}) must be a multiple of pp_microbatch_size "
                               f"({self.pp_microbatch_size})")
+
+    def _validate_fp8(self) -> None:
+        if self.fp8 is None:
+            for key in ("fp8_all_gather", "fp8_emulate"):
+                if getattr(self, key):
+                    raise ConfigError(f"{key} true needs fp8 set (it is empty: FP8 off): set fp8, e.g. tensorwise")
+            if self.fp8_filter:
+                raise ConfigError(f"fp8_filter {self.fp8_filter} needs fp8 set (it is empty: FP8 off)")
+            return
+        if self.fp8_all_gather and self.fp8 != "tensorwise":
+            raise ConfigError(f"fp8_all_gather needs fp8 tensorwise (it is {self.fp8}): the weights are cast "
+                              "to FP8 with one scale each before the gather; set fp8 tensorwise or "
+                              "fp8_all_gather false")
+        if self.fp8_all_gather and not self.distributed_optimizer:
+            raise ConfigError("fp8_all_gather needs distributed_optimizer true (FSDP gathers the weights)")
+        bad = [e for e in self.fp8_filter if not str(e).lstrip("+")]
+        if bad:
+            raise ConfigError(f"fp8_filter has an empty entry {bad[0]!r}: name a module path part, e.g. down_proj")
 
     def _validate_observability(self) -> None:
         for key in ("profile_every", "memory_snapshot_steps", "hang_factor", "hang_min_s",

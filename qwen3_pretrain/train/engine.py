@@ -25,6 +25,9 @@ from qwen3_pretrain.hardware import optimizer_impl
 from qwen3_pretrain.models.qwen3.attention import attention_kernel
 from qwen3_pretrain.models.ops.delta_rule import delta_rule_kernel
 from qwen3_pretrain.models.ops.elementwise import elementwise_kernels
+from qwen3_pretrain.models.ops.fp8 import Fp8Filter, Fp8Projections, check_device as check_fp8_device
+from qwen3_pretrain.models.ops.fp8 import needs_emulation as needs_fp8_emulation
+from qwen3_pretrain.models.ops.fp8 import precompute_scales as precompute_fp8_scales
 from qwen3_pretrain.models.ops.loss import IGNORE_INDEX
 from qwen3_pretrain.models.ops.moe import Capacity, GroupedExperts
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
@@ -166,7 +169,29 @@ class Engine:
         # The data's end-of-document token: with per-document positions an MTP target in the next document
         # is ignored (mtp_labels); None (the simulation's data has no documents) ignores none.
         self.eod_id = eod_id
+        # FP8 projections (models/ops/fp8.py), refused here on a device without FP8 tensor cores unless emulated
+        self.fp8 = self._fp8()
         self._create_model(allocate, stage_io)
+
+    def _fp8(self) -> Fp8Projections | None:
+        """The decoder layers' FP8 projection choice under ``fp8`` (None: off), after the device check (on the
+        device the run trains on; a simulation builds for another device on CPU tensors and is not refused)."""
+        cfg = self.cfg
+        if cfg.fp8 is None:
+            return None
+        real = self.target_device_type == self.device.type
+        if real:
+            check_fp8_device(cfg.fp8, self.device, cfg.fp8_emulate)
+        return Fp8Projections(cfg.fp8, emulate=real and needs_fp8_emulation(cfg.fp8, self.device),
+                              all_gather=cfg.fp8_all_gather, filter=Fp8Filter.parse(cfg.fp8_filter))
+
+    def refresh_fp8_scales(self) -> None:
+        """Under ``fp8_all_gather``: the FP8 weights' scales for their next all-gathers, from the weights as
+        they are, in one all-reduce (after each update and after a checkpoint's weights are loaded; without
+        it each weight's gather would reduce its own maximum)."""
+        if self.fp8 is not None and self.fp8.all_gather:
+            for part in self.parts:
+                precompute_fp8_scales(part)
 
     def _router_balance(self) -> RouterBalance:
         """The MoE layers' observer: balancing losses and expert counts, over the ranks of a micro-batch."""
@@ -210,7 +235,8 @@ class Engine:
                            multi_token_prediction=self.mtp_weight > 0,
                            delta_rule=delta_rule_kernel(self.target_device_type), elementwise=self.elementwise,
                            moe_router_fp32=cfg.moe_router_dtype == "fp32",
-                           moe_expert_bias=cfg.moe_bias_update_rate > 0, moe_capacity=self.capacity)
+                           moe_expert_bias=cfg.moe_bias_update_rate > 0, moe_capacity=self.capacity,
+                           fp8=self.fp8)
         parallelize_stage(part, self.mesh, self.dp_mesh, cfg.mixed_precision, cfg.compile,
                           reduce_scatter_device=self.target_device_type, expert_meshes=self.expert_meshes,
                           keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype)
@@ -486,6 +512,7 @@ class Engine:
             for opt in self.optimizers:
                 set_lr(opt, lr)
                 opt.step()
+            self.refresh_fp8_scales()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 

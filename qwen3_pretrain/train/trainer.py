@@ -184,6 +184,7 @@ class Trainer:
         self._check_checkpoint_model(read_meta(path), path)
         with self._phase(f"loading checkpoint {path}"):
             meta = self.checkpointer.load(path)
+        self.engine.refresh_fp8_scales()  # FP8 all-gather scales from the loaded weights
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
         self.loader.load_state_dict(meta["data"])

@@ -22,6 +22,7 @@ one and stays bit-exact.
 from __future__ import annotations
 
 import platform
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,3 +104,16 @@ def fp32_attention() -> SdpaAttention:
     fp32 once per forward). What it saves for backward is fp32 (twice the bf16 size; a small part of a
     layer's activations)."""
     return SdpaAttention(compute_dtype=torch.float32)
+
+
+# What a block builds its projections with: one class (or factory) for all of them, or a choice per
+# projection, a function of its name within the block returning the class (``ModelOptions.linears``: FP8).
+LinearChoice = type[nn.Linear] | Callable[[str], Callable[..., nn.Linear]]
+
+
+def projection(linear: LinearChoice, name: str, in_features: int, out_features: int) -> nn.Linear:
+    """The block's projection ``name`` (``q_proj``), without bias: ``linear(in, out, bias=False)`` when
+    ``linear`` is a class (every projection's, as the model has always been built), else built by what
+    ``linear(name)`` chooses."""
+    make = linear if isinstance(linear, type) else linear(name)
+    return make(in_features, out_features, bias=False)

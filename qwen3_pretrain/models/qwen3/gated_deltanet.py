@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qwen3_pretrain.models.ops.causal_conv import causal_conv1d
 from qwen3_pretrain.models.ops.delta_rule import DeltaRuleKernel, TorchDeltaRule
+from qwen3_pretrain.models.ops.precision import LinearChoice, projection
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 
 
@@ -68,7 +69,7 @@ class GatedDeltaNet(nn.Module):
     delta rule's (models/ops/delta_rule.py), ours in plain torch when None; ``recompute``: the delta rule runs
     again in backward (selective recompute)."""
 
-    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, split=None,
+    def __init__(self, cfg: Qwen3Config, linear: LinearChoice = nn.Linear, split=None,
                  kernel: DeltaRuleKernel | None = None, recompute: bool = False) -> None:
         super().__init__()
         # the delta rule keeps only its inputs and runs again in backward (selective recompute, as attention's
@@ -83,20 +84,20 @@ class GatedDeltaNet(nn.Module):
         self.fused = cfg.fused_linear_projections
         key_dim, value_dim, heads = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
         if self.fused:
-            self.in_proj_qkvz = linear(h, 2 * key_dim + 2 * value_dim, bias=False)
-            self.in_proj_ba = linear(h, 2 * heads, bias=False)
+            self.in_proj_qkvz = projection(linear, "in_proj_qkvz", h, 2 * key_dim + 2 * value_dim)
+            self.in_proj_ba = projection(linear, "in_proj_ba", h, 2 * heads)
         else:
-            self.in_proj_qkv = linear(h, 2 * key_dim + value_dim, bias=False)
-            self.in_proj_z = linear(h, value_dim, bias=False)
-            self.in_proj_b = linear(h, heads, bias=False)
-            self.in_proj_a = linear(h, heads, bias=False)
+            self.in_proj_qkv = projection(linear, "in_proj_qkv", h, 2 * key_dim + value_dim)
+            self.in_proj_z = projection(linear, "in_proj_z", h, value_dim)
+            self.in_proj_b = projection(linear, "in_proj_b", h, heads)
+            self.in_proj_a = projection(linear, "in_proj_a", h, heads)
         conv_dim = 2 * key_dim + value_dim
         # nn.Conv1d's layout [channels, 1, kernel] (HF's name and shape); applied channel-last, causally.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(heads))
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = linear(value_dim, h, bias=False)
+        self.out_proj = projection(linear, "out_proj", value_dim, h)
 
     def forward(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [batch, seq, hidden]; ``starts`` [batch, whole seq] (bool): where packed documents begin."""

@@ -36,7 +36,7 @@ shared expert whose output a sigmoid gate scales.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from qwen3_pretrain.models.ops.elementwise import CPU_KERNELS, ElementwiseKernel
 from qwen3_pretrain.models.ops.gated_delta import document_starts
 from qwen3_pretrain.models.ops.loss import ChunkedLMHead, TiedLMHead
 from qwen3_pretrain.models.ops.moe import Capacity, MoE, ExpertLoop, ExpertsKernel, RouterObserver, RouterStats
+from qwen3_pretrain.models.ops.precision import LinearChoice, projection
 from qwen3_pretrain.models.ops.rope import rope_cos_sin
 from qwen3_pretrain.models.qwen3.attention import AttentionKernel, SdpaAttention
 from qwen3_pretrain.models.qwen3.config import RECOMPUTE, Qwen3Config
@@ -105,6 +106,10 @@ class ModelOptions:
     elementwise: ElementwiseKernels = CPU_KERNELS
     # The class of every projection: ``nn.Linear``, or one with other numerics (models/ops/precision.py).
     linear: type[nn.Linear] = nn.Linear
+    # A choice of class per decoder-layer projection, by module path (``layers.3.mlp.down_proj``): returns
+    # what builds it (a class, or a factory called as one). FP8 (models/ops/fp8.py: ``Fp8Projections``).
+    # None: ``linear`` everywhere. Never asked about the LM head, the embedding or a MoE router.
+    projections: Callable[[str], Callable[..., nn.Linear]] | None = None
     # Recomputed in backward instead of kept (config.RECOMPUTE): "full" (each decoder layer keeps only its
     # input), "selective" (the attention core, the kernel call: what the kernel saves beyond its inputs, e.g.
     # scores or softmax statistics, as Megatron's selective recompute; a Gated DeltaNet layer's delta rule),
@@ -144,6 +149,20 @@ class ModelOptions:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, not {self.recompute!r}")
 
+    def linear_for(self, name: str) -> Callable[..., nn.Linear]:
+        """What builds the decoder-layer projection at module path ``name`` (``projections``' choice, else
+        ``linear``)."""
+        return self.linear if self.projections is None else self.projections(name)
+
+    def linears(self, block: str) -> LinearChoice:
+        """What the block at module path ``block`` (``layers.3.attn``) builds its projections with:
+        ``linear`` itself when there is no per-projection choice (the model as it has always been built),
+        else a function of the projection's name within the block (``models/ops/precision.py``:
+        ``projection``)."""
+        if self.projections is None:
+            return self.linear
+        return lambda name: self.linear_for(f"{block}.{name}")
+
 
 @dataclass(frozen=True)
 class ModelPart:
@@ -175,7 +194,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: type[nn.Linear] = nn.Linear,
+    def __init__(self, cfg: Qwen3Config, kernel: AttentionKernel, linear: LinearChoice = nn.Linear,
                  recompute: bool = False, elementwise: ElementwiseKernels = CPU_KERNELS) -> None:
         super().__init__()
         self.recompute = recompute  # the kernel call keeps only q, k, v and runs again in backward
@@ -183,10 +202,10 @@ class Attention(nn.Module):
         # The hybrids' output gate: q_proj's rows per head are [query | gate], so a shard of heads keeps its gates.
         self.output_gate = cfg.is_hybrid
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = linear(h, cfg.num_attention_heads * hd * (2 if self.output_gate else 1), bias=False)
-        self.k_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = linear(h, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = linear(cfg.num_attention_heads * hd, h, bias=False)
+        self.q_proj = projection(linear, "q_proj", h, cfg.num_attention_heads * hd * (2 if self.output_gate else 1))
+        self.k_proj = projection(linear, "k_proj", h, cfg.num_key_value_heads * hd)
+        self.v_proj = projection(linear, "v_proj", h, cfg.num_key_value_heads * hd)
+        self.o_proj = projection(linear, "o_proj", cfg.num_attention_heads * hd, h)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.is_hybrid, elementwise)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.is_hybrid, elementwise)
         self.rope = elementwise.rope  # models/ops/rope.py, or the device's fused kernel
@@ -213,14 +232,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, linear: type[nn.Linear] = nn.Linear, recompute: bool = False,
+    def __init__(self, cfg: Qwen3Config, linear: LinearChoice = nn.Linear, recompute: bool = False,
                  intermediate_size: int | None = None, elementwise: ElementwiseKernels = CPU_KERNELS) -> None:
         super().__init__()
         self.swiglu = elementwise.swiglu
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_proj = linear(cfg.hidden_size, inter, bias=False)
-        self.up_proj = linear(cfg.hidden_size, inter, bias=False)
-        self.down_proj = linear(inter, cfg.hidden_size, bias=False)
+        self.gate_proj = projection(linear, "gate_proj", cfg.hidden_size, inter)
+        self.up_proj = projection(linear, "up_proj", cfg.hidden_size, inter)
+        self.down_proj = projection(linear, "down_proj", inter, cfg.hidden_size)
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +256,7 @@ class SparseMLP(MoE):
     adds a shared expert, an MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``. With a
     router observer it returns (output, ``RouterStats``)."""
 
-    def __init__(self, cfg: Qwen3Config, options: ModelOptions) -> None:
+    def __init__(self, cfg: Qwen3Config, options: ModelOptions, path: str = "layers.0.mlp") -> None:
         observer = options.router_observer
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                          cfg.norm_topk_prob, kernel=options.experts or ExpertLoop(), linear=options.linear,
@@ -247,7 +266,7 @@ class SparseMLP(MoE):
         self.recompute = options.recompute == "mlp"
         self.shared_expert: MLP | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, options.linear, intermediate_size=cfg.shared_expert_intermediate_size,
+            self.shared_expert = MLP(cfg, options.linears(f"{path}.shared_expert"), intermediate_size=cfg.shared_expert_intermediate_size,
                                      elementwise=options.elementwise)
             self.shared_expert_gate = options.linear(cfg.hidden_size, 1, bias=False)
 
@@ -272,20 +291,21 @@ class DecoderLayer(nn.Module):
     outside its recompute, so the observer runs once per forward, outside the layer's (compiled) code."""
 
     def __init__(self, cfg: Qwen3Config, options: ModelOptions, attention: AttentionKernel, index: int,
-                 full_attention: bool = False) -> None:
+                 full_attention: bool = False, path: str | None = None) -> None:
         super().__init__()
+        path = path or f"layers.{index}"  # the module path, by which ModelOptions.projections chooses
         zero_centered = cfg.is_hybrid
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered, options.elementwise)
         self.linear = not full_attention and cfg.is_linear_layer(index)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, options.linear, options.head_split, options.delta_rule,
+            self.linear_attn = GatedDeltaNet(cfg, options.linears(f"{path}.linear_attn"), options.head_split, options.delta_rule,
                                              recompute=options.recompute == "selective")
         else:
-            self.attn = Attention(cfg, attention, options.linear, recompute=options.recompute == "selective",
+            self.attn = Attention(cfg, attention, options.linears(f"{path}.attn"), recompute=options.recompute == "selective",
                                   elementwise=options.elementwise)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered, options.elementwise)
-        self.mlp = SparseMLP(cfg, options) if cfg.is_sparse_layer(index) \
-            else MLP(cfg, options.linear, recompute=options.recompute == "mlp", elementwise=options.elementwise)
+        self.mlp = SparseMLP(cfg, options, f"{path}.mlp") if cfg.is_sparse_layer(index) \
+            else MLP(cfg, options.linears(f"{path}.mlp"), recompute=options.recompute == "mlp", elementwise=options.elementwise)
         self.reports_routing = isinstance(self.mlp, SparseMLP) and self.mlp.report
         self.recompute = options.recompute == "full"
 
@@ -325,7 +345,8 @@ class MultiTokenPrediction(nn.Module):
         # it, as Megatron's do), under the indices after theirs (``routed_layers``).
         self.router_observer = options.router_observer
         self.first_index = cfg.num_hidden_layers
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, attention, 0, full_attention=True)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, options, attention, 0, full_attention=True,
+                                                      path=f"mtp.layers.{i}")
                                      for i in range(cfg.mtp_num_hidden_layers)})
         self.norm = RMSNorm(h, eps, cfg.is_hybrid, options.elementwise)
 
