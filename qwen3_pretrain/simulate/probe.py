@@ -1,0 +1,149 @@
+"""Measure the host CPU's own roofline numbers: matmul throughput per dtype and shape, memory bandwidth,
+and the host latency of one tiny op, in a few seconds.
+
+The device table (``hardware.DEVICES``) carries datasheet figures for accelerators; for a CPU no datasheet
+says what torch's kernels achieve on this machine's cores at this moment (AMX or AVX-512 bf16, cache sizes,
+how many cores the process may use, other processes' load). ``measure_cpu`` times the kernels the engine
+dispatches in the process that will train, at its thread count, so the op trace of a CPU training step can
+be priced with figures of the same machine (bench/roofline_cpu.py compares that price with the measured
+step). Each figure is the median of a few repeats, each repeat long enough (``min_seconds``) for the
+timer: the median, not the best, because the step time it predicts is a median under the same load.
+
+Shape classes: ``square`` (an n x n x n product, what datasheets quote), ``skinny`` (many tokens through a
+narrow layer, [tokens, k] @ [k, n] with k, n small: the projections of a small model), and whatever exact
+shapes the caller names (``shapes``: the model's own projections, forward and the two backward products).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CpuProbe:
+    """What ``measure_cpu`` found: TFLOP/s by (dtype, shape class), GB/s by kernel, microseconds per tiny op."""
+
+    cpu: str  # /proc/cpuinfo's model name
+    threads: int  # torch's intra-op threads while measuring
+    matmul_tflops: dict[tuple[str, str], float] = field(default_factory=dict)
+    # bytes read + written per second, GB/s (1e9): "copy" (fp32 copy_), "add_fp32", "add_bf16" (a + b -> out)
+    memory_gbps: dict[str, float] = field(default_factory=dict)
+    op_latency_us: float = 0.0  # one tiny eager op (a + b on 8 elements): dispatch and allocation, no compute
+    load_average: float = 0.0  # the 1-minute load average when the probe ran
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """The streaming bandwidth elementwise work is priced at: the fp32 add's (reads two, writes one)."""
+        return self.memory_gbps["add_fp32"]
+
+    def tflops(self, dtype: str, shape_class: str = "square") -> float:
+        return self.matmul_tflops[(dtype, shape_class)]
+
+    def rows(self) -> list[str]:
+        """The probe as printable lines."""
+        lines = [f"cpu: {self.cpu}, {self.threads} thread(s), load average {self.load_average:.1f}"]
+        lines += [f"matmul {dtype} {shape}: {value:.3f} TFLOP/s" for (dtype, shape), value in
+                  sorted(self.matmul_tflops.items())]
+        lines += [f"memory {name}: {value:.1f} GB/s" for name, value in self.memory_gbps.items()]
+        lines.append(f"tiny op: {self.op_latency_us:.1f} us")
+        return lines
+
+
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+
+
+def seconds_per_call(fn: Callable[[], object], min_seconds: float = 0.02, repeats: int = 3) -> float:
+    """Median over ``repeats`` of the mean time of ``fn`` over a run of at least ``min_seconds``."""
+    fn()  # first call: oneDNN primitive creation, page faults of fresh outputs
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds / 4:
+        fn()
+        calls += 1
+    per_call = (time.perf_counter() - start) / calls
+    n = max(1, int(min_seconds / max(per_call, 1e-9)))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - start) / n)
+    return statistics.median(samples)
+
+
+def matmul_tflops(m: int, k: int, n: int, dtype: torch.dtype, min_seconds: float = 0.02) -> float:
+    """TFLOP/s of [m, k] @ [k, n] in ``dtype`` (2 m k n FLOPs), the layout of ``F.linear``'s forward."""
+    a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    return 2 * m * k * n / seconds_per_call(lambda: a @ w.t(), min_seconds) / 1e12
+
+
+def linear_tflops(tokens: int, k: int, n: int, dtype: torch.dtype, min_seconds: float = 0.02) -> float:
+    """TFLOP/s of a linear layer's three products (forward, input gradient, weight gradient) together."""
+    x, w, g = (torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype),
+               torch.randn(tokens, n, dtype=dtype))
+
+    def fwd_bwd() -> None:
+        x @ w.t()
+        g @ w
+        g.t() @ x
+
+    return 3 * 2 * tokens * k * n / seconds_per_call(fwd_bwd, min_seconds) / 1e12
+
+
+def memory_gbps(min_seconds: float = 0.05, mib: int = 128) -> dict[str, float]:
+    """Streaming bandwidth of a copy and an add over tensors of ``mib`` MiB (well beyond the caches)."""
+    numel = mib * 2**20 // 4
+    src, dst = torch.ones(numel), torch.empty(numel)
+    a16, b16, out16 = torch.ones(numel, dtype=torch.bfloat16), torch.ones(numel, dtype=torch.bfloat16), \
+        torch.empty(numel, dtype=torch.bfloat16)
+    out32 = torch.empty(numel)
+    return {
+        "copy": 2 * 4 * numel / seconds_per_call(lambda: dst.copy_(src), min_seconds) / 1e9,
+        "add_fp32": 3 * 4 * numel / seconds_per_call(lambda: torch.add(src, dst, out=out32), min_seconds) / 1e9,
+        "add_bf16": 3 * 2 * numel / seconds_per_call(lambda: torch.add(a16, b16, out=out16), min_seconds) / 1e9,
+    }
+
+
+def op_latency_us(calls: int = 2000) -> float:
+    """Microseconds per tiny eager op (dispatch, allocation of its output): the floor of an op's host time."""
+    a, b = torch.ones(8), torch.ones(8)
+    return seconds_per_call(lambda: a + b, min_seconds=calls * 2e-6) * 1e6
+
+
+def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None = None,
+                square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256),
+                min_seconds: float = 0.02, memory_mib: int = 128) -> CpuProbe:
+    """Measure this CPU at ``threads`` intra-op threads (default: torch's current setting).
+
+    ``shapes``: (tokens, in, out) of linear layers whose forward and backward products are timed together,
+    recorded as shape class ``"tokens x in x out"``. About 2-4 s on 2 idle cores with the defaults.
+    Measure at the thread count the priced work runs at: with more threads than the cores free at the
+    moment, every parallel region waits for a descheduled thread, a cost per op that grows with the load.
+    """
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        tflops: dict[tuple[str, str], float] = {}
+        for name, dtype in DTYPES.items():
+            tflops[(name, "square")] = matmul_tflops(square, square, square, dtype, min_seconds)
+            tflops[(name, "skinny")] = matmul_tflops(*skinny, dtype, min_seconds)
+            for tokens, k, n in shapes:
+                tflops[(name, f"{tokens}x{k}x{n}")] = linear_tflops(tokens, k, n, dtype, min_seconds)
+        return CpuProbe(cpu=cpu_name(), threads=torch.get_num_threads(), matmul_tflops=tflops,
+                        memory_gbps=memory_gbps(min_seconds, memory_mib), op_latency_us=op_latency_us(),
+                        load_average=os.getloadavg()[0])
+    finally:
+        torch.set_num_threads(before)

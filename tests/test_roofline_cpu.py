@@ -1,0 +1,70 @@
+"""The CPU's own roofline numbers (``simulate.probe``) and the CPU roofline bench's profiler categories.
+
+Speed itself is measured in bench/roofline_cpu.py (predicted against measured step time); here only what a
+user of the probe relies on: every figure positive and finite, in plausible ranges, and the bench's table
+sorting torch.profiler's events into the categories the prediction has.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen3_pretrain.simulate.probe import CpuProbe, linear_tflops, measure_cpu, seconds_per_call
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def probe() -> CpuProbe:
+    return measure_cpu(shapes=[(256, 64, 128)], threads=1, square=256, skinny=(512, 64, 64), min_seconds=0.005,
+                       memory_mib=16)
+
+
+def test_probe_figures_are_positive_and_plausible(probe):
+    assert probe.threads == 1
+    assert set(probe.matmul_tflops) == {(d, c) for d in ("fp32", "bf16") for c in ("square", "skinny", "256x64x128")}
+    # one core of any CPU torch runs on: above 1 GFLOP/s, below 100 TFLOP/s
+    assert all(1e-3 < v < 100 and math.isfinite(v) for v in probe.matmul_tflops.values()), probe.matmul_tflops
+    assert set(probe.memory_gbps) == {"copy", "add_fp32", "add_bf16"}
+    assert all(0.1 < v < 10_000 for v in probe.memory_gbps.values()), probe.memory_gbps
+    assert probe.bandwidth_gbps == probe.memory_gbps["add_fp32"]
+    assert 0.05 < probe.op_latency_us < 10_000
+    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 1
+
+
+def test_probe_restores_the_thread_count():
+    before = torch.get_num_threads()
+    measure_cpu(threads=1, square=64, skinny=(64, 64, 64), min_seconds=0.001, memory_mib=1)
+    assert torch.get_num_threads() == before
+
+
+def test_timer_counts_the_work_of_a_call():
+    """A call that does twice the work takes about twice as long (the timer divides by the calls it made)."""
+    a = torch.randn(256, 256)
+    one = seconds_per_call(lambda: a @ a, min_seconds=0.01)
+    two = seconds_per_call(lambda: (a @ a, a @ a), min_seconds=0.01)
+    assert 1.2 < two / one < 3.5, (one, two)
+    # three products per linear layer, each 2 m k n FLOPs
+    assert linear_tflops(64, 64, 64, torch.float32, 0.002) > 0
+
+
+def test_profiler_categories_of_the_bench():
+    sys.path.insert(0, str(REPO / "bench"))
+    from roofline_cpu import CATEGORIES, op_category, profiled_categories
+
+    assert op_category("aten::mm") == "matmul"
+    assert op_category("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert op_category("gloo:all_reduce") == "communication"
+    assert op_category("c10d::allreduce_") == "communication"
+    assert op_category("aten::mul") == "elementwise"
+    assert op_category("## Call CompiledFxGraph abc ##") == "elementwise"
+    assert op_category("Optimizer.step#AdamW.step") == "other"
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    seconds = profiled_categories(lambda: (x @ w).relu().sum())
+    assert set(seconds) == set(CATEGORIES)
+    assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
