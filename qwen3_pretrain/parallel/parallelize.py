@@ -38,7 +38,6 @@ from qwen3_pretrain.models.qwen3.init import INIT_TILE
 from qwen3_pretrain.models.qwen3.model import LossHead, ModelOptions, ModelPart, Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import ContextParallelAttention, ContextParallelHeads
 from qwen3_pretrain.parallel.expert_parallel import apply_expert_parallel
-from qwen3_pretrain.parallel.fp8 import fp8_all_gather_on_gloo
 from qwen3_pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
 # (parameter name, global shape, slices of this rank) -> values for those slices
@@ -211,7 +210,6 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(AllReduceScatter())
-    fp8_all_gather_on_gloo(model, dp_mesh.device_type)  # FP8 weights gathered as bytes over gloo
 
 
 def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, mixed_precision: str,

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 
 from qwen3_pretrain.models.ops.loss import TiedLMHead
 from qwen3_pretrain.models.ops.moe import MoE
+from qwen3_pretrain.parallel.fp8 import float8_tensor_parallel_plan
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -217,7 +218,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, moe_local_token
                      _layer_plan(sparse, moe_local_tokens, linear, shared, layer.reports_routing).items()})
     if getattr(model, "mtp", None) is not None:
         plan.update(_mtp_plan(model.mtp, moe_local_tokens))
-    parallelize_module(model, tp_mesh, plan)
+    # tensorwise FP8 projections take torchao's FP8 styles (parallel/fp8.py)
+    parallelize_module(model, tp_mesh, float8_tensor_parallel_plan(model, plan, tp_mesh.device_type))
     for layer in model.layers.values():
         if layer.linear:
             split_gated_deltanet(layer.linear_attn, tp_mesh)
