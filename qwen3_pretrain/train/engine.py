@@ -35,6 +35,7 @@ from qwen3_pretrain.models.qwen3.model import Qwen3Model
 from qwen3_pretrain.parallel.context_parallel import sequence_positions, shard_sequence
 from qwen3_pretrain.parallel.dims import ParallelDims, check_expert_split, padded_vocab_size, stage_layer_ranges
 from qwen3_pretrain.parallel.expert_parallel import gather_over
+from qwen3_pretrain.parallel.fp8 import check_fp8_layout
 from qwen3_pretrain.parallel.grads import TiedWeights, clip_grads, global_grad_norm
 from qwen3_pretrain.parallel.parallelize import (
     KernelFactory,
@@ -90,6 +91,7 @@ def resolve_parallelism(cfg: TrainConfig, world_size: int, model: Qwen3Config) -
     dims.validate(model, cfg.pp * stages_per_rank)
     check_pipeline_feed(cfg.pp, cfg.pp_schedule, cfg.batch_size, cfg.gradient_accumulation_steps,
                         cfg.pp_microbatch_size, batch_key="batch_size")
+    check_fp8_layout(cfg.fp8, cfg.pp_microbatch_size if cfg.pp > 1 else cfg.batch_size, cfg.seq_length, cfg.cp)
     return Parallelism(dims, stages_per_rank)
 
 
