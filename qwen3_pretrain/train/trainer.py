@@ -30,6 +30,7 @@ from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
 from qwen3_pretrain.hardware import default_chunk_tokens, matmul_precision
+from qwen3_pretrain.models.ops.fp8 import describe as describe_fp8
 from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
 from qwen3_pretrain.models.qwen3.hf_carried import write_carried
 from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
@@ -425,6 +426,8 @@ class Trainer:
             log.info("kernels: %s", describe_kernels(kernel_table(
                 m, self.engine.target_device_type, self.engine.elementwise, cfg.mixed_precision, self.fp32_matmul,
                 dims.cp > 1, describe_optimizer(self.optimizers[0]))))
+            if self.engine.fp8 is not None:
+                log.info("%s", describe_fp8(self.engine.fp8, self.engine.parts))
             # The start record first: a resume record after it belongs to the run it starts.
             self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
                                 "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,

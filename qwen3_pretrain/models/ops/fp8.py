@@ -247,10 +247,11 @@ def fp8_device_problem(recipe: str, device: torch.device | str, emulate: bool,
     (``fp8_emulate``) allows every device: the FP8 numerics, computed in high precision."""
     if emulate:
         return None
-    device = torch.device(device)
+    # the type by name: "npu" is a device type only once torch_npu is imported
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     fix = "set fp8_emulate true to run FP8's numerics in emulation (slower than bf16), or leave fp8 unset"
-    if device.type != "cuda":
-        name = {"npu": "Ascend NPU (910B)", "cpu": "the CPU"}.get(device.type, device.type)
+    if kind != "cuda":
+        name = {"npu": "Ascend NPU (910B)", "cpu": "the CPU"}.get(kind, kind)
         return f"fp8 {recipe}: {name} has no FP8 tensor cores; {fix}"
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
@@ -282,3 +283,22 @@ def precompute_scales(model: nn.Module) -> None:
     updated weights, in one all-reduce of the per-shard maxima (call after each optimizer step)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def describe(projections: Fp8Projections, parts: list[nn.Module]) -> str:
+    """The start-up log line under ``fp8``: the recipe, how many of the decoder layers' linear modules
+    multiply in FP8 and their share of those modules' weights (the FP8 share of the layers' matmul FLOPs,
+    routed experts aside); the rest (routers, narrow gates, projections the filter or the kernels' size rule
+    keep out) stay in high precision."""
+    fp8 = fp8_weights = other = other_weights = 0
+    for part in parts:
+        for name, module in part.named_modules():
+            if not isinstance(module, nn.Linear) or not (name.startswith("layers.") or name.startswith("mtp.")):
+                continue
+            if is_fp8_linear(module):
+                fp8, fp8_weights = fp8 + 1, fp8_weights + module.weight.numel()
+            else:
+                other, other_weights = other + 1, other_weights + module.weight.numel()
+    share = fp8_weights / max(fp8_weights + other_weights, 1)
+    return (f"fp8: {projections.describe()} | {fp8} projections in FP8 ({share:.1%} of the decoder layers' linear "
+            f"weights), {other} in high precision (routers, narrow gates, filtered)")
