@@ -23,7 +23,8 @@ from qwen3_pretrain.errors import MissingFileError, UserError
 from qwen3_pretrain.hardware import DEVICES, Hardware, default_chunk_tokens, get_device, with_overrides
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset, is_preset_name
 from qwen3_pretrain.parallel.dims import check_expert_split, check_model_split, sequence_split_problem
-from qwen3_pretrain.plan.layout import (CHECKPOINTING, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
+from qwen3_pretrain.plan.fp8 import fp8_peak_tflops
+from qwen3_pretrain.plan.layout import (CHECKPOINTING, FP8_RECIPES, PP_SCHEDULES, PRECISIONS, Cluster, Layout,
                                         enumerate_layouts)
 from qwen3_pretrain.plan.memory import GiB, OVERHEAD_FRACTION, MemoryBreakdown, predict_memory
 from qwen3_pretrain.plan.step import StepEstimate, predict_step
@@ -41,8 +42,17 @@ CONFIG_KEYS: dict[str, Any] = {
     "activation_checkpointing": str | None, "pp_schedule": str, "pp_virtual_stages": int,
     "pp_microbatch_size": int, "loss_chunk_tokens": int | None, "document_mask": bool,
     "reduce_grads_every_microbatch": bool, "keep_params_gathered": bool, "grad_reduce_dtype": str, "compile": bool,
-    "dp_shard": int | None, "mtp_loss_weight": float,
+    "dp_shard": int | None, "mtp_loss_weight": float, "moe_capacity_factor": float | None,
+    "moe_pad_to_capacity": bool, "fp8": str | None, "fp8_all_gather": bool,
 }
+
+# A layout must leave this share of the device's memory free to count as fitting: the memory model is within
+# 5% of measured peaks on the CPU (docs/planner.md, "Validation"), and nothing of it is measured on a device yet.
+DEFAULT_MEMORY_MARGIN = 0.05
+# Rows whose predicted tokens/s are within this share of the best row's are not ranked by the prediction:
+# each term of the step model carries an error of that order (a compute efficiency calibrated on one run,
+# the host term, datasheet link figures), so the order among them is the model's noise, not a finding.
+DEFAULT_TIE_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class Candidate:
     step: StepEstimate
     fits: bool
     fits_if_balanced: bool = False  # does not fit at the layout's routing imbalance, would at perfect balance
+    headroom: bool = True  # fits with the memory margin left free (``--memory-margin``)
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -69,7 +80,11 @@ class Candidate:
             "mfu": round(self.step.mfu, 4), "hfu": round(self.step.hfu, 4),
             "mfu_full_square": round(self.step.mfu_full_square, 4), "fits": self.fits,
             "moe_imbalance": lay.moe_imbalance, "moe_rank_load": lay.moe_rank_load,
-            "fits_if_balanced": self.fits_if_balanced,
+            "fits_if_balanced": self.fits_if_balanced, "fits_with_margin": self.fits and self.headroom,
+            "bottleneck": self.step.bottleneck,
+            "breakdown_s": {k: round(v, 4) for k, v in self.step.breakdown.items()},
+            "dp_total_s": round(self.step.dp_total_s, 4), "dp_exposed_s": round(self.step.comm_time_s["dp"], 4),
+            "fp8": self.layout.fp8, "fp8_all_gather": self.layout.fp8_all_gather,
             "global_batch_size": lay.global_batch_size, "peak_stage": self.memory.stage,
             "peak_moment": self.memory.moment,
             "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in self.step.comm_bytes_per_axis.items()},
@@ -90,6 +105,10 @@ class Candidate:
             "reduce_grads_every_microbatch": lay.reduce_grads_every_microbatch and lay.pp == 1,
             "keep_params_gathered": lay.keep_params_gathered, "grad_reduce_dtype": lay.grad_reduce_dtype,
             "compile": lay.compile}
+        if lay.fp8 != "off":
+            keys.update(fp8=lay.fp8, fp8_all_gather=lay.fp8_all_gather and lay.distributed_optimizer)
+        if lay.moe_capacity_factor is not None:
+            keys.update(moe_capacity_factor=lay.moe_capacity_factor, moe_pad_to_capacity=lay.moe_pad_to_capacity)
         if lay.pp > 1:
             keys.update(pp_schedule=lay.pp_schedule, pp_microbatch_size=lay.pp_microbatch_size)
             if lay.pp_schedule == "interleaved":
@@ -148,11 +167,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the training's moe_capacity_factor (default: the config's; none: dropless)")
     lay.add_argument("--moe-pad-to-capacity", action=argparse.BooleanOptionalAction, default=None,
                      help="the training's moe_pad_to_capacity (default: the config's)")
+    lay.add_argument("--fp8", choices=FP8_RECIPES,
+                     help="the training's fp8 recipe: the decoder layers' projections in FP8 (default: the "
+                          "config's, else off); refused on devices without FP8 matmuls")
+    lay.add_argument("--fp8-all-gather", action=argparse.BooleanOptionalAction, default=None,
+                     help="FSDP all-gathers the FP8 projections' weights at one byte each (fp8 tensorwise; "
+                          "default: the config's fp8_all_gather, else off)")
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved schedule)")
     lay.add_argument("--pp-microbatch-size", type=int, help="samples per pipeline micro-batch")
     lay.add_argument("--loss-chunk-tokens", type=int,
                      help="tokens per chunk of the fused LM head + loss (default 4096; 1024 with --device cpu)")
+    rank = p.add_argument_group("ranking")
+    rank.add_argument("--memory-margin", type=float, default=DEFAULT_MEMORY_MARGIN,
+                      help="share of the device's memory a layout must leave free to rank as fitting (default "
+                           f"{DEFAULT_MEMORY_MARGIN:g}: the memory model's error on the CPU; those inside it are "
+                           "'tight' and rank after)")
+    rank.add_argument("--tie-tolerance", type=float, default=DEFAULT_TIE_TOLERANCE,
+                      help="rows within this share of the best row's predicted tokens/s are reported as a tie "
+                           f"(default {DEFAULT_TIE_TOLERANCE:g}: the step model's own uncertainty)")
+    rank.add_argument("--tokens", help="a token budget (e.g. 1T, 300B, 2.5e12): the days the best row takes to "
+                                       "train it")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON list, best first")
     out.add_argument("--top", type=int, default=10, help="rows to show")
@@ -165,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 def read_train_config(path: str) -> dict[str, Any]:
     """The planner's keys of a training config, coerced to their types (other keys are ignored)."""
     data = read_yaml(path)
+    if data.get("fp8") is False:  # YAML reads an unquoted off as false
+        data["fp8"] = None
     return {key: coerce(value, CONFIG_KEYS[key], f"{path}: {key}") for key, value in data.items()
             if key in CONFIG_KEYS}
 
@@ -187,6 +224,14 @@ def resolve_model(name: str | None, conf: dict[str, Any]) -> Qwen3Config:
             hint = nearest(key, names)
             raise UserError(f"model_overrides: unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else ""))
     return dataclasses.replace(model, **overrides)
+
+
+def efficiency_source(args: argparse.Namespace) -> str:
+    """Where the compute efficiency comes from, in words."""
+    if args.efficiency is not None:
+        return "--efficiency"
+    return ("the device table's compute_efficiency, calibrated on one published run: torchtitan's Llama-3.1-8B on "
+            "8 x H100; --efficiency overrides")
 
 
 def resolve_hardware(args: argparse.Namespace) -> Hardware:
@@ -233,8 +278,10 @@ def resolve_cluster(args: argparse.Namespace, conf: dict[str, Any]) -> Cluster:
 
 def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layout, dict[str, Any]]:
     """The base layout (settings that are not searched) and the fixed degrees, flags over config."""
+    # A training config always decides recompute: activation_checkpointing, else gradient_checkpointing (the
+    # training default false: none), as the engine reads them
     ac = conf.get("activation_checkpointing") or (
-        ("full" if conf["gradient_checkpointing"] else "none") if "gradient_checkpointing" in conf else None)
+        ("full" if conf.get("gradient_checkpointing") else "none") if args.config else None)
     fixed = {"tp": conf.get("tp"), "pp": conf.get("pp"), "cp": conf.get("cp"), "ep": conf.get("ep"),
              "micro_batch_size": conf.get("batch_size"),
              "activation_checkpointing": ac, "distributed_optimizer": conf.get("distributed_optimizer"),
@@ -249,6 +296,10 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
     fixed = {k: v for k, v in fixed.items() if v is not None}
     def pick(flag: Any, key: str, default: Any) -> Any:
         return flag if flag is not None else conf.get(key, default)
+
+    fp8 = pick(args.fp8, "fp8", "off") or "off"
+    if fp8 not in FP8_RECIPES:
+        raise UserError(f"fp8 {fp8!r} is not one of {', '.join(FP8_RECIPES)}")
 
     base = Layout(
         seq_length=pick(args.seq_length, "seq_length", 4096),
@@ -268,6 +319,8 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         moe_imbalance=args.moe_imbalance,
         moe_capacity_factor=pick(args.moe_capacity_factor, "moe_capacity_factor", None),
         moe_pad_to_capacity=pick(args.moe_pad_to_capacity, "moe_pad_to_capacity", False),
+        fp8=fp8,
+        fp8_all_gather=pick(args.fp8_all_gather, "fp8_all_gather", False),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 
@@ -303,31 +356,35 @@ def check_fixed(cfg: Qwen3Config, cluster: Cluster, fixed: dict[str, Any], seq_l
         raise UserError(f"--dp-shard {shard} shards the optimizer state: it needs --distributed-optimizer")
 
 
-def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Cluster) -> list[Candidate]:
-    """Predictions for every layout, fitting ones first, then by throughput to three digits (the model's
-    precision), then by the bytes moved per step (what an overlap that falls short costs), those crossing
-    nodes, then memory."""
+def evaluate(cfg: Qwen3Config, layouts: list[Layout], hw: Hardware, cluster: Cluster,
+             memory_margin: float = DEFAULT_MEMORY_MARGIN) -> list[Candidate]:
+    """Predictions for every layout: those fitting with ``memory_margin`` of the device's memory left free
+    first, then those fitting only inside it (tight), then the rest; each group by throughput to three digits
+    (the model's precision), then by the bytes moved per step (what an overlap that falls short costs), those
+    crossing nodes, then memory."""
     limit = hw.memory_gib * GiB
     out = []
     for layout in layouts:
         memory = predict_memory(cfg, layout, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB)
         fits, balanced = memory.total <= limit, False
+        headroom = memory.total <= limit * (1 - memory_margin)
         if not fits and layout.moe_rank_load > 1:  # would it fit were the routing perfectly even?
             even = layout.replace(moe_imbalance=1.0, moe_capacity_factor=None, moe_pad_to_capacity=False)
             balanced = predict_memory(cfg, even, runtime_reserved_bytes=hw.runtime_reserved_gib * GiB).total <= limit
-        out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), fits, balanced))
+        out.append(Candidate(layout, memory, predict_step(cfg, layout, hw, cluster), fits, balanced, headroom))
     return sorted(out, key=_rank)
 
 
 def _rank(c: Candidate) -> tuple:
-    return (not c.fits, -float(f"{c.step.tokens_per_sec_per_device:.3g}"), sum(c.step.comm_bytes_per_axis.values()),
+    return (not c.fits, not c.headroom, -float(f"{c.step.tokens_per_sec_per_device:.3g}"),
+            sum(c.step.comm_bytes_per_axis.values()),
             c.step.cross_node_bytes, c.memory.total)
 
 
 def search(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
-           global_batch_size: int | None) -> list[Candidate]:
+           global_batch_size: int | None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> list[Candidate]:
     layouts = list(enumerate_layouts(cfg, cluster, base, global_batch_size, fixed))
-    return evaluate(cfg, layouts, hw, cluster)
+    return evaluate(cfg, layouts, hw, cluster, memory_margin)
 
 
 def suggest(cfg: Qwen3Config, cluster: Cluster, base: Layout, fixed: dict[str, Any], hw: Hardware,
@@ -400,7 +457,7 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
         *([_routing_line(candidates[0].layout)] if cfg.is_moe else []),
         "",
         " #  tp cp pp dp shard ep  mbs gas recompute dp-mode  | params  grads  optim    act logits    ovh |  total fits "
-        "| bubble  step s tok/s/dev   MFU   HFU "
+        "| bubble  step s tok/s/dev   MFU   HFU  limit     "
         "| comm GB tp/cp/pp/ep/dp cross-node",
     ]
     for i, c in enumerate(candidates[:top], 1):
@@ -413,9 +470,9 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
             f"{lay.activation_checkpointing:9s} {_dp_mode(lay):8s} |"
             + "".join(f" {gib[k]:6.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "logits",
                                                    "overhead"))
-            + f" | {gib['total']:6.2f} {_fits(c):4s} | {step.bubble_fraction:6.1%} "
+            + f" | {gib['total']:6.2f} {_fits(c):5s}| {step.bubble_fraction:6.1%} "
             f"{step.step_time_s:7.3f} {step.tokens_per_sec_per_device:9.1f} {step.mfu:5.1%} {step.hfu:5.1%}"
-            f"{'+' if step.host_bound else ' '}| {comm} {step.cross_node_bytes / 1e9:.1f}")
+            f"{'+' if step.host_bound else ' '} {step.bottleneck:9s} | {comm} {step.cross_node_bytes / 1e9:.1f}")
     if any(c.step.host_bound for c in candidates[:top]):
         lines.append("+ host-bound: the host issues the layers' operators slower than the device computes them "
                      "(eager DTensor under tp, a Gated DeltaNet layer's loop over the sequence's chunks; "
@@ -429,8 +486,109 @@ def format_table(cfg: Qwen3Config, cluster: Cluster, hw: Hardware, candidates: l
     return "\n".join(lines)
 
 
+def ties(candidates: list[Candidate], tolerance: float) -> int:
+    """How many rows from the top are within ``tolerance`` of the best row's predicted tokens/s, among those
+    ranked alike on memory (fitting with the margin, tight, not fitting)."""
+    best = candidates[0]
+    n = 1
+    for c in candidates[1:]:
+        if (c.fits, c.headroom) != (best.fits, best.headroom) or \
+                c.step.tokens_per_sec_per_device < (1 - tolerance) * best.step.tokens_per_sec_per_device:
+            break
+        n += 1
+    return n
+
+
+def parse_tokens(text: str) -> float:
+    """A token budget: a number with an optional K, M, B (or G) or T suffix (``1T``, ``300B``, ``2.5e12``)."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text.strip()[-1:].lower(), 1.0)
+    number = text.strip()[:-1] if scale != 1.0 else text.strip()
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise UserError(f"--tokens {text!r} is not a token count: give a number with an optional K, M, B or T "
+                        "suffix, e.g. 1T or 300B") from None
+    if not value > 0:
+        raise UserError(f"--tokens must be positive, got {text!r}")
+    return value
+
+
+def days_to_train(c: Candidate, tokens: float) -> float:
+    """Days the layout takes for ``tokens`` at its predicted throughput (every device, no pauses)."""
+    return tokens / (c.step.tokens_per_sec_per_device * c.layout.world_size) / 86400
+
+
+def _yaml_value(value: Any) -> str:
+    return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def format_notes(cfg: Qwen3Config, hw: Hardware, candidates: list[Candidate], top: int, args: argparse.Namespace,
+                 fixed: dict[str, Any], efficiency_source: str) -> str:
+    """What a reader needs beside the table to decide: the tight rows, the near-ties, what limits each row,
+    what FSDP's traffic costs the best one, what the figures rest on and leave out, the time to train, and
+    the best row as training config keys."""
+    best, lay = candidates[0], candidates[0].layout
+    lines = []
+    if any(c.fits and not c.headroom for c in candidates[:top]):
+        lines.append(f"tight: fits, but leaves less than {args.memory_margin:.0%} of the device's memory "
+                     f"({args.memory_margin * hw.memory_gib:.1f} GiB) free (--memory-margin; the memory model is "
+                     "within 5% of measured peaks on the CPU, unmeasured on devices): ranked after those that do")
+    n = ties(candidates, args.tie_tolerance)
+    if n > 1:
+        lines.append(f"near-tie: rows 1-{n} are within {args.tie_tolerance:.0%} of row 1's predicted tokens/s "
+                     "(--tie-tolerance), about the prediction's own uncertainty: it does not rank them; choose by "
+                     "memory headroom and simplicity, or measure them")
+    lines.append("limit: the largest term of a row's step time: matmul (FLOPs at the efficiency below), bandwidth "
+                 "(FP8 casts, optimizer step), host (operators issued slower than computed), comm <axis> "
+                 "(communication the compute does not hide), bubble (pipeline fill and drain)")
+    step = best.step
+    if step.dp_total_s:
+        lines.append(f"row 1's FSDP traffic: {sum(step.dp_bytes_per_group.values()) / 1e9:.1f} GB per device per "
+                     f"step ({step.cross_node_bytes / 1e9:.1f} GB of all its traffic across nodes), "
+                     f"{step.dp_total_s:.3f} s of collectives, {step.comm_time_s['dp']:.3f} s of them exposed "
+                     "(each hides only behind the compute running while it is in flight: docs/planner.md)")
+    searched = [k for k in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "activation_checkpointing",
+                            "distributed_optimizer", "dp_shard", "keep_params_gathered")
+                if k not in fixed and not (k == "ep" and not cfg.is_moe)]
+    lines.append("searched: " + (", ".join(searched) or "nothing") + "; fixed: "
+                 + (", ".join(f"{k} {_yaml_value(v)}" for k, v in fixed.items()) or "nothing")
+                 + (f" (from {args.config} and the flags)" if args.config else ""))
+    rests = [f"rests on: compute at {hw.compute_efficiency:.2f} of the {hw.peak_tflops_of(lay.mixed_precision):g} "
+             f"TFLOP/s {lay.mixed_precision} peak ({efficiency_source})"]
+    if lay.fp8 != "off":
+        from qwen3_pretrain.plan.fp8 import FP8_EFFICIENCY_RATIO
+        rests.append(f"FP8 projections at {FP8_EFFICIENCY_RATIO[lay.fp8]:.2f} x that share of the "
+                     f"{fp8_peak_tflops(hw, lay.fp8):g} TFLOP/s FP8 peak (calibrated on torchao's published "
+                     "tensorwise and rowwise speed-ups), casts at the memory bandwidth; routed experts in bf16")
+    rests.append(f"{hw.name}'s peaks, memory bandwidth and links are datasheet figures, not measured on a device"
+                 + (f"; links measured by commbench ({args.commbench})" if args.commbench else
+                    " (--commbench FILE puts measured links in)"))
+    lines.append("; ".join(rests))
+    unmodelled = ["compute slowed by the collectives it overlaps", "stragglers", "the data loader",
+                  "checkpoint saves and evaluation"]
+    if cfg.is_hybrid:
+        unmodelled.append("the delta rule's kernel choice (priced as flash-linear-attention's chunked matmuls; "
+                          "without it the engine's own chunk loop is slower)")
+    if cfg.is_moe:
+        unmodelled.append(f"routing skew beyond --moe-imbalance {lay.moe_imbalance:g} (priced: the heaviest ep "
+                          "rank's memory, expert FLOPs and all-to-all time)")
+    if cfg.mtp_num_hidden_layers and not lay.mtp:
+        unmodelled.append("the multi-token-prediction layer (not trained here; --mtp counts it)")
+    lines.append("not modelled: " + "; ".join(unmodelled))
+    if args.tokens:
+        tokens = parse_tokens(args.tokens)
+        per_second = step.tokens_per_sec_per_device * lay.world_size
+        lines.append(f"time to train {tokens:.3g} tokens at row 1: {lay.world_size} devices x "
+                     f"{step.tokens_per_sec_per_device:,.0f} tokens/s = {per_second:,.0f} tokens/s: "
+                     f"{days_to_train(best, tokens):,.1f} days (the predicted throughput, without restarts, "
+                     "evaluation or checkpoint pauses)")
+    lines.append("row 1 as training config keys (pretrain_config.yaml; JSON rows carry each row's as 'config'):")
+    lines += [f"  {key}: {_yaml_value(value)}".rstrip() for key, value in best.config_keys().items()]
+    return "\n".join(lines)
+
+
 def _fits(c: Candidate) -> str:
-    return "yes" if c.fits else "bal" if c.fits_if_balanced else "NO"
+    return ("yes" if c.headroom else "tight") if c.fits else "bal" if c.fits_if_balanced else "NO"
 
 
 def _routing_line(lay: Layout) -> str:
@@ -457,14 +615,25 @@ def main(argv: list[str]) -> int:
     if args.gradient_accumulation_steps is not None or "gradient_accumulation_steps" in conf:
         fixed["gradient_accumulation_steps"] = base.gradient_accumulation_steps
     check_fixed(cfg, cluster, fixed, base.seq_length)
-    candidates = search(cfg, cluster, base, fixed, hw, args.global_batch_size)
+    if base.fp8 != "off":
+        fp8_peak_tflops(hw, base.fp8)  # refuse a device without FP8 matmuls before searching
+    for name, value in (("--memory-margin", args.memory_margin), ("--tie-tolerance", args.tie_tolerance)):
+        if not 0 <= value < 1:
+            raise UserError(f"{name} is a share, at least 0 and below 1; got {value}")
+    tokens = parse_tokens(args.tokens) if args.tokens else None
+    candidates = search(cfg, cluster, base, fixed, hw, args.global_batch_size, args.memory_margin)
     if not candidates:
         raise UserError(f"no layout of {cluster.devices} devices matches: check that --global-batch-size "
                         f"({args.global_batch_size}) is divisible by dp and gives pp enough micro-batches")
     if args.json:
-        print(json.dumps([c.to_json() for c in candidates[:args.top]], indent=1))
+        tied = ties(candidates, args.tie_tolerance)
+        rows = [{**c.to_json(), "within_noise_of_best": i < tied,
+                 **({"days_for_tokens": round(days_to_train(c, tokens), 2)} if tokens else {})}
+                for i, c in enumerate(candidates[:args.top])]
+        print(json.dumps(rows, indent=1))
     else:
         print(format_table(cfg, cluster, hw, candidates, args.top))
+        print(format_notes(cfg, hw, candidates, args.top, args, fixed, efficiency_source(args)))
     if not candidates[0].fits:
         message = (f"nothing fits in {hw.memory_gib:.1f} GiB per device; "
                    + suggest(cfg, cluster, base, fixed, hw, args.global_batch_size))

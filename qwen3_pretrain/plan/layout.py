@@ -31,6 +31,13 @@ CHECKPOINTING: tuple[str, ...] = RECOMPUTE
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch's AdamW runs its step
+# The training config's ``fp8`` recipes (torchao's float8 training): which projections run their matmuls in
+# FP8 and how they are scaled (docs/planner.md, "FP8")
+FP8_RECIPES: tuple[str, ...] = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+# The recipes under which the engine runs a MoE block's routed experts as FP8 grouped matmuls: none yet (the
+# projections' FP8 class covers nn.Linear only; models/ops/moe.py's grouped matmuls are bf16), so the planner
+# prices the experts in bf16 under every recipe until that path exists.
+FP8_EXPERT_RECIPES: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,10 @@ class Layout:
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None  # each expert takes at most this many times its even share
     moe_pad_to_capacity: bool = False  # each expert's group padded to its capacity (fixed shapes)
+    # FP8 matmuls of the decoder layers' projections (never the LM head, the embedding or the router): the
+    # recipe, and whether FSDP all-gathers their weights in FP8 (one byte per weight; tensorwise only)
+    fp8: str = "off"
+    fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "gradient_accumulation_steps", "seq_length",
@@ -103,8 +114,20 @@ class Layout:
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, PRECISIONS)
+        _check_choice("fp8", self.fp8, FP8_RECIPES)
+        if self.fp8 != "off" and self.mixed_precision != "bf16":
+            raise UserError(f"layout: fp8 {self.fp8} needs mixed_precision bf16 (the projections' other "
+                            "matmuls and the high-precision weights it casts from)")
+        if self.fp8_all_gather and self.fp8 != "tensorwise":
+            raise UserError(f"layout: the FP8 all-gather of FSDP's weights needs fp8 tensorwise (one scale per "
+                            f"weight, precomputed before the gather), got fp8 {self.fp8}")
         if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16":
             raise UserError("layout: grad_reduce_dtype bf16 needs mixed_precision bf16")
+
+    @property
+    def fp8_experts(self) -> bool:
+        """Whether a MoE block's routed experts run FP8 grouped matmuls (``FP8_EXPERT_RECIPES``)."""
+        return self.fp8 in FP8_EXPERT_RECIPES
 
     @property
     def attention_kernel(self) -> str:

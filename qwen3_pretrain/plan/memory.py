@@ -29,8 +29,11 @@ shard the weights: the data-parallel degree with the distributed optimizer,
   the stage, plus, for the micro-batch in backward, one layer's recomputation
   and its gradients.
 * **logits**: the fused LM head + cross-entropy's working set on the last
-  stage: one chunk's logits in the compute dtype and in fp32, and the head's
-  weight gradient, accumulated in fp32 over the chunks.
+  stage: one chunk's logits in fp32 (the compute dtype's matmul output and
+  gradient share their bytes), and the head's weight gradient, accumulated in
+  fp32 over the chunks.
+* **FP8** (``fp8`` set): the FP8 copy of the computing layer's projections, or with FP8 all-gather the
+  gathered projections at one byte per weight (``plan/fp8.py``), in the parameters column.
 * **overhead**: allocator fragmentation (a stated fraction of the above) plus
   the runtime's own reservation (context, communicator buffers).
 
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan import fp8 as FP8
 from qwen3_pretrain.plan.layers import (backward_gradient_bytes_per_token, cp_mask_bytes, largest_tensor,
                                         layer_params, mtp_kind, mtp_params, mtp_saved_bytes_per_token,
                                         mtp_trained, recomputed_bytes_per_token, saved_bytes_per_token)
@@ -180,9 +184,11 @@ def _backward_working(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
 def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     """Peak of the fused LM head + cross-entropy (``models/ops/loss.py``) beyond what it keeps for backward.
 
-    One chunk of ``c`` tokens: its logits in fp32 (4) and, in bf16, the matmul's
-    output before the upcast or the gradient after the downcast (d), per local
-    vocab entry; the head's weight gradient accumulated in fp32 and, in bf16,
+    One chunk of ``c`` tokens: its logits in fp32 (4 per local vocab entry; in
+    bf16 the matmul's output before the upcast and the gradient after the
+    downcast live in those same bytes, converted in place through one row, which
+    is gone before the weight's gradient exists, so it never adds to the peak);
+    the head's weight gradient accumulated in fp32 and, in bf16,
     one chunk's contribution (the buffer that ends as the rounded sum; with a
     single chunk that buffer is the gradient and there is no fp32 sum); and its
     input, the final norm's output (plus its gathered copy under tp). With
@@ -197,7 +203,7 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     hidden = d * tokens * cfg.hidden_size * (1 + (1 / t if t > 1 else 0))
     if low and layout.fp32_matmul:
         return chunk * vocab * 4 + vocab * cfg.hidden_size * (4 + 4 + d) + hidden + 4 * tokens * cfg.hidden_size
-    logits = chunk * vocab * (4 + low)
+    logits = chunk * vocab * 4
     weight_grad = vocab * cfg.hidden_size * (d + (4 if low and tokens > chunk else 0))
     return logits + weight_grad + hidden
 
@@ -320,9 +326,30 @@ def _pipelined(moments: dict[str, dict[str, float]], cfg: Qwen3Config, layout: L
                                           gradients=accumulated + layout.grad_bytes * big * (1 + 1 / shard))
 
 
+def _fp8_weights(moments: dict[str, dict[str, float]], cfg: Qwen3Config, layout: Layout, shape: StageShape) -> None:
+    """FP8's change to the gathered weights at each moment, in place (``fp8.gathered_weight_delta``): the
+    decoder layers gathered then (all of the stage's with the weights kept gathered; under pipelining the
+    pair in backward and all but the largest unit at its end; else one at the loss and two in backward),
+    without FP8 all-gather only where a layer computes (its FP8 copy)."""
+    n = shape.num_layers
+    if layout.keep_params_gathered:
+        gathered = {name: n for name in moments if name != "optimizer step"}
+    elif layout.pp > 1:
+        gathered = {"layer backward": 2, "end of backward": max(n - 1, 0)}
+    else:
+        gathered = {"loss": 1, "layer backward": 2, "last layer backward": 2}
+    computing = ("layer backward", "last layer backward")
+    for name, layers in gathered.items():
+        if name in moments and (layout.fp8_all_gather or name in computing):
+            moments[name]["parameters"] += FP8.gathered_weight_delta(cfg, layout, shape, min(layers, n))
+
+
 def _stage_breakdown(cfg: Qwen3Config, layout: Layout, shape: StageShape, overhead_fraction: float,
                      runtime_reserved_bytes: float) -> MemoryBreakdown:
-    moment, parts = max(_moments(cfg, layout, shape).items(), key=lambda kv: sum(kv[1].values()))
+    moments = _moments(cfg, layout, shape)
+    if layout.fp8 != "off":
+        _fp8_weights(moments, cfg, layout, shape)
+    moment, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     allocated = sum(parts.values())
     overhead = overhead_fraction * allocated + runtime_reserved_bytes
     return MemoryBreakdown(**parts, overhead=overhead, total=allocated + overhead, stage=shape.stage, moment=moment)

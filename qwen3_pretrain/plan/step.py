@@ -43,25 +43,43 @@ weights for each micro-batch's forward and backward (the head and final norm
 once per micro-batch; under pipeline parallelism, which keeps units gathered
 after backward, ``m + 1`` times a step, the head once: ``_gathers``) and
 reduce-scatters fp32 gradients once per step (all-reduces them without the
-distributed optimizer); it overlaps with compute, so only what exceeds the
-step's compute time is exposed, plus one unit's gather and one's reduction at
-the ends. Under HSDP the gathers and reduce-scatters run in the ``dp_shard``
-group and each reduction adds an all-reduce of the fp32 gradient shards across
-the replicas, each group on its own link. The optimizer step is bound by memory
+distributed optimizer). A collective hides only behind compute that runs while
+it is in flight (``_dp_exposed``): a micro-batch's gathers behind its own
+forward and backward, the reductions behind the backward they follow, which,
+where gradients accumulate unsharded, is the step's last micro-batch's alone;
+under pipelining the schedule reduces after a stage's last backward, hidden
+only by the cool-down slots after it; the first unit's gather and the last
+unit's reduction are always exposed. What exceeds its window adds to the step.
+Under HSDP the gathers and reduce-scatters run in the ``dp_shard`` group and
+each reduction adds an all-reduce of the fp32 gradient shards across the
+replicas, each group on its own link. The optimizer step is bound by memory
 bandwidth (AdamW reads and writes 28 bytes per local parameter). Every
 collective costs ``bytes x factor / bus bandwidth + latency``
 (``formulas.collective_seconds``). Cross-node bytes are the bus bytes of the
 groups that span nodes: with one NIC per device, the share of the inter-node
 links each device loads.
+
+MoE routing skew (``Layout.moe_rank_load`` > 1 under ep): the heaviest
+expert-parallel rank computes that many times its share of the expert FLOPs
+and its all-to-alls take that many times longer; every rank waits for it.
+FP8 (``Layout.fp8``, ``plan/fp8.py``): the FP8 projections' FLOPs at the FP8
+peak, their casts as bytes at the memory bandwidth, FSDP's gathers of them at
+one byte per weight with FP8 all-gather.
+
+``StepEstimate.breakdown`` splits the step into what holds it: matmuls (FLOPs
+at the efficiency), bandwidth-bound work (FP8 casts, the optimizer step), the
+host's excess over the device, each axis's exposed communication and the
+pipeline bubble; ``bottleneck`` names the largest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qwen3_pretrain.hardware import GB, Hardware
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
+from qwen3_pretrain.plan import fp8 as FP8
 from qwen3_pretrain.plan.flops import head_flops, token_flops
 from qwen3_pretrain.plan.layers import (cp_calls, flops_per_token, host_ops_per_layer, mtp_flops_per_token,
                                         tp_collectives)
@@ -87,6 +105,22 @@ class StepEstimate:
     host_bound: bool = False  # some stage's micro-batch waits on the host issuing its operators
     hfu: float = 0.0  # MFU with what recompute runs again
     mfu_full_square: float = 0.0  # MFU with attention over the whole square (PaLM's, torchtitan's convention)
+    # Seconds of the step by what holds it (``BREAKDOWN``); they add up to ``step_time_s``
+    breakdown: dict[str, float] = field(default_factory=dict)
+    dp_total_s: float = 0.0  # FSDP's collectives of the step, hidden or not (``comm_time_s["dp"]`` is exposed)
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest term of the breakdown: ``matmul`` (compute-bound), ``bandwidth`` (FP8 casts, the
+        optimizer step: memory-bound), ``host`` (operators issued slower than computed), ``bubble``, or the
+        exposed communication of a mesh axis (``comm tp`` ...)."""
+        if not self.breakdown:
+            return ""
+        return max(self.breakdown.items(), key=lambda kv: kv[1])[0]
+
+
+# The terms of ``StepEstimate.breakdown``
+BREAKDOWN = ("matmul", "bandwidth", "host", "comm tp", "comm cp", "comm pp", "comm ep", "comm dp", "bubble")
 
 
 @dataclass(frozen=True)
@@ -110,8 +144,9 @@ def _links(layout: Layout, cluster: Cluster, hw: Hardware) -> dict[str, _Link]:
 
 
 def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> tuple[float, float]:
-    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together: (at the
-    compute dtype's peak, at fp32's: a Gated DeltaNet's chunked delta rule). Per layer kind
+    """Hardware FLOPs of one micro-batch's forward + backward on this stage, all tp ranks together: (matmuls
+    and attention's core, of which ``_stage_fp8_flops_per_microbatch`` run in FP8 and the rest at the compute
+    dtype's peak; at fp32's: a Gated DeltaNet's chunked delta rule). Per layer kind
     (``layers.flops_per_token``); the LM head on the last stage, with the multi-token-prediction layer
     where ``layout.mtp`` trains it."""
     matmul = fp32 = 0.0
@@ -122,6 +157,35 @@ def _stage_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageSh
         mtp_matmul, mtp_fp32 = mtp_flops_per_token(cfg, layout)
         matmul, fp32 = matmul + head_flops(cfg, layout.mtp) + mtp_matmul, fp32 + mtp_fp32
     return matmul * layout.microbatch_tokens, fp32 * layout.microbatch_tokens
+
+
+def _moe_skew_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """The FLOPs the heaviest expert-parallel rank computes beyond its even share (all tp ranks together, as
+    ``_stage_flops_per_microbatch``): its experts take ``moe_rank_load`` times their share of the pairs, and
+    every rank waits for it at the next all-to-all. Per pair and MoE layer one expert's three projections, 6
+    FLOPs per weight (2 more where full or MLP recompute reruns them)."""
+    if layout.ep == 1 or not shape.sparse_layers or layout.moe_rank_load == 1:
+        return 0.0
+    passes = 4 if layout.activation_checkpointing in ("full", "mlp") else 3
+    repeat = 1 if layout.moe_tokens_split_by_tp else layout.tp
+    per_token = 2.0 * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * passes * repeat
+    return (layout.moe_rank_load - 1) * per_token * shape.sparse_layers * layout.microbatch_tokens
+
+
+def _stage_fp8_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """Of ``_stage_flops_per_microbatch``'s matmul FLOPs, those of the projections ``layout.fp8`` runs in FP8
+    (``fp8.fp8_flops_per_token``; the LM head, the embedding, the router and the MTP layer stay in bf16)."""
+    per_token = sum(count * FP8.fp8_flops_per_token(cfg, layout, kind) for kind, count in shape.layer_kinds)
+    return per_token * layout.microbatch_tokens
+
+
+def _fp8_cast_bytes(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
+    """Bytes one rank moves per micro-batch casting to FP8 (``fp8.cast_bytes_per_token``,
+    ``fp8.weight_cast_bytes``)."""
+    if layout.fp8 == "off":
+        return 0.0
+    per_token = sum(count * FP8.cast_bytes_per_token(cfg, layout, kind) for kind, count in shape.layer_kinds)
+    return per_token * layout.microbatch_tokens + FP8.weight_cast_bytes(cfg, layout, shape)
 
 
 def _tp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape, link: _Link) -> tuple[float, float]:
@@ -226,13 +290,21 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
     reductions = 1 if layout.accumulates_unsharded else m
     dense_units, expert_units = _gathers(cfg, layout, shape, sp, experts)
     calls: list[tuple[str, F.Collective, float, int]] = []
+    fp8_gathered = sum(n * FP8.fp8_weight_params(cfg, layout, kind) for kind, n in shape.layer_kinds) \
+        if layout.fp8_all_gather else 0.0
     efsdp = shards * layout.tp // layout.ep if layout.ep > 1 else shards
-    for held, group, units in ((sp.held - experts, shards, dense_units), (experts, efsdp, expert_units)):
+    for which, (held, group, units) in enumerate(((sp.held - experts, shards, dense_units),
+                                                  (experts, efsdp, expert_units))):
         if not held:
             continue
+        low = fp8_gathered if which == 0 else 0.0
         if group > 1:
-            for params, gathers in units:
-                calls += [("dp_shard", "all_gather", layout.dtype_bytes * params, group)] * gathers
+            for index, (params, gathers) in enumerate(units):
+                # the first unit group holds the decoder layers: their FP8 projections gathered at 1 B each
+                nbytes = layout.dtype_bytes * params - (layout.dtype_bytes - 1) * (low if index == 0 else 0)
+                calls += [("dp_shard", "all_gather", nbytes, group)] * gathers
+            if low:  # the FP8 weights' scales: one all-reduce of their maxima
+                calls.append(("dp_shard", "all_reduce", 4.0 * 7 * shape.num_layers, group))
             calls += [("dp_shard", "reduce_scatter", layout.grad_bytes * held, group)] * reductions
         if replicas > 1:
             calls += [("dp_replicate", "all_reduce", layout.grad_bytes * held / group, replicas)] * reductions
@@ -266,23 +338,63 @@ def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp, experts: f
 
 
 def _dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
-                       links: dict[str, _Link]) -> tuple[dict[str, float], float, float]:
-    """(bus bytes per step by dp axis, total seconds, seconds that cannot overlap) of FSDP's collectives."""
+                       links: dict[str, _Link]) -> tuple[dict[str, float], float, float, float, float]:
+    """(bus bytes per step by dp axis, seconds of the weight all-gathers, of the gradient reductions, of one
+    unit's gather, of one unit's reduction) of FSDP's collectives in one step. Each runs as one collective per
+    FSDP unit: the latency is paid per unit."""
     calls = _dp_calls(cfg, layout, shape)
     nbytes = {"dp_shard": 0.0, "dp_replicate": 0.0}
-    if not calls:
-        return nbytes, 0.0, 0.0
+    gather = reduce = first = last = 0.0
     units = shape.num_layers + 2
-    seconds = 0.0
     for axis, kind, b, n in calls:
         nbytes[axis] += b * F.bus_bandwidth_factor(kind, n)
-        # Each of these runs as one collective per FSDP unit: the latency is paid per unit.
-        seconds += F.collective_seconds(kind, b, n, links[axis].bandwidth, links[axis].latency * units)
-    # Exposed: the first unit's gather before compute starts and the last unit's reduction after it ends.
-    exposed = [calls[-1]] if calls[0][1] == calls[-1][1] else [calls[0], calls[-1]]
-    edges = sum(F.collective_seconds(kind, b / units, n, links[axis].bandwidth, links[axis].latency)
-                for axis, kind, b, n in exposed)
-    return nbytes, seconds, edges
+        seconds = F.collective_seconds(kind, b, n, links[axis].bandwidth, links[axis].latency * units)
+        unit = F.collective_seconds(kind, b / units, n, links[axis].bandwidth, links[axis].latency)
+        if kind == "all_gather":
+            gather, first = gather + seconds, first or unit
+        else:
+            reduce, last = reduce + seconds, unit
+    return nbytes, gather, reduce, first, last
+
+
+def _backward_share(layout: Layout) -> float:
+    """The share of a micro-batch's compute that is its backward (with what recompute reruns): 2 of 3 units
+    of work, 3 of 4 with full recompute."""
+    return 3 / 4 if layout.activation_checkpointing == "full" else 2 / 3
+
+
+def _dp_exposed(layout: Layout, stage: int, compute: float, gather: float, reduce: float, first: float,
+                last: float) -> float:
+    """Seconds of FSDP's collectives the stage's compute cannot hide, per step.
+
+    A collective hides only behind compute that runs while it is in flight and does not wait for it:
+
+    * without pipelining, each micro-batch's weight all-gathers (half before its forward's layers, half
+      before its backward's) behind that forward's or backward's compute; the gradient reductions behind
+      the backward they follow: every micro-batch's, or, where gradients accumulate unsharded until the
+      step's last micro-batch, all of them behind that one backward (the rest of the step is long over);
+      with the weights kept gathered, all gathers behind the first forward;
+    * under pipeline parallelism the gathers spread over the stage's whole busy time, and the schedule
+      reduces the gradients after the stage's last backward: only the cool-down slots after it hide them
+      (stage ``s`` finishes ``s`` backwards before stage 0, which has none);
+    * always: the first unit's gather before any compute, and (without pipelining) the last unit's
+      reduction after all of it.
+
+    Compute slowed by the collectives sharing its memory and cores is not modelled."""
+    m, b = layout.num_microbatches, _backward_share(layout)
+    forward, backward = (1 - b) * compute, b * compute
+    if layout.pp > 1:
+        return max(0.0, gather - m * compute) + max(0.0, reduce - stage * backward) + first
+    if layout.keep_params_gathered:
+        exposed = max(0.0, gather - forward) + max(0.0, reduce - backward)
+    else:
+        per = gather / m
+        if layout.accumulates_unsharded:  # every reduction behind the last micro-batch's backward
+            exposed = (m - 1) * (max(0.0, per / 2 - forward) + max(0.0, per / 2 - backward)) \
+                + max(0.0, per / 2 - forward) + max(0.0, per / 2 + reduce - backward)
+        else:
+            exposed = m * (max(0.0, per / 2 - forward) + max(0.0, per / 2 + reduce / m - backward))
+    return exposed + first + last
 
 
 def _host_seconds(cfg: Qwen3Config, layout: Layout, hardware: Hardware, shape: StageShape) -> float:
@@ -311,12 +423,22 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     peak = hardware.compute_flops(layout.mixed_precision)
     speed = peak * hardware.compute_efficiency * layout.tp
     fp32_speed = hardware.compute_flops("fp32") * hardware.compute_efficiency * layout.tp
+    fp8_speed = 0.0
+    if layout.fp8 != "off":
+        fp8_speed = FP8.fp8_peak_tflops(hardware, layout.fp8) * 1e12 * hardware.compute_efficiency \
+            * FP8.FP8_EFFICIENCY_RATIO[layout.fp8] * layout.tp
+    bandwidth = hardware.memory_bandwidth_gbps * GB
     m, v = layout.num_microbatches, layout.stages_per_rank
     per_stage = []
     host_bound = False
     for shape in stage_shapes(cfg, layout):
         matmul_flops, fp32_flops = _stage_flops_per_microbatch(cfg, layout, shape)
-        device = matmul_flops / speed + fp32_flops / fp32_speed
+        matmul_flops += _moe_skew_flops_per_microbatch(cfg, layout, shape)
+        fp8_flops = _stage_fp8_flops_per_microbatch(cfg, layout, shape)
+        matmul = (matmul_flops - fp8_flops) / speed + fp32_flops / fp32_speed \
+            + (fp8_flops / fp8_speed if fp8_flops else 0.0)
+        casts = _fp8_cast_bytes(cfg, layout, shape) / bandwidth
+        device = matmul + casts
         host = _host_seconds(cfg, layout, hardware, shape)
         # an accelerator computes while its host issues ahead: a micro-batch takes the longer of the two; a
         # CPU is its own host and does both
@@ -327,19 +449,27 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
         ep_bytes, ep_time = _ep_bytes_and_time(cfg, layout, shape, _intra_link(hardware), _inter_link(hardware),
                                                _ep_on_node(layout, cluster))
-        dp_bytes, dp_time, dp_edges = _dp_bytes_and_time(cfg, layout, shape, links)
-        per_stage.append(dict(compute=compute, tp=tp_time, cp=cp_time, pp=pp_time, ep=ep_time, dp=dp_time,
-                              dp_edges=dp_edges, bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes,
-                                                        "ep": ep_bytes}, dp_bytes=dp_bytes, shape=shape))
-    # The slowest stage paces the pipeline; its numbers describe the step.
+        ep_time *= layout.moe_rank_load  # an all-to-all ends when its heaviest receiver has its pairs
+        dp_bytes, gather, reduce, first, last = _dp_bytes_and_time(cfg, layout, shape, links)
+        per_stage.append(dict(compute=compute, matmul=matmul, casts=casts, tp=tp_time, cp=cp_time, pp=pp_time,
+                              ep=ep_time, dp=gather + reduce,
+                              dp_exposed=_dp_exposed(layout, shape.stage, compute, gather, reduce, first, last),
+                              bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes},
+                              dp_bytes=dp_bytes, shape=shape))
+    # The slowest stage paces the pipeline; its numbers describe the step. FSDP's exposed time: the most any
+    # stage leaves exposed (the step ends when every stage has reduced).
     slowest = max(per_stage, key=lambda x: x["compute"] + x["tp"] + x["cp"] + x["pp"] + x["ep"])
     slots = m + (layout.pp - 1) / v
     busy = m * slowest["compute"]
-    dp_exposed = max(0.0, slowest["dp"] - busy) + slowest["dp_edges"]
+    dp_exposed = max(x["dp_exposed"] for x in per_stage)
     total_params = stage_params(cfg, layout, slowest["shape"]).total
-    optimizer = ADAMW_BYTES_PER_PARAM * total_params / layout.shards / (hardware.memory_bandwidth_gbps * GB)
-    step = slots * (slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"] + slowest["ep"]) \
-        + dp_exposed + optimizer
+    optimizer = ADAMW_BYTES_PER_PARAM * total_params / layout.shards / bandwidth
+    per_mb = slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["pp"] + slowest["ep"]
+    step = slots * per_mb + dp_exposed + optimizer
+    breakdown = {"matmul": m * slowest["matmul"], "bandwidth": m * slowest["casts"] + optimizer,
+                 "host": m * (slowest["compute"] - slowest["matmul"] - slowest["casts"]),
+                 **{f"comm {axis}": m * slowest[axis] for axis in ("tp", "cp", "pp", "ep")},
+                 "comm dp": dp_exposed, "bubble": (slots - m) * per_mb}
     tokens_per_device = layout.tokens_per_step / step / layout.world_size
     flops = token_flops(cfg, layout.seq_length, layout.activation_checkpointing, layout.mtp)
     per_stage_axis = tuple({"tp": m * x["bytes"]["tp"], "cp": m * x["bytes"]["cp"], "pp": m * x["bytes"]["pp"],
@@ -363,4 +493,6 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
                                                **slowest["dp_bytes"]}.items()
                              if not cluster.axis_is_intra_node(layout, axis))
         + per_axis["ep"] * (layout.ep - _ep_on_node(layout, cluster)) / max(layout.ep - 1, 1),
+        breakdown=breakdown,
+        dp_total_s=max(x["dp"] for x in per_stage),
     )
