@@ -1,0 +1,158 @@
+"""FP8 (torchao's recipes, emulated on the CPU: ``fp8_emulate``) on every parallel layout equals one FP8
+process, per step, on the same data and initial weights.
+
+Every run trains 2 steps of a global batch of 4 one-sample micro-batches (each rank's micro-batch is one
+sample, as each of the one process's is), so the FP8 casts see the same tensors in every layout: an
+activation's tensorwise scale is its micro-batch's, a weight's is the whole weight's (torchao reduces the
+maximum over the tp ranks of a DTensor; FSDP's FP8 all-gather casts the shards with the scale the engine
+precomputes over the whole weight after each step). What differs is only the order of fp32 sums.
+
+Why the tolerances are what they are (measured on an Intel Xeon, tensorwise, learning rate 3e-3):
+
+- Step 1 (the same weights everywhere): dp 2 with FP8 all-gather, HSDP, pp 2 equal one process to the last
+  digit; tp 2 within 1.2e-5 in the gradient norm (sums over the tp ranks in another order). Bound: 1e-5 in
+  the loss, 1e-4 in the gradient norm. A missing or doubled gradient reduction moves the gradient norm by
+  0.3 or more (tests/test_train_equivalence.py's probes), a weight cast with its shard's scale instead of
+  the whole weight's by a few percent.
+- Step 2: the first update already differs where an fp32 sum-order difference tipped an FP8 rounding (one
+  e4m3 step is 1/8 relative, one e5m2 step of a gradient 1/4; Adam's first step moves every weight by about
+  the learning rate whatever the gradient's size): measured 4e-3 in the gradient norm and 5e-6 in the loss
+  under tp 2, equal under the others. Bound: 1e-4 in the loss, 2e-2 in the gradient norm (FP8 against fp32
+  differs by 6e-3 there).
+- cp 2 casts each rank's half of a sequence with that half's scale, so it is another draw of FP8's rounding
+  from step 1: measured 1.7e-4 in the loss and 5e-4 in the gradient norm at step 1 (FP8 against fp32:
+  8e-5 and 4e-3), 2.4e-2 in the gradient norm at step 2. Bound: 1e-3 in the loss, 5e-2 in the gradient norm,
+  still 6x below a missing reduction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests._train_helpers import TINY_MODEL, check_ok, make_corpus, run_train, step_records, worst_relative_diff, \
+    write_config
+
+FP8 = ["fp8=tensorwise", "fp8_emulate=true", "batch_size=1"]
+MOE_MODEL = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+# name -> (processes, model, overrides): a global batch of 4 one-sample micro-batches each
+RUNS = {
+    "single": (1, "dense", ["gradient_accumulation_steps=4"]),
+    "fsdp2-fp8-all-gather": (2, "dense", ["gradient_accumulation_steps=2", "fp8_all_gather=true"]),
+    # 2 replicas of 2 shards, weights gathered in FP8 once per step and kept (Megatron's accumulation)
+    "hsdp-fp8-all-gather-kept": (4, "dense", ["dp_shard=2", "fp8_all_gather=true", "keep_params_gathered=true"]),
+    "tp2-recompute": (2, "dense", ["tp=2", "gradient_accumulation_steps=4", "activation_checkpointing=full"]),
+    "pp2": (2, "dense", ["pp=2", "gradient_accumulation_steps=4"]),
+    "cp2": (2, "dense", ["cp=2", "gradient_accumulation_steps=4"]),
+    # the balancing loss off: its figures depend on how a micro-batch's tokens group over ranks
+    "moe-single": (1, "moe", ["gradient_accumulation_steps=4", "moe_aux_loss=none"]),
+    "moe-ep2": (2, "moe", ["ep=2", "gradient_accumulation_steps=2", "moe_aux_loss=none"]),
+}
+
+STEP1 = (1e-5, 1e-4)  # (loss, gradient norm), relative
+LATER = (1e-4, 2e-2)
+OTHER_SCALES = (1e-3, 5e-2)  # cp: each rank's activations cast with its own scale
+
+
+class Fp8Runs:
+    def __init__(self, root) -> None:
+        self.root = root
+        self.corpus = make_corpus(root / "corpus")
+
+    @functools.cache
+    def records(self, name: str) -> list[dict]:
+        nproc, model, overrides = RUNS[name]
+        out = self.root / name
+        # the preset's seeded initialization, the same values whatever the layout
+        cfg = write_config(self.root / f"{name}.yaml", self.corpus, out, total_steps=2,
+                           model_overrides=MOE_MODEL if model == "moe" else dict(TINY_MODEL))
+        check_ok(run_train(cfg, nproc, *FP8, *overrides, timeout=600))
+        return step_records(out)
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory):
+    return Fp8Runs(tmp_path_factory.mktemp("fp8_runs"))
+
+
+def assert_close_per_step(got: list[dict], want: list[dict], first: tuple[float, float], later: tuple[float, float],
+                          label: str) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2], label
+    for key, i in (("loss", 0), ("grad_norm", 1)):
+        for step, bound in ((0, first[i]), (1, later[i])):
+            diff = worst_relative_diff([got[step][key]], [want[step][key]])
+            print(f"{label}: step {step + 1} relative {key} diff {diff:.2e} (bound {bound:.0e})")
+            assert diff <= bound, f"{label}: step {step + 1} {key} {got[step][key]} vs {want[step][key]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fsdp2-fp8-all-gather", "hsdp-fp8-all-gather-kept", "tp2-recompute", "pp2"])
+def test_layout_equals_one_fp8_process(name, fp8_runs):
+    assert_close_per_step(fp8_runs.records(name), fp8_runs.records("single"), STEP1, LATER, name)
+
+
+@pytest.mark.distributed
+def test_context_parallel_equals_one_fp8_process(fp8_runs):
+    assert_close_per_step(fp8_runs.records("cp2"), fp8_runs.records("single"), OTHER_SCALES, OTHER_SCALES, "cp2")
+
+
+@pytest.mark.distributed
+def test_expert_parallel_equals_one_fp8_process(fp8_runs):
+    """A MoE model: the attention projections in FP8 around experts split over 2 ranks."""
+    assert_close_per_step(fp8_runs.records("moe-ep2"), fp8_runs.records("moe-single"), STEP1, LATER, "ep2")
+
+
+def _fp8_stage(recipe: str):
+    from qwen3_pretrain.models.ops.fp8 import Fp8Projections
+    from qwen3_pretrain.models.qwen3.config import Qwen3Config
+    from qwen3_pretrain.parallel.parallelize import PartSpec, build_stage
+
+    cfg = Qwen3Config(**{**TINY_MODEL, "num_hidden_layers": 1})
+    return build_stage(cfg, PartSpec(0, 1, range(1)), cfg.vocab_size, 64, fp8=Fp8Projections(recipe, emulate=True))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tensor_parallel_styles_follow_the_recipe(recipe):
+    """On an accelerator mesh tensorwise projections take torchao's FP8 styles (same layouts); the row-wise
+    recipes, and every recipe on a CPU mesh (gloo cannot move FP8 tensors), keep the plain ones."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from qwen3_pretrain.parallel.fp8 import float8_tensor_parallel_plan
+
+    model = _fp8_stage(recipe)
+    plan = {"layers.0.attn.q_proj": ColwiseParallel(), "layers.0.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    assert float8_tensor_parallel_plan(model, plan, "cpu") == plan
+    got = float8_tensor_parallel_plan(model, plan, "cuda")
+    if recipe != "tensorwise":
+        assert got == plan
+        return
+    colwise, rowwise = got["layers.0.attn.q_proj"], got["layers.0.mlp.down_proj"]
+    assert type(colwise) is Float8ColwiseParallel and type(rowwise) is Float8RowwiseParallel
+    assert rowwise.output_layouts == (Shard(1),) and rowwise.use_local_output
+
+
+def test_mxfp8_refuses_a_micro_batch_of_partial_blocks():
+    from qwen3_pretrain.errors import ConfigError
+    from qwen3_pretrain.parallel.fp8 import check_fp8_layout
+
+    check_fp8_layout("mxfp8", 1, 64, 2)  # 32 tokens a rank
+    check_fp8_layout("rowwise", 1, 48, 1)
+    with pytest.raises(ConfigError, match=r"fp8 mxfp8: .* 24 tokens .*cp 2"):
+        check_fp8_layout("mxfp8", 1, 48, 2)
+
+
+def test_a_model_without_fp8_keeps_its_plan():
+    """Without FP8 projections the plan passes through (no torchao import needed for it)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from qwen3_pretrain.parallel.fp8 import float8_tensor_parallel_plan
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(16, 16)
+    plan = {"proj": ColwiseParallel()}
+    assert float8_tensor_parallel_plan(model, plan, "cuda") == plan
