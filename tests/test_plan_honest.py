@@ -256,3 +256,34 @@ def test_fp8_layout_checks():
         Layout(fp8="tensorwise", mixed_precision="fp32")
     with pytest.raises(UserError, match="fp8"):
         dataclasses.replace(Layout(), fp8="e4m3")
+
+
+# --- ranking with the roofline ------------------------------------------------------------------------------
+
+
+def test_the_efficiency_is_fitted_to_a_roofline_prediction(tmp_path, capsys):
+    """A roofline file holding what this planner predicts at efficiency 0.5 for one layout fits back to 0.5,
+    and the table says it rests on it; the eager/compiled parts are picked by the layout's compile."""
+    from qwen3_pretrain.plan.cli import fit_efficiency, read_roofline
+
+    cfg, cluster = get_preset("qwen3-8b"), Cluster(1, 8)
+    hw = get_device("h100")
+    lay = Layout(tp=2, dp=4, seq_length=4096, micro_batch_size=2, activation_checkpointing="full", compile=True)
+    target = predict_step(cfg, lay, with_overrides(hw, compute_efficiency=0.5), cluster).step_time_s
+    path = tmp_path / "roofline.json"
+    path.write_text(json.dumps({"layouts": [
+        {"layout": {"tp": 2, "pp": 1, "cp": 1, "dp": 4, "batch_size": 2, "seq_length": 4096,
+                    "activation_checkpointing": "full", "compile": True},
+         "roofline": {"eager": {"step_time_s": target * 2}, "compiled": {"step_time_s": target}}}]}))
+    records = read_roofline(str(path))
+    assert records[0][1] == pytest.approx(target)
+    efficiency, words = fit_efficiency(cfg, hw, cluster, Layout(seq_length=4096), records)
+    assert efficiency == pytest.approx(0.5, rel=1e-4) and "tp 2 pp 1 cp 1 dp 4" in words
+    assert predict_step(cfg, lay, hw, cluster).breakdown["host"] == 0  # not host-bound: the fit is defined
+    assert plan_main(["--model", "qwen3-8b", "--device", "h100", "--seq-length", "4096", "--roofline",
+                      str(path)]) == 0
+    assert "rests on: compute at 0.50 of the 989 TFLOP/s bf16 peak (fitted to the roofline's step time" in \
+        capsys.readouterr().out
+    path.write_text(json.dumps({"ranks": []}))
+    with pytest.raises(UserError, match="no record with a 'layout'"):
+        plan_main(["--model", "qwen3-8b", "--roofline", str(path)])

@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--efficiency", type=float, help="override the achieved share of peak (0-1]")
     cl.add_argument("--intra-node-gbps", type=float, help="override the intra-node bus bandwidth, GB/s")
     cl.add_argument("--inter-node-gbps", type=float, help="override the per-device inter-node bus bandwidth, GB/s")
+    cl.add_argument("--roofline", help="JSON of the roofline's predicted step time for one or more layouts of this "
+                                       "model and device: the compute efficiency is fitted to it (docs/planner.md)")
     cl.add_argument("--commbench", help="JSON from 'qwen3-pretrain commbench --json': measured bandwidths and "
                                         "latencies replace the device table's")
     lay = p.add_argument_group("layout (fixed when given; searched otherwise)")
@@ -226,8 +228,10 @@ def resolve_model(name: str | None, conf: dict[str, Any]) -> Qwen3Config:
     return dataclasses.replace(model, **overrides)
 
 
-def efficiency_source(args: argparse.Namespace) -> str:
+def efficiency_source(args: argparse.Namespace, fitted: str = "") -> str:
     """Where the compute efficiency comes from, in words."""
+    if fitted:
+        return fitted
     if args.efficiency is not None:
         return "--efficiency"
     return ("the device table's compute_efficiency, calibrated on one published run: torchtitan's Llama-3.1-8B on "
@@ -243,6 +247,78 @@ def resolve_hardware(args: argparse.Namespace) -> Hardware:
     if args.commbench:
         hw = with_overrides(hw, **read_commbench(args.commbench))
     return hw
+
+
+ROOFLINE_LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "dp", "batch_size", "gradient_accumulation_steps", "seq_length",
+                        "activation_checkpointing", "compile", "distributed_optimizer", "dp_shard",
+                        "keep_params_gathered", "pp_microbatch_size", "fp8", "fp8_all_gather")
+
+
+def read_roofline(path: str) -> list[tuple[dict[str, Any], float]]:
+    """(layout keys, predicted step seconds) of each record of a roofline JSON: an object or a list of objects
+    (or an object's ``layouts`` list), each with ``layout`` (or ``config``: plan's row keys, ``rank_size`` or
+    ``dp`` for the data-parallel degree) and ``step_time_s``, at the top or under ``roofline``; where the
+    record has ``eager`` and ``compiled`` parts, the one of the layout's ``compile``."""
+    if not os.path.isfile(path):
+        raise MissingFileError(f"--roofline file {path!r} does not exist")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path}: not JSON; --roofline reads the roofline's predicted step times") from None
+    records = data if isinstance(data, list) else data.get("layouts", [data]) if isinstance(data, dict) else []
+    out = []
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        keys = record.get("layout") or record.get("config")
+        if not isinstance(keys, dict):
+            continue
+        part = record.get("roofline", record)
+        if isinstance(part, dict) and ("eager" in part or "compiled" in part):
+            part = part.get("compiled" if keys.get("compile") else "eager") or {}
+        seconds = part.get("step_time_s") if isinstance(part, dict) else None
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            out.append(({k: keys[k] for k in (*ROOFLINE_LAYOUT_KEYS, "rank_size") if k in keys}, float(seconds)))
+    if not out:
+        raise UserError(f"{path}: no record with a 'layout' (or 'config') and a 'step_time_s' (docs/planner.md, "
+                        "'Ranking with the roofline')")
+    return out
+
+
+def fit_efficiency(cfg: Qwen3Config, hw: Hardware, cluster: Cluster, base: Layout,
+                   records: list[tuple[dict[str, Any], float]]) -> tuple[float, str]:
+    """The compute efficiency at which this planner's step time of each record's layout equals the
+    roofline's (bisection: the step time falls as the efficiency rises), averaged over the records; and a
+    line saying so. A record the planner cannot reach at any efficiency (its other terms alone are longer)
+    takes the highest, 1."""
+    fitted, described = [], []
+    for keys, seconds in records:
+        layout = base.replace(**{name: keys[key] for key, name in (
+            ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"), ("batch_size", "micro_batch_size"),
+            ("gradient_accumulation_steps", "gradient_accumulation_steps"), ("seq_length", "seq_length"),
+            ("activation_checkpointing", "activation_checkpointing"), ("compile", "compile"),
+            ("distributed_optimizer", "distributed_optimizer"), ("dp_shard", "dp_shard"),
+            ("keep_params_gathered", "keep_params_gathered"), ("pp_microbatch_size", "pp_microbatch_size"),
+            ("fp8", "fp8"), ("fp8_all_gather", "fp8_all_gather")) if key in keys and keys[key] is not None})
+        dp = keys.get("dp") or cluster.devices // (layout.tp * layout.pp * layout.cp)
+        layout = layout.replace(dp=dp)
+
+        def step(efficiency: float) -> float:
+            return predict_step(cfg, layout, with_overrides(hw, compute_efficiency=efficiency), cluster).step_time_s
+
+        low, high = 1e-3, 1.0
+        reachable = step(high) < seconds
+        if not reachable:
+            low = high
+        for _ in range(50 if reachable else 0):
+            mid = (low + high) / 2
+            low, high = (mid, high) if step(mid) > seconds else (low, mid)
+        fitted.append(low)
+        described.append(f"tp {layout.tp} pp {layout.pp} cp {layout.cp} dp {dp}: {seconds:g} s"
+                         + ("" if reachable else " (shorter than this planner's at any efficiency: 1 taken)"))
+    efficiency = sum(fitted) / len(fitted)
+    return efficiency, (f"fitted to the roofline's step time of {'; '.join(described)} (--roofline); "
+                        f"per layout {', '.join(f'{e:.3f}' for e in fitted)}")
 
 
 def read_commbench(path: str) -> dict[str, float]:
@@ -578,7 +654,7 @@ def format_notes(cfg: Qwen3Config, hw: Hardware, candidates: list[Candidate], to
     if args.tokens:
         tokens = parse_tokens(args.tokens)
         per_second = step.tokens_per_sec_per_device * lay.world_size
-        lines.append(f"time to train {tokens:.3g} tokens at row 1: {lay.world_size} devices x "
+        lines.append(f"time to train {args.tokens} tokens at row 1: {lay.world_size} devices x "
                      f"{step.tokens_per_sec_per_device:,.0f} tokens/s = {per_second:,.0f} tokens/s: "
                      f"{days_to_train(best, tokens):,.1f} days (the predicted throughput, without restarts, "
                      "evaluation or checkpoint pauses)")
@@ -615,6 +691,10 @@ def main(argv: list[str]) -> int:
     if args.gradient_accumulation_steps is not None or "gradient_accumulation_steps" in conf:
         fixed["gradient_accumulation_steps"] = base.gradient_accumulation_steps
     check_fixed(cfg, cluster, fixed, base.seq_length)
+    fitted = ""
+    if args.roofline:
+        efficiency, fitted = fit_efficiency(cfg, hw, cluster, base, read_roofline(args.roofline))
+        hw = with_overrides(hw, compute_efficiency=efficiency)
     if base.fp8 != "off":
         fp8_peak_tflops(hw, base.fp8)  # refuse a device without FP8 matmuls before searching
     for name, value in (("--memory-margin", args.memory_margin), ("--tie-tolerance", args.tie_tolerance)):
@@ -633,7 +713,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(format_table(cfg, cluster, hw, candidates, args.top))
-        print(format_notes(cfg, hw, candidates, args.top, args, fixed, efficiency_source(args)))
+        print(format_notes(cfg, hw, candidates, args.top, args, fixed, efficiency_source(args, fitted)))
     if not candidates[0].fits:
         message = (f"nothing fits in {hw.memory_gib:.1f} GiB per device; "
                    + suggest(cfg, cluster, base, fixed, hw, args.global_batch_size))
