@@ -61,6 +61,7 @@ class Fp8Runs:
     def __init__(self, root) -> None:
         self.root = root
         self.corpus = make_corpus(root / "corpus")
+        self.logs: dict[str, str] = {}
 
     @functools.cache
     def records(self, name: str) -> list[dict]:
@@ -69,7 +70,9 @@ class Fp8Runs:
         # the preset's seeded initialization, the same values whatever the layout
         cfg = write_config(self.root / f"{name}.yaml", self.corpus, out, total_steps=2,
                            model_overrides=MOE_MODEL if model == "moe" else dict(TINY_MODEL))
-        check_ok(run_train(cfg, nproc, *FP8, *overrides, timeout=600))
+        proc = run_train(cfg, nproc, *FP8, *overrides, timeout=600)
+        check_ok(proc)
+        self.logs[name] = proc.stdout + proc.stderr
         return step_records(out)
 
 
@@ -101,8 +104,11 @@ def test_context_parallel_equals_one_fp8_process(fp8_runs):
 
 @pytest.mark.distributed
 def test_expert_parallel_equals_one_fp8_process(fp8_runs):
-    """A MoE model: the attention projections in FP8 around experts split over 2 ranks."""
+    """A MoE model: the attention projections and the experts' grouped matmuls (rowwise, emulated) in FP8,
+    the experts split over 2 ranks."""
     assert_close_per_step(fp8_runs.records("moe-ep2"), fp8_runs.records("moe-single"), STEP1, LATER, "ep2")
+    for name in ("moe-ep2", "moe-single"):
+        assert "experts: fp8_rowwise_grouped_mm (emulated)" in fp8_runs.logs[name], name
 
 
 def _fp8_stage(recipe: str):
