@@ -259,9 +259,9 @@ def fp8_device_problem(recipe: str, device: torch.device | str, emulate: bool,
             f"(compute capability {capability[0]}.{capability[1]})"
     need = MXFP8_CAPABILITY if recipe == "mxfp8" else FP8_CAPABILITY
     if tuple(capability) < need:
-        what = "MXFP8 needs Blackwell, compute capability 10.0" if recipe == "mxfp8" \
-            else "FP8 tensor cores need compute capability 8.9 (Ada, Hopper)"
-        return f"fp8 {recipe}: {label} has none ({what}); {fix}"
+        what = "MXFP8 matmuls (they need compute capability 10.0: Blackwell)" if recipe == "mxfp8" \
+            else "FP8 tensor cores (they need compute capability 8.9: Ada, Hopper)"
+        return f"fp8 {recipe}: {label} has no {what}; {fix}"
     return None
 
 
