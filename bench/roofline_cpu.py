@@ -28,6 +28,7 @@ holds both; the prediction's host term is spread over the categories by the ops 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -184,15 +185,18 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
         return statistics.median(get(p) for p in probes)
 
     first = probes[0]
-    return CpuProbe(first.cpu, first.threads, {k: med(lambda p: p.matmul_tflops[k]) for k in first.matmul_tflops},
-                    {k: med(lambda p: p.memory_gbps[k]) for k in first.memory_gbps}, med(lambda p: p.op_latency_us),
-                    med(lambda p: p.load_average))
+    return dataclasses.replace(
+        first, matmul_tflops={k: med(lambda p: p.matmul_tflops[k]) for k in first.matmul_tflops},
+        memory_gbps={k: med(lambda p: p.memory_gbps[k]) for k in first.memory_gbps},
+        op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
+        load_average=med(lambda p: p.load_average))
 
 
 def probe_json(probe: CpuProbe) -> dict:
     return {"cpu": probe.cpu, "threads": probe.threads, "load": probe.load_average,
             "matmul_tflops": {f"{d} {s}": v for (d, s), v in probe.matmul_tflops.items()},
-            "memory_gbps": probe.memory_gbps, "op_latency_us": probe.op_latency_us}
+            "memory_gbps": probe.memory_gbps, "op_latency_us": probe.op_latency_us,
+            "autograd_op_latency_us": probe.autograd_op_latency_us}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------

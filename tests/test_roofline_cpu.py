@@ -34,6 +34,8 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert all(0.1 < v < 10_000 for v in probe.memory_gbps.values()), probe.memory_gbps
     assert probe.bandwidth_gbps == probe.memory_gbps["add_fp32"]
     assert 0.05 < probe.op_latency_us < 10_000
+    # recording the autograd graph and running its nodes costs more than the bare op
+    assert probe.op_latency_us < probe.autograd_op_latency_us < 100_000
     assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 1
 
 

@@ -38,6 +38,9 @@ class CpuProbe:
     # bytes read + written per second, GB/s (1e9): "copy" (fp32 copy_), "add_fp32", "add_bf16" (a + b -> out)
     memory_gbps: dict[str, float] = field(default_factory=dict)
     op_latency_us: float = 0.0  # one tiny eager op (a + b on 8 elements): dispatch and allocation, no compute
+    # one tiny op of a training step: its forward under autograd (graph recording) and its backward node's op
+    # run by the autograd engine, per op dispatched
+    autograd_op_latency_us: float = 0.0
     load_average: float = 0.0  # the 1-minute load average when the probe ran
 
     @property
@@ -54,7 +57,8 @@ class CpuProbe:
         lines += [f"matmul {dtype} {shape}: {value:.3f} TFLOP/s" for (dtype, shape), value in
                   sorted(self.matmul_tflops.items())]
         lines += [f"memory {name}: {value:.1f} GB/s" for name, value in self.memory_gbps.items()]
-        lines.append(f"tiny op: {self.op_latency_us:.1f} us")
+        lines.append(f"tiny op: {self.op_latency_us:.1f} us, under autograd (forward and backward, per op): "
+                     f"{self.autograd_op_latency_us:.1f} us")
         return lines
 
 
@@ -122,6 +126,20 @@ def op_latency_us(calls: int = 2000) -> float:
     return seconds_per_call(lambda: a + b, min_seconds=calls * 2e-6) * 1e6
 
 
+def autograd_op_latency_us(length: int = 32) -> float:
+    """Microseconds per op of a chain of ``length`` tiny multiplications run forward and backward: each
+    forward op records its autograd node, and the engine runs one op per node in backward."""
+    x = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(length):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return seconds_per_call(chain, min_seconds=length * 2e-4) / (2 * length) * 1e6
+
+
 def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None = None,
                 square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256),
                 min_seconds: float = 0.02, memory_mib: int = 128) -> CpuProbe:
@@ -144,6 +162,7 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                 tflops[(name, f"{tokens}x{k}x{n}")] = linear_tflops(tokens, k, n, dtype, min_seconds)
         return CpuProbe(cpu=cpu_name(), threads=torch.get_num_threads(), matmul_tflops=tflops,
                         memory_gbps=memory_gbps(min_seconds, memory_mib), op_latency_us=op_latency_us(),
+                        autograd_op_latency_us=autograd_op_latency_us(),
                         load_average=os.getloadavg()[0])
     finally:
         torch.set_num_threads(before)
