@@ -8,7 +8,10 @@ Stages, most valuable first: ``env`` (torch, CUDA/CANN, device, memory) -> ``tes
 torchrun: stopped by SIGTERM and resumed, killed by SIGKILL and resumed; every loss must equal an
 uninterrupted run's) -> ``merge`` (both runs' last checkpoints; the weights must be equal) ->
 ``parse_log`` -> ``bench_data`` -> ``throughput/<variant>`` (Qwen3-1.7B and 0.6B, seq 8192 and 4096,
-bf16, full activation checkpointing, eager and compiled), started while the budget allows.
+bf16, full activation checkpointing, eager and compiled), started while the budget allows -> ``fp8/dense``
+and ``fp8/moe`` (bf16 against ``fp8 tensorwise``, compiled, at Qwen3-8B's and Qwen3-30B-A3B's layer sizes:
+tokens/s ratio ``speedup`` and last-step ``loss_rel_diff`` against the goals 1.25x and 1%; on the CPU the
+emulated FP8 run alone; ``--only bench_data,fp8`` runs them without the rest).
 
 OUTDIR/summary.json is rewritten (atomically) after every stage: ``{"stages": [{"name", "ok",
 "seconds", ...figures}], "not_run": [{"name", "reason"}], ...}``, so a slot cut short still reports

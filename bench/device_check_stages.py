@@ -510,6 +510,93 @@ def throughput(v: Variant) -> Callable[[Context, float], dict]:
     return run
 
 
+# --- FP8 ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Bench:
+    """One side-by-side of ``fp8`` against bf16 (``fp8_stage``): a preset cut to ``overrides``, its sequence
+    and batch, compiled or not, (warm-up, timed) steps."""
+
+    model: str
+    overrides: dict
+    seq_length: int
+    batch_size: int
+    compile: bool
+    steps: tuple[int, int]
+
+
+# On a device: Qwen3-8B's projections (4 of its 36 layers; the LM head, bf16 in both runs, weighs about what
+# 3 layers do, so the ratio is a little below a whole model's) and Qwen3-30B-A3B's layers (2 of 48: 128
+# experts, top 8, the experts' FP8 grouped matmul), compiled, as torchao needs for its speed. The issue's
+# goal: >= 1.25x bf16 tokens/s (dense), loss within 1% of bf16 after 1,000 steps; the stage runs a few
+# steps in its budget, so its loss figure is the last timed step's, an early check of the same bound.
+FP8_DEVICE = {"dense": Fp8Bench("qwen3-8b", {"num_hidden_layers": 4}, 4096, 2, True, (3, 10)),
+              "moe": Fp8Bench("qwen3-30b-a3b", {"num_hidden_layers": 2}, 4096, 2, True, (3, 10))}
+# On the CPU: emulated FP8 (fp8_emulate) at tiny sizes, eager: the stage checks that it runs, not its speed.
+FP8_CPU = {"dense": Fp8Bench("qwen3-0.6b", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+                             64, 2, False, (1, 2)),
+           "moe": Fp8Bench("qwen3-30b-a3b", {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+                                             "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+                           64, 2, False, (1, 2))}
+FP8_GOAL_SPEEDUP = 1.25
+FP8_GOAL_LOSS_REL = 0.01
+
+
+def fp8_stage(kind: str) -> Callable[[Context, float], dict]:
+    """bf16, then ``fp8 tensorwise`` (the experts' rowwise FP8 grouped matmul in a MoE model), the same model,
+    data and steps: the tokens/s ratio (``speedup``) and the last timed step's relative loss difference
+    (``loss_rel_diff``), with whether they meet the issue's goal (reported, not failed on: a stage fails where a
+    run fails or a loss is not finite). On the CPU the emulated FP8 run alone, its figures only."""
+
+    def run(ctx: Context, deadline: float) -> dict:
+        bench = (FP8_CPU if ctx.mode == "cpu" else FP8_DEVICE)[kind]
+        runs = {}
+        sides = (("bf16", {}), ("fp8", {"fp8": "tensorwise", "fp8_emulate": ctx.mode == "cpu"}))
+        if ctx.mode == "cpu":  # emulated FP8 says nothing of speed: its run alone (the bf16 one is the throughput stages')
+            sides = sides[1:]
+        for name, extra in sides:
+            work, logs = fresh(ctx.work / "fp8" / f"{kind}-{name}"), fresh(ctx.out / "fp8" / f"{kind}-{name}")
+            cfg = {"model_name": bench.model, "model_overrides": bench.overrides,
+                   "data_path": str(ctx.work / "bench" / "data"), "output_path": str(work),
+                   "seq_length": bench.seq_length, "batch_size": bench.batch_size, "mixed_precision": "bf16",
+                   "activation_checkpointing": "full", "compile": bench.compile, "learning_rate": 1e-4,
+                   "warmup_steps": 100, "total_steps": 100_000, "log_steps": 1, "save_steps": 0,
+                   "device": "cpu" if ctx.mode == "cpu" else "auto", **extra}
+            (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
+            warmup, timed = bench.steps
+            try:
+                ctx.run(ctx.torchrun("bench/train_gpu.py", "run", "--config", logs / "config.yaml", "--steps", timed,
+                                     "--warmup", warmup), deadline, logs / "log.txt")
+            finally:
+                if (work / "metrics.jsonl").is_file():
+                    shutil.copy(work / "metrics.jsonl", logs / "metrics.jsonl")
+            sys.path.insert(0, str(ROOT / "bench"))
+            from train_gpu import summarize
+
+            runs[name] = summarize(work / "metrics.jsonl")
+            if runs[name] is None or not math.isfinite(runs[name]["last_loss"]):
+                raise StageFailed(f"{kind} {name}: no finite timed step in {work / 'metrics.jsonl'}",
+                                  tail(logs / "log.txt"), {"runs": runs})
+        fp8 = runs["fp8"]
+        common = {"model": bench.model, "overrides": bench.overrides, "seq_length": bench.seq_length,
+                  "batch_size": bench.batch_size, "compile": bench.compile, "emulated": ctx.mode == "cpu",
+                  "tokens_per_sec_fp8": fp8["tokens_per_sec_per_device"], "loss_fp8": fp8["last_loss"],
+                  "memory_gib_fp8": fp8["memory_gib"]}
+        if "bf16" not in runs:
+            return common
+        bf16 = runs["bf16"]
+        ratio = fp8["tokens_per_sec_per_device"] / bf16["tokens_per_sec_per_device"]
+        loss_rel = abs(fp8["last_loss"] - bf16["last_loss"]) / abs(bf16["last_loss"])
+        return {**common, "tokens_per_sec_bf16": bf16["tokens_per_sec_per_device"], "speedup": ratio,
+                "loss_bf16": bf16["last_loss"], "loss_rel_diff": loss_rel, "memory_gib_bf16": bf16["memory_gib"],
+                "meets_speed_goal": ratio >= FP8_GOAL_SPEEDUP, "meets_loss_goal": loss_rel <= FP8_GOAL_LOSS_REL}
+
+    return run
+
+
 def stages(ctx: Context) -> list[Stage]:
     from device_check_multi import multi_stages
 
@@ -524,4 +611,8 @@ def stages(ctx: Context) -> list[Stage]:
         kind = "compile" if v.compile else "eager"
         out.append(Stage(variant_name(v, s.bench_model is not None), throughput(v), s.caps[kind],
                          ("env", "bench_data"), s.start_if[kind]))
+    # last: on a device they compile two large models each (``--only bench_data,fp8`` runs them alone)
+    fp8_cap = s.caps["compile"] + 60 if ctx.mode != "cpu" else s.caps["eager"]
+    out += [Stage(f"fp8/{kind}", fp8_stage(kind), fp8_cap, ("env", "bench_data"), s.start_if["compile"])
+            for kind in ("dense", "moe")]
     return out
