@@ -70,9 +70,8 @@ def test_fp8_is_off_by_default_and_its_keys_are_checked():
         train_config(fp8="rowwise", fp8_all_gather=True)
     with pytest.raises(ConfigError, match="fp8_all_gather needs distributed_optimizer"):
         train_config(fp8="tensorwise", fp8_all_gather=True, distributed_optimizer=False)
-    for key, value in (("fp8_all_gather", True), ("fp8_emulate", True), ("fp8_filter", ["down_proj"])):
-        with pytest.raises(ConfigError, match=f"{key}.*needs fp8 set"):
-            train_config(**{key: value})
+    # FP8 off by the one key: the others may stay (a run switching FP8 off at a resume changes only fp8)
+    assert train_config(fp8_all_gather=True, fp8_emulate=True, fp8_filter=["down_proj"]).fp8 is None
     with pytest.raises(ConfigError, match="fp8_filter has an empty entry"):
         train_config(fp8="rowwise", fp8_filter=["+"])
     with pytest.raises(ConfigError, match="fp8"):

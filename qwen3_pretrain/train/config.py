@@ -98,7 +98,7 @@ class TrainConfig:
     fp8_emulate: bool = field_help(
         False, "Allow fp8 on a device without FP8 tensor cores (CPU, A100, Ascend 910B): the FP8 numerics "
                "(operands rounded to e4m3/e5m2 with their scales), multiplied in high precision: slower than "
-               "bf16, for tests and experiments.")
+               "bf16, for tests and experiments. The fp8_* keys are ignored while fp8 is empty.")
     distributed_optimizer: bool = field_help(True, "Shard optimizer state, gradients and master weights over the "
                                              "data-parallel ranks (ZeRO/FSDP); false keeps full replicas.")
     dp_shard: int | None = field_help(
@@ -424,12 +424,7 @@ class TrainConfig:
                               f"({self.pp_microbatch_size})")
 
     def _validate_fp8(self) -> None:
-        if self.fp8 is None:
-            for key in ("fp8_all_gather", "fp8_emulate"):
-                if getattr(self, key):
-                    raise ConfigError(f"{key} true needs fp8 set (it is empty: FP8 off): set fp8, e.g. tensorwise")
-            if self.fp8_filter:
-                raise ConfigError(f"fp8_filter {self.fp8_filter} needs fp8 set (it is empty: FP8 off)")
+        if self.fp8 is None:  # the other fp8 keys are ignored: FP8 switches off by this key alone (at a resume too)
             return
         if self.fp8_all_gather and self.fp8 != "tensorwise":
             raise ConfigError(f"fp8_all_gather needs fp8 tensorwise (it is {self.fp8}): the weights are cast "
