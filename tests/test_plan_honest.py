@@ -287,3 +287,25 @@ def test_the_efficiency_is_fitted_to_a_roofline_prediction(tmp_path, capsys):
     path.write_text(json.dumps({"ranks": []}))
     with pytest.raises(UserError, match="no record with a 'layout'"):
         plan_main(["--model", "qwen3-8b", "--roofline", str(path)])
+
+
+def test_fp8_routed_experts_by_hand():
+    """A MoE layer's routed experts run rowwise FP8 grouped matmuls under every recipe (6 FLOPs per weight
+    and pair, ``top_k`` pairs a token; the weight gradient in FP8 even under rowwise_with_gw_hp, whose
+    high-precision weight gradient is the projections'); FP8 all-gather does not cover them."""
+    moe = dataclasses.replace(SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    kind = LayerKind(sparse=True)
+    assert moe.is_sparse_layer(0)
+    lay = Layout(dp=4, ep=2, seq_length=1024, activation_checkpointing="none", fp8="tensorwise")
+    experts = 3 * 256 * 128  # one expert's gate, up and down
+    assert FP8.expert_recipe(lay) == "rowwise" and FP8.expert_recipe(lay.replace(fp8="mxfp8")) == "mxfp8"
+    assert FP8.fp8_expert_flops_per_token(moe, lay, kind) == 6 * 2 * experts
+    assert FP8.fp8_expert_flops_per_token(moe, lay.replace(fp8="rowwise_with_gw_hp"), kind) == 6 * 2 * experts
+    attention = 256 * 256 + 2 * 256 * 128 + 256 * 256
+    assert FP8.fp8_flops_per_token(moe, lay, kind) == 6 * attention + 6 * 2 * experts
+    assert FP8.fp8_weight_params(moe, lay, kind) == attention + 8 / 2 * experts
+    assert FP8.fp8_weight_params(moe, lay, kind, FP8.GATHERED_IN_FP8) == attention
+    ag = lay.replace(fp8_all_gather=True)
+    shape = stage_shapes(moe, ag)[0]
+    # two layers' attention at 1 byte, plus the experts' FP8 copy (and one fp32 scale per FP8 linear, 7)
+    assert FP8.gathered_weight_delta(moe, ag, shape, 2) == 2 * (-attention + 4 * 7) + 8 / 2 * experts

@@ -7,9 +7,9 @@ and parameters of those are untouched here). What the planner prices:
 
 * **matmuls**: the FP8 projections' FLOPs (attention's q, k, v, o; a Gated
   DeltaNet's input and output projections; a dense MLP's gate, up, down; a MoE
-  block's shared expert; its routed experts' grouped matmuls only under the
-  recipes of ``layout.FP8_EXPERT_RECIPES``: none yet, the engine's experts
-  compute in bf16) at the device's FP8 peak x the bf16 efficiency x
+  block's shared expert; its routed experts' grouped matmuls under the recipes
+  of ``layout.FP8_EXPERT_RECIPES``, rowwise-scaled whatever the projections'
+  recipe, MXFP8 under ``mxfp8``: ``expert_recipe``) at the device's FP8 peak x the bf16 efficiency x
   ``FP8_EFFICIENCY_RATIO`` (FP8 GEMMs reach a smaller share of their peak, and
   the scaling's small kernels are not in the FLOPs; calibrated below).
   ``rowwise_with_gw_hp`` keeps the weight-gradient matmul (one of the three
@@ -107,16 +107,33 @@ def _tp_split(layout: Layout, part: str) -> int:
     return layout.tp if part in ("mixer", "mlp") else 1
 
 
-def fp8_weight_params(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
+ALL_PARTS = ("mixer", "mlp", "shared", "experts")
+GATHERED_IN_FP8 = ("mixer", "mlp", "shared")  # FP8 all-gather covers the FP8 linears' weights, not the experts'
+
+
+def fp8_weight_params(cfg: Qwen3Config, layout: Layout, kind: LayerKind, parts: tuple[str, ...] = ALL_PARTS
+                      ) -> float:
     """Weights of one layer of ``kind`` on a rank that are FP8 projections (attention's and a dense MLP's
-    split over tp, a shared expert whole, the rank's ``1 / ep`` of the routed experts)."""
+    split over tp, a shared expert whole, the rank's ``1 / ep`` of the routed experts), of ``parts``."""
     if layout.fp8 == "off":
         return 0.0
     return sum(n_in * n_out * (cfg.num_experts / layout.ep if part == "experts" else 1 / _tp_split(layout, part))
-               for n_in, n_out, _, part in _linears(cfg, layout, kind))
+               for n_in, n_out, _, part in _linears(cfg, layout, kind) if part in parts)
 
 
-def fp8_flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
+def expert_recipe(layout: Layout) -> str:
+    """The scaling the routed experts' FP8 grouped matmuls use: MXFP8 under ``mxfp8``, rowwise otherwise
+    (torchao has no tensorwise grouped GEMM; models/ops/moe_fp8.py)."""
+    return "mxfp8" if layout.fp8 == "mxfp8" else "rowwise"
+
+
+def fp8_expert_flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
+    """Of ``fp8_flops_per_token``, the routed experts' (at ``expert_recipe``'s speed)."""
+    return fp8_flops_per_token(cfg, layout, kind, parts=("experts",))
+
+
+def fp8_flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind,
+                        parts: tuple[str, ...] = ("mixer", "mlp", "shared", "experts")) -> float:
     """Hardware FLOPs of one layer of ``kind`` per local token that run in FP8 (forward, backward and what
     recompute runs again; all tp ranks together, as ``layers.flops_per_token`` counts them, which these are
     part of): 6 per weight and use, 2 more where full recompute reruns a projection (MLP recompute: the
@@ -129,9 +146,12 @@ def fp8_flops_per_token(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> fl
     repeat = layout.tp if kind.sparse and not layout.moe_tokens_split_by_tp else 1
     total = 0.0
     for n_in, n_out, uses, part in _linears(cfg, layout, kind):
+        if part not in parts:
+            continue
         tail = part == "mlp" and n_out == h  # the dense MLP's down projection
         rerun = (ac == "full" or (ac == "mlp" and part != "mixer")) and not tail
-        passes = (2 if layout.fp8 == "rowwise_with_gw_hp" else 3) + (1 if rerun else 0)
+        high_weight_grad = layout.fp8 == "rowwise_with_gw_hp" and part != "experts"
+        passes = (2 if high_weight_grad else 3) + (1 if rerun else 0)
         total += 2.0 * n_in * n_out * uses * passes * (repeat if part in ("shared", "experts") else 1)
     return total
 
@@ -156,10 +176,12 @@ def weight_cast_bytes(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> fl
     if layout.fp8 == "off":
         return 0.0
     per = 3.0 if layout.compile else 5.0
+    casts = 3 if layout.activation_checkpointing == "full" else 2
     weights = sum(n * fp8_weight_params(cfg, layout, kind) for kind, n in shape.layer_kinds)
-    if layout.fp8_all_gather:
-        return per * 2 * weights / layout.shards
-    return per * (3 if layout.activation_checkpointing == "full" else 2) * weights
+    if layout.fp8_all_gather:  # the gathered ones cast on the shard, the experts' as without
+        gathered = sum(n * fp8_weight_params(cfg, layout, kind, GATHERED_IN_FP8) for kind, n in shape.layer_kinds)
+        return per * (2 * gathered / layout.shards + casts * (weights - gathered))
+    return per * casts * weights
 
 
 def scale_bytes(cfg: Qwen3Config, layout: Layout, kind: LayerKind) -> float:
@@ -185,8 +207,9 @@ def gathered_weight_delta(cfg: Qwen3Config, layout: Layout, shape: StageShape, l
         return 0.0
     kind = max((k for k, _ in shape.layer_kinds), key=lambda k: fp8_weight_params(cfg, layout, k))
     weights, scales = fp8_weight_params(cfg, layout, kind), scale_bytes(cfg, layout, kind)
-    if layout.fp8_all_gather:
-        return layers_gathered * ((1 - layout.dtype_bytes) * weights + scales)
+    if layout.fp8_all_gather:  # the routed experts (not gathered in FP8) keep their FP8 copy
+        gathered = fp8_weight_params(cfg, layout, kind, GATHERED_IN_FP8)
+        return layers_gathered * ((1 - layout.dtype_bytes) * gathered + scales) + weights - gathered
     return weights + scales
 
 

@@ -34,10 +34,11 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")  # how torch
 # The training config's ``fp8`` recipes (torchao's float8 training): which projections run their matmuls in
 # FP8 and how they are scaled (docs/planner.md, "FP8")
 FP8_RECIPES: tuple[str, ...] = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
-# The recipes under which the engine runs a MoE block's routed experts as FP8 grouped matmuls: none yet (the
-# projections' FP8 class covers nn.Linear only; models/ops/moe.py's grouped matmuls are bf16), so the planner
-# prices the experts in bf16 under every recipe until that path exists.
-FP8_EXPERT_RECIPES: tuple[str, ...] = ()
+# The recipes under which the engine runs a MoE block's routed experts as FP8 grouped matmuls
+# (models/ops/moe_fp8.py): all of them, rowwise-scaled (torchao has no tensorwise grouped GEMM) or MXFP8 under
+# mxfp8; on a device without an FP8 grouped GEMM (Ada) the engine keeps them in bf16, which the planner does not
+# distinguish.
+FP8_EXPERT_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 
 
 @dataclass(frozen=True)

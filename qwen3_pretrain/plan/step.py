@@ -172,11 +172,14 @@ def _moe_skew_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: Stag
     return (layout.moe_rank_load - 1) * per_token * shape.sparse_layers * layout.microbatch_tokens
 
 
-def _stage_fp8_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
-    """Of ``_stage_flops_per_microbatch``'s matmul FLOPs, those of the projections ``layout.fp8`` runs in FP8
-    (``fp8.fp8_flops_per_token``; the LM head, the embedding, the router and the MTP layer stay in bf16)."""
-    per_token = sum(count * FP8.fp8_flops_per_token(cfg, layout, kind) for kind, count in shape.layer_kinds)
-    return per_token * layout.microbatch_tokens
+def _stage_fp8_flops_per_microbatch(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> tuple[float, float]:
+    """Of ``_stage_flops_per_microbatch``'s matmul FLOPs, those ``layout.fp8`` runs in FP8: (the projections',
+    the routed experts'; ``fp8.fp8_flops_per_token``; the LM head, the embedding, the router and the MTP layer
+    stay in bf16)."""
+    total = sum(count * FP8.fp8_flops_per_token(cfg, layout, kind) for kind, count in shape.layer_kinds)
+    experts = sum(count * FP8.fp8_expert_flops_per_token(cfg, layout, kind) for kind, count in shape.layer_kinds)
+    tokens = layout.microbatch_tokens
+    return (total - experts) * tokens, experts * tokens
 
 
 def _fp8_cast_bytes(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> float:
@@ -290,8 +293,8 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
     reductions = 1 if layout.accumulates_unsharded else m
     dense_units, expert_units = _gathers(cfg, layout, shape, sp, experts)
     calls: list[tuple[str, F.Collective, float, int]] = []
-    fp8_gathered = sum(n * FP8.fp8_weight_params(cfg, layout, kind) for kind, n in shape.layer_kinds) \
-        if layout.fp8_all_gather else 0.0
+    fp8_gathered = sum(n * FP8.fp8_weight_params(cfg, layout, kind, FP8.GATHERED_IN_FP8)
+                       for kind, n in shape.layer_kinds) if layout.fp8_all_gather else 0.0
     efsdp = shards * layout.tp // layout.ep if layout.ep > 1 else shards
     for which, (held, group, units) in enumerate(((sp.held - experts, shards, dense_units),
                                                   (experts, efsdp, expert_units))):
@@ -423,20 +426,27 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
     peak = hardware.compute_flops(layout.mixed_precision)
     speed = peak * hardware.compute_efficiency * layout.tp
     fp32_speed = hardware.compute_flops("fp32") * hardware.compute_efficiency * layout.tp
-    fp8_speed = 0.0
+    fp8_speed = expert_speed = 1.0
     if layout.fp8 != "off":
         fp8_speed = FP8.fp8_peak_tflops(hardware, layout.fp8) * 1e12 * hardware.compute_efficiency \
             * FP8.FP8_EFFICIENCY_RATIO[layout.fp8] * layout.tp
+        experts = FP8.expert_recipe(layout)
+        expert_speed = FP8.fp8_peak_tflops(hardware, experts) * 1e12 * hardware.compute_efficiency \
+            * FP8.FP8_EFFICIENCY_RATIO[experts] * layout.tp
     bandwidth = hardware.memory_bandwidth_gbps * GB
     m, v = layout.num_microbatches, layout.stages_per_rank
     per_stage = []
     host_bound = False
     for shape in stage_shapes(cfg, layout):
         matmul_flops, fp32_flops = _stage_flops_per_microbatch(cfg, layout, shape)
-        matmul_flops += _moe_skew_flops_per_microbatch(cfg, layout, shape)
-        fp8_flops = _stage_fp8_flops_per_microbatch(cfg, layout, shape)
-        matmul = (matmul_flops - fp8_flops) / speed + fp32_flops / fp32_speed \
-            + (fp8_flops / fp8_speed if fp8_flops else 0.0)
+        skew = _moe_skew_flops_per_microbatch(cfg, layout, shape)
+        fp8_flops, expert_flops = _stage_fp8_flops_per_microbatch(cfg, layout, shape)
+        if expert_flops:  # the heaviest rank's extra expert work runs at the experts' FP8 speed too
+            matmul_flops, expert_flops = matmul_flops + skew, expert_flops + skew
+        else:
+            matmul_flops += skew
+        matmul = (matmul_flops - fp8_flops - expert_flops) / speed + fp32_flops / fp32_speed \
+            + fp8_flops / fp8_speed + expert_flops / expert_speed
         casts = _fp8_cast_bytes(cfg, layout, shape) / bandwidth
         device = matmul + casts
         host = _host_seconds(cfg, layout, hardware, shape)
