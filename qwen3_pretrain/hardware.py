@@ -86,11 +86,25 @@ def attention_backend(device_type: str, call: AttentionCall) -> str:
     return "math"
 
 
-def default_chunk_tokens(device: str) -> int:
-    """Tokens per loss chunk when the config leaves it empty: 4096 on accelerators, whose matmuls want
-    large operands; 1024 on a CPU (``device`` "cpu"), where smaller chunks are as fast and take a
-    quarter of the memory."""
-    return 1024 if device == "cpu" else 4096
+# When ``loss_chunk_tokens`` is empty: the speed-best chunk, halved while its fp32 logits (4 bytes per token
+# and vocab entry of the whole vocab, whatever tp divides it by, so one model gets one chunk in every
+# layout the planner compares) exceed the budget, down to the floor. The fused loss keeps nothing else of
+# that size (models/ops/loss.py). CPU: 1024 tokens, 640 MiB, floor 256: a 151,936 vocab keeps 1024 tokens
+# (594 MiB), the fastest on a 2-core AMX Xeon (bench/loss.py, hidden 256: CPU seconds per step 512 tokens
+# 1.15x, 256 1.4x, 2048 1.0x those of 1024); a 248,320 vocab (Qwen3.5) gets 512 (485 MiB instead of 970).
+# Accelerators: 4096 tokens, 4 GiB, floor 1024: every Qwen3 and Qwen3.5 vocab keeps 4096 (3.8 GiB at most).
+CHUNK_TOKENS_RULE = {"cpu": (1024, 640 * 2**20, 256), "accelerator": (4096, 4 * 2**30, 1024)}
+
+
+def default_chunk_tokens(device: str, vocab_size: int | None = None) -> int:
+    """Tokens per loss chunk when the config leaves it empty (``CHUNK_TOKENS_RULE``): at most 4096 on
+    accelerators, whose matmuls want large operands, and 1024 on a CPU (``device`` "cpu"), where larger
+    chunks are no faster; fewer where a chunk's fp32 logits over ``vocab_size`` would exceed the budget
+    (without ``vocab_size``, the most)."""
+    tokens, budget, floor = CHUNK_TOKENS_RULE["cpu" if device == "cpu" else "accelerator"]
+    while vocab_size is not None and tokens > floor and tokens * vocab_size * 4 > budget:
+        tokens //= 2
+    return tokens
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwen3_pretrain.hardware import CHUNK_TOKENS_RULE, default_chunk_tokens
 from qwen3_pretrain.models.ops import loss as loss_ops
 from qwen3_pretrain.models.ops.loss import fused_linear_cross_entropy
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
@@ -95,3 +96,18 @@ def test_in_place_conversions_equal_plain_copies(rows, dtype):
     values = torch.randn(rows, vocab) * 3
     buffer.copy_(values)
     assert torch.equal(loss_ops._downcast_in_place(buffer, lower), values.to(dtype))
+
+
+def test_default_chunk_keeps_the_logits_within_the_budget():
+    """``loss_chunk_tokens`` empty: Qwen3's vocab keeps the speed-best chunks (1024 on a CPU, 4096 elsewhere);
+    a larger vocab gets the largest power of two whose fp32 logits fit the budget, never below the floor."""
+    assert default_chunk_tokens("cpu", 151936) == 1024 and default_chunk_tokens("cuda", 151936) == 4096
+    assert default_chunk_tokens("cpu") == 1024 and default_chunk_tokens("npu") == 4096
+    for device in ("cpu", "cuda", "h100"):
+        cap, budget, floor = CHUNK_TOKENS_RULE["cpu" if device == "cpu" else "accelerator"]
+        for vocab in (1000, 151936, 248320, 262144, 10**6, 10**8):
+            chunk = default_chunk_tokens(device, vocab)
+            assert floor <= chunk <= cap and chunk & (chunk - 1) == 0
+            assert chunk * vocab * 4 <= budget or chunk == floor
+            assert chunk == cap or 2 * chunk * vocab * 4 > budget
+    assert default_chunk_tokens("cpu", 248320) == 512

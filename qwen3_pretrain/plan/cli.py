@@ -352,7 +352,8 @@ def resolve_cluster(args: argparse.Namespace, conf: dict[str, Any]) -> Cluster:
     return cluster
 
 
-def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layout, dict[str, Any]]:
+def fixed_settings(args: argparse.Namespace, conf: dict[str, Any],
+                   vocab_size: int | None = None) -> tuple[Layout, dict[str, Any]]:
     """The base layout (settings that are not searched) and the fixed degrees, flags over config."""
     # A training config always decides recompute: activation_checkpointing, else gradient_checkpointing (the
     # training default false: none), as the engine reads them
@@ -384,7 +385,8 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any]) -> tuple[Layo
         pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"),
         virtual_stages=pick(args.virtual_stages, "pp_virtual_stages", 2),  # the engine's default
         pp_microbatch_size=pick(args.pp_microbatch_size, "pp_microbatch_size", 1),
-        loss_chunk_tokens=pick(args.loss_chunk_tokens, "loss_chunk_tokens", None) or default_chunk_tokens(args.device),
+        loss_chunk_tokens=(pick(args.loss_chunk_tokens, "loss_chunk_tokens", None)
+                           or default_chunk_tokens(args.device, vocab_size)),
         document_mask=conf.get("document_mask", False),
         device_type=get_device(args.device).device_type,
         reduce_grads_every_microbatch=pick(args.reduce_grads_every_microbatch, "reduce_grads_every_microbatch",
@@ -635,7 +637,7 @@ def format_notes(cfg: Qwen3Config, hw: Hardware, candidates: list[Candidate], to
         from qwen3_pretrain.plan.fp8 import FP8_EFFICIENCY_RATIO
         rests.append(f"FP8 projections at {FP8_EFFICIENCY_RATIO[lay.fp8]:.2f} x that share of the "
                      f"{fp8_peak_tflops(hw, lay.fp8):g} TFLOP/s FP8 peak (calibrated on torchao's published "
-                     "tensorwise and rowwise speed-ups), casts at the memory bandwidth; routed experts in bf16")
+                     "tensorwise and rowwise speed-ups), casts at the memory bandwidth; routed experts rowwise")
     rests.append(f"{hw.name}'s peaks, memory bandwidth and links are datasheet figures, not measured on a device"
                  + (f"; links measured by commbench ({args.commbench})" if args.commbench else
                     " (--commbench FILE puts measured links in)"))
@@ -686,7 +688,7 @@ def main(argv: list[str]) -> int:
     cfg = resolve_model(args.model, conf)
     hw = resolve_hardware(args)
     cluster = resolve_cluster(args, conf)
-    base, fixed = fixed_settings(args, conf)
+    base, fixed = fixed_settings(args, conf, cfg.vocab_size)
     base = base.replace(optimizer_impl=hw.optimizer_impl)
     if args.gradient_accumulation_steps is not None or "gradient_accumulation_steps" in conf:
         fixed["gradient_accumulation_steps"] = base.gradient_accumulation_steps

@@ -88,7 +88,7 @@ def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda", moe_imba
     ``moe_imbalance``: the routing skew the MoE layers are played with (``Layout.moe_imbalance``)."""
     source = model_source(cfg)
     parallelism = resolve_parallelism(cfg, world_size, source.config)
-    chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target)
+    chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target, source.config.vocab_size)
     layout = engine_layout(cfg, parallelism, chunk, target, fp32_matmul=False).replace(moe_imbalance=moe_imbalance)
     return World(cfg, source, parallelism, layout, target)
 

@@ -190,9 +190,12 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field_help({}, "config.json keys overriding the preset, e.g. "
                                                  "{num_hidden_layers: 4, hidden_size: 256} for a small model.")
     loss_chunk_tokens: int | None = field_help(None, "Tokens per chunk of the fused LM head + cross-entropy; "
-                                               "bounds logits memory to chunk x vocab/tp floats. Empty: 4096 on "
-                                               "GPUs and NPUs, 1024 on a CPU (as fast there, a quarter of the "
-                                               "memory).")
+                                               "its working set is one chunk's fp32 logits, chunk x vocab/tp x "
+                                               "4 bytes (in bf16 too). Empty: 4096 on GPUs and NPUs, 1024 on a "
+                                               "CPU (as fast there), halved while chunk x vocab x 4 bytes "
+                                               "exceeds 4 GiB (GPUs, NPUs; down to 1024) or 640 MiB (CPU; down "
+                                               "to 256): Qwen3's 151,936 vocab keeps 4096 / 1024, Qwen3.5's "
+                                               "248,320 gets 512 on a CPU.")
     reset_position_ids: bool = field_help(False, "Restart RoPE positions at each packed document.")
     document_mask: bool = field_help(False, "Also stop attention across packed documents (implies "
                                      "reset_position_ids). GPUs and NPUs take the document boundaries; a CPU "

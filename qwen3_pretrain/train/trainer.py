@@ -75,7 +75,8 @@ class Trainer:
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         if cfg.allow_tf32 and self.device.type == "cuda":  # before any matmul; the MFU peak follows it
             torch.backends.cuda.matmul.fp32_precision = "tf32"
-        self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type)
+        self.loss_chunk_tokens = cfg.loss_chunk_tokens or default_chunk_tokens(self.device.type,
+                                                                                self.source.config.vocab_size)
         flight_recorder_env(self.device.type, cfg.nccl_trace_buffer_size, cfg.output_path)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
         self.mesh = self.dims.build_mesh(self.device.type)
