@@ -109,6 +109,12 @@ def test_a_config_fixes_the_moe_capacity_and_fp8(tmp_path, capsys):
     assert rows and all(r["moe_rank_load"] == 1.25 and r["fp8"] == "tensorwise" and r["fp8_all_gather"]
                         for r in rows)
     assert rows[0]["config"]["moe_capacity_factor"] == 1.25 and rows[0]["config"]["fp8"] == "tensorwise"
+    from qwen3_pretrain.config.loader import from_dict
+    from qwen3_pretrain.train.config import TrainConfig
+
+    loaded = from_dict(TrainConfig, {"model_name": "qwen3-30b-a3b", "data_path": str(tmp_path),
+                                     "output_path": str(tmp_path / "out"), **rows[0]["config"]}, source="plan row")
+    assert (loaded.fp8, loaded.fp8_all_gather, loaded.moe_capacity_factor) == ("tensorwise", True, 1.25)
     conf.write_text("model_name: qwen3-0.6b\nrank_size: 8\nfp8: off\n")  # YAML's unquoted off
     assert all(r["fp8"] == "off" for r in _json_rows(capsys, ["--config", str(conf), "--top", "3"]))
 
