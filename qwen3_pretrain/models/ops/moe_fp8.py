@@ -131,8 +131,11 @@ def fp8_experts_kernel(recipe: str, device: torch.device | str, emulate: bool,
     device = torch.device(device)
     if device.type == "cuda" and not emulate:
         if capability is None:
-            # the scale simulation builds for a CUDA device on a host without one: its kernel is priced
-            capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else MXFP8_CAPABILITY
+            if not torch.cuda.is_available():
+                # the scale simulation, building for a CUDA device on a host without one: torchao's kernels
+                # cannot run on its fake CPU tensors, the emulated casts (same shapes, grouped matmuls) can
+                return Fp8GroupedMM(experts, emulate=True)
+            capability = torch.cuda.get_device_capability(device)
         need = MXFP8_CAPABILITY if experts == "mxfp8" else ROWWISE_CAPABILITY
         return Fp8GroupedMM(experts) if tuple(capability) >= need else None
     return Fp8GroupedMM(experts, emulate=True) if emulate else None
