@@ -24,9 +24,7 @@ need the layouts' help:
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from qwen3_pretrain.errors import ConfigError
@@ -76,20 +74,16 @@ def float8_tensor_parallel_plan(model: nn.Module, plan: dict[str, ParallelStyle]
     collectives (the output gradient's all-gather after a row-parallel projection), whose gloo backend has no
     FP8 dtype ("Invalid scalar type"); there the plain styles cast the same DTensors with the same global
     scales (torchao's DTensor rules reduce the maxima over tp), communicating in high precision."""
-    if device_type == "cpu":
+    swapped = [name for name, style in plan.items() if type(style) in (ColwiseParallel, RowwiseParallel)
+               and is_tensorwise(model.get_submodule(name))]
+    if device_type == "cpu" or not swapped:  # (a model without FP8 needs no torchao)
         return plan
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
     out = dict(plan)
-    for name, style in plan.items():
-        if type(style) not in (ColwiseParallel, RowwiseParallel) or not is_tensorwise(model.get_submodule(name)):
-            continue
+    for name in swapped:
+        style = plan[name]
         fp8_style = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
         out[name] = fp8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                               use_local_output=style.use_local_output)
     return out
 
-
-def gathers_fp8(param: torch.Tensor) -> bool:
-    """Whether FSDP2 gathers ``param`` in FP8 (its local shard is torchao's FP8-all-gather weight)."""
-    local = param._local_tensor if isinstance(param, DTensor) else param
-    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
