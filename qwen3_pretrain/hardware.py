@@ -1,4 +1,5 @@
-"""Devices the planner knows: memory, dense bf16, TF32 and fp32 peaks, link speeds, latencies.
+"""Devices the planner knows: memory, dense bf16, TF32, fp32 and FP8 peaks, link speeds, latencies, and the
+achievable shares of the peaks and per-op launch costs the roofline (simulate/roofline) prices op traces with.
 
 Bandwidths are *bus* bandwidths in the sense of nccl-tests (what one device's
 links carry in a ring collective), per device, in GB/s (1e9 bytes); they are
@@ -130,6 +131,36 @@ class Hardware:
     host_slowdown: float = 1.0
     # dense TF32 tensor-core peak, TFLOP/s, where the device has one (None: fp32 matmuls run at the fp32 peak)
     tf32_peak_tflops: float | None = None
+    # dense FP8 (e4m3/e5m2) tensor-core peak, TFLOP/s; None where the device has no FP8 matmuls (A100, Ascend
+    # 910B/C, CPUs): the planner and the roofline refuse an FP8 recipe there
+    fp8_tflops: float | None = None
+    # dense MXFP8 (block-scaled FP8, Blackwell's tensor cores) peak, TFLOP/s; None before Blackwell
+    mxfp8_tflops: float | None = None
+    # --- what the roofline (simulate/roofline) prices an op trace with ---
+    # share of a dtype's dense peak that a large, well-shaped matmul reaches (cuBLAS/CANN GEMMs at training
+    # shapes); smaller and skinny shapes get less (simulate/roofline/pricing.py's shape classes)
+    matmul_efficiency: float = 0.75
+    # share of ``memory_bandwidth_gbps`` a streaming elementwise kernel, copy or reduction reaches
+    bandwidth_efficiency: float = 0.85
+    # host time to issue one op in eager PyTorch (the dispatcher, the Python around it, the driver's launch),
+    # microseconds; a compiled graph launches its fused kernels at ``compiled_launch_us`` each
+    launch_latency_us: float = 10.0
+    compiled_launch_us: float = 4.0
+
+    def matmul_tflops(self, dtype: str) -> float | None:
+        """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
+        "fp32"/"float32", "fp8"/"float8_*", "mxfp8"): None where the device has no such matmul (FP8
+        before Hopper)."""
+        d = dtype.replace("torch.", "")
+        if d.startswith("float8") or d == "fp8":
+            return self.fp8_tflops
+        if d == "mxfp8":
+            return self.mxfp8_tflops
+        if d in ("bf16", "bfloat16", "float16", "fp16", "half"):
+            return self.peak_tflops
+        if d == "tf32":
+            return self.tf32_peak_tflops or self.fp32_peak_tflops
+        return self.fp32_peak_tflops
 
     def host_seconds_per_layer(self, tensor_parallel: bool, compiled: bool) -> float:
         """Host time to issue one decoder layer's forward and backward for one micro-batch."""
@@ -178,7 +209,7 @@ def _cpu_memory_gib() -> float:
 
 _HOPPER_NET = "one 400 Gb/s NDR NIC per GPU"
 _910B_NET = dict(memory_bandwidth_gbps=1600.0, intra_node_latency_us=20.0, inter_node_latency_us=50.0,
-                 device_type="npu")
+                 device_type="npu", matmul_efficiency=0.70, bandwidth_efficiency=0.80)
 _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is the commonly reported figure, "
                 "unverified: set peak_tflops (train) or --peak-tflops (plan) for yours")
 
@@ -187,71 +218,83 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 # sparsity). TF32: the datasheet's dense TF32 tensor-core figure, or its figure "with sparsity" halved
 # (H100, H200, L40S: 366 sparse; B200: the HGX B200's 18 PFLOP/s / 8 / 2); the H20's brief quotes it dense
 # (74). Never the fp32 (non-tensor-core) figure, which is the fallback only where a device has no TF32:
-# Ascend NPUs and CPUs, where mixed_precision fp32 runs at the fp32 peak.
+# Ascend NPUs and CPUs, where mixed_precision fp32 runs at the fp32 peak. FP8 (``fp8_tflops``): the dense
+# FP8 tensor-core figure, or the datasheet's "with sparsity" one halved (H100/H200/H800 SXM 3,958 -> 1,979;
+# H100 PCIe 3,026 -> 1,513; H100 NVL 3,341 -> 1,670.5; L40S 1,466 -> 733; B200: the HGX B200's 72 PFLOP/s
+# FP8 / 8 / 2 = 4,500, MXFP8 the same; the H20's brief quotes 296 dense); None before Hopper/Ada and on
+# Ascend 910B/C (no FP8 matmul units) and CPUs.
+# Roofline figures (simulate/roofline): ``matmul_efficiency`` 0.75 on Hopper and Blackwell (cuBLAS bf16
+# GEMMs at training shapes commonly reach 700-780 of 989 TFLOP/s on an H100 SXM; not measured here), 0.80 on
+# Ampere (~250 of 312), 0.70 on Ascend (unverified); ``bandwidth_efficiency`` 0.85 (a streaming copy reaches
+# ~2.9 of 3.35 TB/s on an H100 SXM), 0.80 on Ascend (unverified); ``launch_latency_us`` 10 per eager op:
+# bench/host_overhead.py's HOST_MS_PER_LAYER (2.4 ms per eager layer at tp 1) over the ~240 aten ops a
+# decoder layer's forward and backward dispatch (simulate's op trace), and 4 per compiled kernel launch
+# (inductor's launcher, no CUDA graphs). An NPU's eager dispatch through torch_npu's task queue is
+# reportedly slower: unmeasured, the same figure is used.
 # Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
         "h100", 79.6, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=3350.0,
-        tf32_peak_tflops=494.7, reported_names=("NVIDIA H100 80GB HBM3",),
+        tf32_peak_tflops=494.7, fp8_tflops=1979.0, reported_names=("NVIDIA H100 80GB HBM3",),
         source="H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3 (NVIDIA H100 datasheet); "
                "81,559 MiB as nvidia-smi reports; NVLink 4 at ~360 GB/s ring bus bandwidth; " + _HOPPER_NET),
     "h100-pcie": Hardware(
         "h100-pcie", 79.6, 756.0, 51.0, 50.0, 45.0, memory_bandwidth_gbps=2000.0,
-        tf32_peak_tflops=378.0, reported_names=("NVIDIA H100 PCIe",),
+        tf32_peak_tflops=378.0, fp8_tflops=1513.0, reported_names=("NVIDIA H100 PCIe",),
         source="H100 PCIe 80GB: 756 TFLOP/s dense bf16, 51 fp32, 2.0 TB/s HBM2e (NVIDIA H100 datasheet); "
                "PCIe Gen5 between GPUs (no NVLink bridge assumed)"),
     "h100-nvl": Hardware(
         "h100-nvl", 93.6, 835.0, 60.0, 50.0, 45.0, memory_bandwidth_gbps=3900.0,
-        tf32_peak_tflops=417.5, reported_names=("NVIDIA H100 NVL",),
+        tf32_peak_tflops=417.5, fp8_tflops=1670.5, reported_names=("NVIDIA H100 NVL",),
         source="H100 NVL 94GB: 835 TFLOP/s dense bf16, 60 fp32, 3.9 TB/s HBM3 (NVIDIA H100 datasheet); "
                "95,830 MiB as nvidia-smi reports; PCIe Gen5 between bridge pairs"),
     "h800": Hardware(
         "h800", 79.6, 989.0, 67.0, 160.0, 45.0, memory_bandwidth_gbps=3350.0,
-        tf32_peak_tflops=494.7, reported_names=("NVIDIA H800", "NVIDIA H800 80GB HBM3"),
+        tf32_peak_tflops=494.7, fp8_tflops=1979.0, reported_names=("NVIDIA H800", "NVIDIA H800 80GB HBM3"),
         source="H800 SXM5 80GB: the H100 SXM's compute and memory (989 dense bf16, 3.35 TB/s; NVIDIA H800 "
                "product brief) with NVLink cut to 400 GB/s, ~160 GB/s ring bus bandwidth"),
     "h20": Hardware(
         "h20", 95.0, 148.0, 44.0, 360.0, 45.0, memory_bandwidth_gbps=4000.0,
-        tf32_peak_tflops=74.0, reported_names=("NVIDIA H20",),
+        tf32_peak_tflops=74.0, fp8_tflops=296.0, reported_names=("NVIDIA H20",),
         source="H20 96GB: 148 TFLOP/s dense bf16, 44 fp32, 4.0 TB/s HBM3, NVLink 900 GB/s (NVIDIA H20 "
                "product brief as published by OEMs; not on nvidia.com)"),
     "h200": Hardware(
         "h200", 140.4, 989.0, 67.0, 360.0, 45.0, memory_bandwidth_gbps=4800.0,
-        tf32_peak_tflops=494.7, reported_names=("NVIDIA H200",),
+        tf32_peak_tflops=494.7, fp8_tflops=1979.0, reported_names=("NVIDIA H200",),
         source="H200 SXM 141GB: 989 TFLOP/s dense bf16, 67 fp32, 4.8 TB/s HBM3e (NVIDIA H200 datasheet); "
                "143,771 MiB as nvidia-smi reports; NVLink 4 and NDR networking as H100"),
     "a100": Hardware(
         "a100", 80.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=2039.0,
-        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100-SXM4-80GB",),
+        tf32_peak_tflops=156.0, matmul_efficiency=0.80, reported_names=("NVIDIA A100-SXM4-80GB",),
         source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 2.04 TB/s HBM2e (NVIDIA A100 datasheet); "
                "NVLink 3 at ~230 GB/s ring bus bandwidth; one 200 Gb/s HDR NIC per GPU"),
     "a100-40gb": Hardware(
         "a100-40gb", 40.0, 312.0, 19.5, 230.0, 22.0, memory_bandwidth_gbps=1555.0,
-        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100-SXM4-40GB",),
+        tf32_peak_tflops=156.0, matmul_efficiency=0.80, reported_names=("NVIDIA A100-SXM4-40GB",),
         source="A100 SXM4 40GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.56 TB/s HBM2 (NVIDIA A100 datasheet)"),
     "a100-pcie": Hardware(
         "a100-pcie", 80.0, 312.0, 19.5, 25.0, 22.0, memory_bandwidth_gbps=1935.0,
-        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100 80GB PCIe",),
+        tf32_peak_tflops=156.0, matmul_efficiency=0.80, reported_names=("NVIDIA A100 80GB PCIe",),
         source="A100 PCIe 80GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.94 TB/s HBM2e (NVIDIA A100 datasheet); "
                "PCIe Gen4 between GPUs"),
     "a100-pcie-40gb": Hardware(
         "a100-pcie-40gb", 40.0, 312.0, 19.5, 25.0, 22.0, memory_bandwidth_gbps=1555.0,
-        tf32_peak_tflops=156.0, reported_names=("NVIDIA A100-PCIE-40GB",),
+        tf32_peak_tflops=156.0, matmul_efficiency=0.80, reported_names=("NVIDIA A100-PCIE-40GB",),
         source="A100 PCIe 40GB: 312 TFLOP/s dense bf16, 19.5 fp32, 1.56 TB/s HBM2 (NVIDIA A100 datasheet)"),
     "a800": Hardware(
         "a800", 80.0, 312.0, 19.5, 160.0, 22.0, memory_bandwidth_gbps=2039.0,
-        tf32_peak_tflops=156.0, reported_names=("NVIDIA A800-SXM4-80GB",),
+        tf32_peak_tflops=156.0, matmul_efficiency=0.80, reported_names=("NVIDIA A800-SXM4-80GB",),
         source="A800 SXM4 80GB: the A100 SXM4's compute and memory (312 dense bf16; NVIDIA A800 product "
                "brief) with NVLink cut to 400 GB/s, ~160 GB/s ring bus bandwidth"),
     "b200": Hardware(
         "b200", 179.1, 2250.0, 75.0, 720.0, 45.0, memory_bandwidth_gbps=8000.0,
-        tf32_peak_tflops=1125.0, reported_names=("NVIDIA B200",),
+        tf32_peak_tflops=1125.0, fp8_tflops=4500.0, mxfp8_tflops=4500.0, reported_names=("NVIDIA B200",),
         source="B200 (HGX B200): 2,250 TFLOP/s dense bf16 and 75 fp32 per GPU (NVIDIA HGX B200 datasheet, "
                "8-GPU figures / 8, sparsity halved), 8 TB/s HBM3e; 183,359 MiB as nvidia-smi reports; "
                "NVLink 5 at ~720 GB/s ring bus bandwidth"),
     "l40s": Hardware(
         "l40s", 45.0, 362.0, 91.6, 25.0, 22.0, memory_bandwidth_gbps=864.0,
-        tf32_peak_tflops=183.0, reported_names=("NVIDIA L40S",),
+        tf32_peak_tflops=183.0, fp8_tflops=733.0, reported_names=("NVIDIA L40S",),
         source="L40S 48GB: 362 TFLOP/s dense bf16, 183 TF32 (366 with sparsity), 91.6 fp32, 864 GB/s GDDR6 "
                "(NVIDIA L40S datasheet); "
                "46,068 MiB as nvidia-smi reports; PCIe Gen4 between GPUs"),
@@ -280,10 +323,13 @@ DEVICES: dict[str, Hardware] = {
     "cpu": Hardware(
         "cpu", _cpu_memory_gib(), 2.4, 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
         inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0, device_type="cpu",
+        matmul_efficiency=1.0, bandwidth_efficiency=1.0, launch_latency_us=10.0, compiled_launch_us=10.0,
         source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); fp32 steps measured "
                "no slower than bf16 ones, so fp32 uses the same peak; efficiency 0.07 from measured small-model "
                "training (vocabulary-sized elementwise work dominates, which a roofline does not see); memory is "
-               "this machine's RAM; memory bandwidth and gloo links are placeholders: measure with commbench"),
+               "this machine's RAM; memory bandwidth and gloo links are placeholders: measure with commbench; the "
+               "roofline's efficiencies are 1 (the peaks are the measured throughputs): a CPU's computes "
+               "synchronously with its host, so its host term adds to the compute"),
 }
 
 
@@ -310,3 +356,21 @@ def with_overrides(hw: Hardware, **values: float | None) -> Hardware:
     if changes and "source" not in changes:
         changes["source"] = hw.source + f"; overridden: {', '.join(sorted(changes))}"
     return dataclasses.replace(hw, **changes)
+
+
+def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: float, launch_latency_us: float,
+                 name: str = "cpu-measured", source: str = "") -> Hardware:
+    """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
+    shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
+    time of one eager op (microseconds, dispatch included). The efficiencies stay 1: the figures are the
+    achieved ones. What a roofline check on this CPU prices a recorded trace with."""
+    for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
+                       ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
+        if not value > 0:
+            raise UserError(f"measured_cpu: {key} must be positive, got {value}")
+    return dataclasses.replace(
+        DEVICES["cpu"], name=name, peak_tflops=bf16_tflops, fp32_peak_tflops=fp32_tflops,
+        memory_bandwidth_gbps=memory_bandwidth_gbps, launch_latency_us=launch_latency_us,
+        compiled_launch_us=launch_latency_us,
+        source=source or f"measured on this CPU: bf16 {bf16_tflops:.3g} TFLOP/s, fp32 {fp32_tflops:.3g} TFLOP/s, "
+                         f"{memory_bandwidth_gbps:.3g} GB/s, {launch_latency_us:.3g} us per op")
