@@ -1,7 +1,7 @@
 """``qwen3-pretrain simulate``: the training engine at full size on fake tensors, rank by rank, beside the
 planner's prediction.
 
-    qwen3-pretrain simulate --config pretrain_config.yaml [--nodes N] [--devices-per-node D]
+    qwen3-pretrain simulate --config pretrain_config.yaml [--nodes N] [--devices-per-node D] [--device NAME]
                             [--ranks all|stages|LIST] [--steps 1] [--jobs N] [--each] [key=value ...] [--json]
 """
 
@@ -30,6 +30,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", help="training config YAML (the one 'train' takes)")
     parser.add_argument("--nodes", type=int, help="nodes of the simulated world (with --devices-per-node)")
     parser.add_argument("--devices-per-node", type=int, help="devices per node")
+    parser.add_argument("--device", default="h100", help="the target device (a name of the planner's device "
+                        "table: h100, h200, b200, a100, 910b, ...): the engine is built with its kernel choices "
+                        "(its device type: cuda, npu) and the op trace is priced with its figures (default h100)")
     parser.add_argument("--ranks", default="all", help="all, stages (the first rank of each pipeline stage), "
                         "or a comma-separated list of ranks")
     parser.add_argument("--steps", type=int, default=1, help="training steps per rank, figures of the last "
@@ -82,7 +85,7 @@ def to_json(results: list[RankResult], seconds: float) -> dict:
               "comm_bytes_per_step": r.comm, "attention_kernels_per_step": r.attention,
               "unfused_attention": [dict(dataclasses.asdict(call), kernel=kernel)
                                     for call, kernel in r.unfused_attention],
-              "seconds": round(r.seconds, 1),
+              "seconds": round(r.seconds, 1), "roofline": r.roofline,
               **({"simulated_as": r.simulated_as} if r.simulated_as is not None else {})} for r in results]
     # The rank of each stage that sends most stands for the axis (ranks of a stage send alike).
     comm: dict[str, dict[str, float]] = {}
@@ -98,8 +101,8 @@ def format_table(world: World, results: list[RankResult], seconds: float) -> str
     cfg, d = world.cfg, world.dims
     lines = [f"simulated {cfg.model_name} ({world.source.description}) on {d.world_size} ranks: tp {d.tp} x pp "
              f"{d.pp} x dp {d.dp}" + (f" (dp_shard {d.dp_shard})" if d.dp_replicate > 1 else "")
-             + (f" x cp {d.cp}" if d.cp > 1 else "") + f", seq {cfg.seq_length}, batch_size {cfg.batch_size}, recompute {cfg.ac_mode}; "
-             f"fake tensors on the CPU device type, engine built as for {world.target}",
+             + (f" x cp {d.cp}" if d.cp > 1 else "") + (f", ep {d.ep}" if d.ep > 1 else "") + f", seq {cfg.seq_length}, batch_size {cfg.batch_size}, recompute {cfg.ac_mode}; "
+             f"fake tensors on the CPU device type, engine built as for {world.hardware.name} ({world.target})",
              f"{'rank':>5} {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'temps':>8} "
              f"{'peak':>8} {'planner':>8} {'diff':>7}  (GiB)"]
     for r in results:
@@ -114,10 +117,32 @@ def format_table(world: World, results: list[RankResult], seconds: float) -> str
         text = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(kinds.items())) or "none"
         lines.append(f"  {axis}: {text}")
     lines += attention_lines(world, results)
+    lines += roofline_lines(world, results)
     simulated = sum(r.simulated_as is None for r in results)
     lines.append(f"{len(results)} rank(s), {simulated} simulated (one per stage stands for its stage unless "
                  f"--each), in {seconds:.1f} s")
     return "\n".join(lines)
+
+
+def roofline_lines(world: World, results: list[RankResult]) -> list[str]:
+    """Each simulated rank's step priced on the target device, eager and compiled (simulate/roofline)."""
+    hw = world.hardware
+    lines = [f"predicted step on {hw.name} (roofline of each rank's op trace; seconds: matmul / attention / "
+             "elementwise / exposed comm / host / pipeline bubble):"]
+    for r in results:
+        if r.simulated_as is not None or not r.roofline:
+            continue
+        for mode in ("eager", "compiled"):
+            e = r.roofline[mode]
+            b = e["breakdown_s"]
+            lines.append(f"  rank {r.rank:>4} {mode:>8}: {e['step_s']:.3f} s, {e['tokens_per_s_per_device']:,.0f} "
+                         f"tokens/s/device, MFU {e['mfu']:.1%}, HFU {e['hfu']:.1%}  ({b['matmul']:.3f} / "
+                         f"{b['attention']:.3f} / {b['elementwise']:.3f} / {b['communication']:.3f} / "
+                         f"{b['host']:.3f} / {b['bubble']:.3f})")
+    lines.append(f"  figures rest on {hw.name}'s peaks x matmul efficiency {hw.matmul_efficiency} (shape classes "
+                 f"lower), bandwidth x {hw.bandwidth_efficiency}, {hw.launch_latency_us:g} us per eager op; "
+                 "compiled = the fusion model on the eager trace; not measured on a device")
+    return lines
 
 
 def attention_lines(world: World, results: list[RankResult]) -> list[str]:
@@ -150,7 +175,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")
-    world = make_world(cfg, world_size(args, cfg))
+    world = make_world(cfg, world_size(args, cfg), hardware=args.device, devices_per_node=args.devices_per_node)
     ranks = select_ranks(args.ranks, world)
     start = time.perf_counter()
     results = simulate_ranks(world, ranks, args.steps, args.jobs or available_cores(), args.each)

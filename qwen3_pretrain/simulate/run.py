@@ -8,9 +8,14 @@ ranks fits in a laptop's memory. The engine is the trainer's own
 the fused loss, AdamW and the pipeline schedule, on synthetic token batches.
 
 Tensors live on the CPU device type (fake CUDA tensors need a CUDA build of
-torch), but the engine is built as for an accelerator (``target``): its
-attention kernel, loss chunk, native bf16 matmuls and FSDP's reduce-scatter are
-those it uses on CUDA.
+torch), but the engine is built as for the target device (``World.hardware``:
+CUDA for an NVIDIA GPU, NPU for an Ascend 910B): its attention kernel, loss
+chunk, elementwise kernels, native bf16 matmuls and FSDP's reduce-scatter are
+those it uses there.
+
+The same dispatch mode records the step's op trace (``simulate/roofline``),
+priced on the target device eager and compiled: step time, tokens/s/device,
+MFU and HFU, and the breakdown (``RankResult.roofline``).
 """
 
 from __future__ import annotations
@@ -30,14 +35,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from qwen3_pretrain.hardware import default_chunk_tokens
+from qwen3_pretrain.hardware import Hardware, default_chunk_tokens, get_device, matmul_precision
 from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.parallel.dims import AXES, ParallelDims
-from qwen3_pretrain.plan.layout import Layout
+from qwen3_pretrain.plan.flops import token_flops
+from qwen3_pretrain.plan.layout import Cluster, Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.simulate.attention import KernelRecord, simulated_kernels
 from qwen3_pretrain.simulate.experts import play_experts
+from qwen3_pretrain.simulate.roofline import OpTrace, TraceRecorder, price, throughput
 from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, Parallelism, engine_layout, resolve_parallelism
@@ -52,7 +59,9 @@ class World:
     source: ModelSource
     parallelism: Parallelism
     layout: Layout
-    target: str
+    target: str  # torch's device type the engine is built for (the hardware's)
+    hardware: Hardware = dataclasses.field(default_factory=lambda: get_device("h100"))
+    devices_per_node: int | None = None  # None: min(world, 8)
 
     @property
     def dims(self) -> ParallelDims:
@@ -71,6 +80,8 @@ class RankResult:
     # the calls the target serves with an unfused kernel (SDPA's math: fp32 probabilities kept), and which
     unfused_attention: list[tuple[AttentionCall, str]] = dataclasses.field(default_factory=list)
     simulated_as: int | None = None  # the rank whose simulation stands for this one (same stage)
+    # the priced op trace: {"eager": {...}, "compiled": {...}, "trace": {...}} (``roofline_report``)
+    roofline: dict = dataclasses.field(default_factory=dict)
 
 
 def model_source(cfg: TrainConfig) -> ModelSource:
@@ -83,14 +94,19 @@ def model_source(cfg: TrainConfig) -> ModelSource:
     return ModelSource(preset.config, None, f"{cfg.model_name} preset")
 
 
-def make_world(cfg: TrainConfig, world_size: int, target: str = "cuda", moe_imbalance: float = 1.0) -> World:
+def make_world(cfg: TrainConfig, world_size: int, target: str | None = None, moe_imbalance: float = 1.0,
+               hardware: Hardware | str = "h100", devices_per_node: int | None = None) -> World:
     """Check the layout against the world and the model, as the trainer does before it starts.
-    ``moe_imbalance``: the routing skew the MoE layers are played with (``Layout.moe_imbalance``)."""
+    ``moe_imbalance``: the routing skew the MoE layers are played with (``Layout.moe_imbalance``);
+    ``hardware``: the target device (a ``hardware.DEVICES`` name or entry), whose device type the engine is
+    built for (``target`` overrides it) and whose figures price the op trace."""
+    hardware = get_device(hardware) if isinstance(hardware, str) else hardware
+    target = target or hardware.device_type
     source = model_source(cfg)
     parallelism = resolve_parallelism(cfg, world_size, source.config)
     chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target, source.config.vocab_size)
     layout = engine_layout(cfg, parallelism, chunk, target, fp32_matmul=False).replace(moe_imbalance=moe_imbalance)
-    return World(cfg, source, parallelism, layout, target)
+    return World(cfg, source, parallelism, layout, target, hardware, devices_per_node)
 
 
 def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
@@ -128,26 +144,54 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
         if engine.tied is not None and engine.tied.group is not None:
             groups[engine.tied.group.group_name] = "pp"  # the tied embedding and head, first and last stage
         comm = CommCounter(groups)
-        tracker = StepMemTracker(comm)
+        recorder = TraceRecorder()
+        tracker = StepMemTracker(comm, recorder)
         with fake:
             batches = _synthetic_batches(cfg, engine.uses_positions)
         _create_optimizer_state(engine, fake)
         tracker.track_external(*engine.parts, *engine.optimizers)
-        with fake, tracker:
-            for step in range(steps):
-                if step == steps - 1:  # the figures are the last step's
-                    comm.reset()
-                    kernels.reset()
-                    tracker.reset_peak()
-                _train_step(engine, batches, step)
+        recorder.install()
+        try:
+            with fake, tracker:
+                for step in range(steps):
+                    if step == steps - 1:  # the figures are the last step's
+                        comm.reset()
+                        kernels.reset()
+                        recorder.reset()
+                        tracker.reset_peak()
+                    _train_step(engine, batches, step)
+        finally:
+            recorder.remove()
         coords = dims.coords(rank)
         predicted = predict_memory(world.source.config, world.layout, stage=coords["pp"])
         per_step = {axis: dict(kinds) for axis, kinds in comm.bytes.items()}
         return RankResult(rank, coords, tracker.peak_by_category(), predicted, per_step,
                           time.perf_counter() - start, attention=dict(kernels.counts),
-                          unfused_attention=[(call, backend) for call, backend in kernels.unfused.items()])
+                          unfused_attention=[(call, backend) for call, backend in kernels.unfused.items()],
+                          roofline=roofline_report(world, recorder.trace, dict(comm.calls_by_size)))
     finally:
         dist.destroy_process_group()
+
+
+def roofline_report(world: World, trace: OpTrace, comm: dict) -> dict:
+    """The rank's step priced on ``world.hardware`` eager and compiled (``simulate/roofline/pricing.py``):
+    seconds by category, step time, tokens/s/device, MFU and HFU (plan/flops.py's counts over the dense peak
+    of what the matmuls run in)."""
+    cfg, layout, hw = world.cfg, world.layout, world.hardware
+    dims = world.dims
+    per_node = world.devices_per_node or min(dims.world_size, 8)
+    cluster = Cluster(max(1, dims.world_size // per_node), per_node)
+    intra = {axis: cluster.axis_is_intra_node(layout, axis) for axis in ("tp", "cp", "ep", "dp", "pp")}
+    intra["world"] = intra["other"] = cluster.nodes == 1
+    flops = token_flops(world.source.config, cfg.seq_length, cfg.ac_mode, mtp=layout.mtp)
+    peak = hw.compute_flops(matmul_precision(cfg.mixed_precision, device_type=hw.device_type))
+    tokens_per_device = layout.tokens_per_step / dims.world_size
+    out: dict = {"device": hw.name, "trace": trace.to_json()}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        b = price(trace, hw, compiled, comm, intra, layout.pp, layout.num_microbatches, layout.stages_per_rank)
+        out[name] = {**throughput(b, tokens_per_device, flops.model, flops.hardware, peak),
+                     "breakdown_s": b.to_json()}
+    return out
 
 
 def _create_optimizer_state(engine: Engine, fake: FakeTensorMode) -> None:

@@ -20,6 +20,8 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from qwen3_pretrain.simulate.roofline.trace import TraceRecorder
+
 CATEGORIES = {"PARAM": "parameters", "BUFFER": "parameters", "GRAD": "gradients",
               "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries", "OTH": "parameters"}
 
@@ -50,9 +52,10 @@ class StepMemTracker(MemTracker):
     are the steady state's and one step is enough.
     """
 
-    def __init__(self, comm: "CommCounter | None" = None) -> None:
+    def __init__(self, comm: "CommCounter | None" = None, trace: "TraceRecorder | None" = None) -> None:
         super().__init__()
         self.comm = comm
+        self.trace = trace  # the roofline's op trace (simulate/roofline), recorded from the same operators
         self._propagation = _Depth()
         self._grad_units: set[FSDPModule] = set()  # units whose backward may have left unfiled gradients
         self._units: weakref.WeakSet[FSDPModule] = weakref.WeakSet()  # every unit seen in backward
@@ -83,6 +86,8 @@ class StepMemTracker(MemTracker):
         res = func(*args, **(kwargs or {}))
         if self._propagation.depth:
             return res
+        if self.trace is not None:
+            self.trace.record(func, args, kwargs, res)
         if self._in_opt:
             reftype = _MemRefType.OPT
         elif self._mod_tracker.is_bw and not self._in_ac:
@@ -245,10 +250,14 @@ class CommCounter:
         self.axis_of_group = axis_of_group
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # (axis, kind, group size) -> [whole-buffer bytes, calls]: what the roofline prices with the planner's
+        # link model (plan.formulas.collective_seconds takes the whole buffer and the group size)
+        self.calls_by_size: dict[tuple[str, str, int], list[float]] = defaultdict(lambda: [0.0, 0])
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.calls_by_size.clear()
 
     def _add(self, group, kind: str, nbytes: int) -> None:
         if isinstance(group, str):
@@ -266,6 +275,9 @@ class CommCounter:
             axis = "ep"
         self.bytes[axis][kind] += _ring_bytes(kind, nbytes, n)
         self.calls[axis][kind] += 1
+        entry = self.calls_by_size[(axis, kind, n)]
+        entry[0] += nbytes
+        entry[1] += 1
 
     def count(self, func, args) -> None:
         entry = _KINDS.get(func)

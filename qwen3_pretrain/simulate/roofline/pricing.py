@@ -1,0 +1,160 @@
+"""Price an op trace (``trace.OpTrace``) on a device (``hardware.Hardware``): a roofline per op class.
+
+* **matmuls**: ``2 m n k`` FLOPs at the dtype's dense peak (``Hardware.matmul_tflops``) x
+  ``matmul_efficiency`` x the shape class's share (``SHAPE_CLASSES``: a GEMM whose smallest side is
+  under 1024 fills the device's tiles and waves less; the figures are a simple documented model, not
+  a measurement), or its operands' bytes at memory bandwidth where that is longer (a skinny matmul is
+  memory-bound). A grouped matmul's smallest side is its rows per group.
+* **attention** (SDPA's fused kernels): forward ``4 b h sq skv d`` FLOPs, half of it under a causal
+  mask; backward 2.5 times the forward (it recomputes the scores: five products against two), at
+  ``ATTENTION_SHARE`` of the dtype's peak, or its q, k, v, output bytes at memory bandwidth where longer.
+  FlexAttention and the document mask are played as causal (density 1/2). SDPA's math fallback arrives
+  as ``bmm`` and softmax ops: its whole square and its probabilities' traffic.
+* **memory-bound ops**: bytes at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``; eager one op at a
+  time, compiled as the trace's fused regions.
+* **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
+  or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
+  all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
+  the last reduce-scatter of a step, and anything beyond the step's compute; tp, cp, ep and pp
+  collectives are waited on by the compute that follows and count whole.
+* **host**: eager issues every op at ``launch_latency_us``; compiled, each matmul, attention call,
+  collective and fused region at ``compiled_launch_us``. An accelerator computes asynchronously, so only
+  host time beyond the device's is exposed; a CPU computes on its host, so there it adds.
+* **pipeline bubble**: the busy time x Megatron's bubble ratio ``(p - 1) / (v m)``
+  (``plan.formulas.megatron_bubble_ratio``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from qwen3_pretrain.hardware import GB, Hardware
+from qwen3_pretrain.plan.formulas import collective_seconds, megatron_bubble_ratio
+from qwen3_pretrain.simulate.roofline.trace import OpTrace
+
+# smallest matmul side -> share of the large-GEMM efficiency (smallest threshold first wins)
+SHAPE_CLASSES = ((128, 0.35), (512, 0.6), (1024, 0.85))
+ATTENTION_SHARE = 0.5  # of the dtype's dense peak: FlashAttention-2 on Hopper, forward and backward together
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+_P2P = ("send", "recv", "broadcast")
+
+
+def matmul_shape_share(m: int, n: int, k: int, groups: int = 1) -> float:
+    """The share of ``matmul_efficiency`` a matmul of this shape class reaches (``SHAPE_CLASSES``)."""
+    side = min(max(m // max(groups, 1), 1), n, k)
+    for bound, share in SHAPE_CLASSES:
+        if side < bound:
+            return share
+    return 1.0
+
+
+@dataclass
+class Breakdown:
+    """Seconds per step by category; ``step`` is their sum."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    communication: float = 0.0  # exposed
+    host: float = 0.0  # exposed
+    bubble: float = 0.0
+    communication_total: float = 0.0  # every collective's time, hidden or not
+
+    @property
+    def compute(self) -> float:
+        return self.matmul + self.attention + self.elementwise
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.communication + self.host + self.bubble
+
+    def to_json(self) -> dict:
+        return {**{k: round(v, 6) for k, v in asdict(self).items()}, "step": round(self.step, 6)}
+
+
+def _matmul_seconds(trace: OpTrace, hw: Hardware) -> float:
+    bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    total = 0.0
+    for (_, dtype, m, n, k, groups), calls in trace.matmuls.items():
+        peak = hw.matmul_tflops(dtype)
+        if peak is None:
+            raise ValueError(f"the {hw.name} has no {dtype} matmuls")
+        flops = 2.0 * m * n * k
+        size = _BYTES.get(dtype, 1)
+        moved = size * (m * k + k * n * (groups if groups > 1 else 1) + m * n)
+        total += calls * max(flops / (peak * 1e12 * hw.matmul_efficiency * matmul_shape_share(m, n, k, groups)),
+                             moved / bandwidth)
+    return total
+
+
+def attention_flops(b: int, h: int, sq: int, skv: int, d: int, causal: bool, backward: bool) -> float:
+    """Executed FLOPs of one fused attention call (module docstring)."""
+    forward = 4.0 * b * h * sq * skv * d * (0.5 if causal else 1.0)
+    return forward * (2.5 if backward else 1.0)
+
+
+def _attention_seconds(trace: OpTrace, hw: Hardware) -> float:
+    bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    total = 0.0
+    for (_, kernel, dtype, b, h, sq, skv, d, causal), calls in trace.attention.items():
+        backward = kernel.endswith("_backward")
+        flops = attention_flops(b, h, sq, skv, d, causal, backward)
+        moved = _BYTES.get(dtype, 2) * b * h * d * (2 * sq + 2 * skv) * (2 if backward else 1)
+        total += calls * max(flops / ((hw.matmul_tflops(dtype) or hw.peak_tflops) * 1e12 * ATTENTION_SHARE),
+                             moved / bandwidth)
+    return total
+
+
+def comm_seconds(comm: dict, hw: Hardware, intra: dict[str, bool] | None = None) -> dict[str, tuple[float, float]]:
+    """Seconds per axis of ``comm`` ({(axis, kind, n): (whole-buffer bytes, calls)}): (total, first + last
+    call of the kind, for dp's overlap). ``intra``: axis -> whether its groups stay inside a node (default
+    yes)."""
+    out: dict[str, tuple[float, float]] = {}
+    for (axis, kind, n), (nbytes, calls) in comm.items():
+        if calls == 0:
+            continue
+        on_node = (intra or {}).get(axis, True)
+        bw = (hw.intra_node_gbps if on_node else hw.inter_node_gbps) * GB
+        latency = (hw.intra_node_latency_us if on_node else hw.inter_node_latency_us) * 1e-6
+        per_call = collective_seconds("p2p" if kind in _P2P else kind, nbytes / calls, n, bw, latency)
+        total, edge = out.get(axis, (0.0, 0.0))
+        edge += per_call if kind in ("all_gather", "reduce_scatter") else 0.0
+        out[axis] = (total + per_call * calls, edge)
+    return out
+
+
+def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict | None = None,
+          intra: dict[str, bool] | None = None, pp: int = 1, microbatches: int = 1, virtual: int = 1) -> Breakdown:
+    """The step time of ``trace`` on ``hardware`` by category (module docstring). ``comm``:
+    {(axis, kind, group size): (whole-buffer bytes, calls)} per step (``track.CommCounter.calls_by_size``);
+    ``intra``: which axes stay inside a node; ``pp``, ``microbatches``, ``virtual``: the pipeline."""
+    out = Breakdown(matmul=_matmul_seconds(trace, hardware), attention=_attention_seconds(trace, hardware))
+    bandwidth = hardware.memory_bandwidth_gbps * GB * hardware.bandwidth_efficiency
+    moved = sum((m.fused_bytes if compiled else m.eager_bytes) for m in trace.memory.values())
+    out.elementwise = moved / bandwidth
+    compute = out.compute
+    exposed = 0.0
+    for axis, (total, edge) in comm_seconds(comm or {}, hardware, intra).items():
+        out.communication_total += total
+        exposed += min(total, edge + max(0.0, total - compute)) if axis == "dp" else total
+    out.communication = exposed
+    if compiled:
+        kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values())
+                   + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in (comm or {}).values()))
+        host = kernels * hardware.compiled_launch_us * 1e-6
+    else:
+        host = sum(trace.host_ops.values()) * hardware.launch_latency_us * 1e-6
+    out.host = host if hardware.device_type == "cpu" else max(0.0, host - compute - exposed)
+    if pp > 1:
+        out.bubble = (compute + out.communication + out.host) * megatron_bubble_ratio(pp, microbatches, virtual)
+    return out
+
+
+def throughput(breakdown: Breakdown, tokens_per_device: float, model_flops_per_token: float,
+               hardware_flops_per_token: float, peak_flops: float) -> dict:
+    """Tokens/s/device, MFU and HFU of a priced step (the FLOP counts per token of plan/flops.py)."""
+    step = breakdown.step
+    rate = tokens_per_device / step if step > 0 else 0.0
+    return {"step_s": round(step, 4), "tokens_per_s_per_device": round(rate, 1),
+            "mfu": round(rate * model_flops_per_token / peak_flops, 4),
+            "hfu": round(rate * hardware_flops_per_token / peak_flops, 4)}
