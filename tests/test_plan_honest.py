@@ -315,3 +315,26 @@ def test_fp8_routed_experts_by_hand():
     shape = stage_shapes(moe, ag)[0]
     # two layers' attention at 1 byte, plus the experts' FP8 copy (and one fp32 scale per FP8 linear, 7)
     assert FP8.gathered_weight_delta(moe, ag, shape, 2) == 2 * (-attention + 4 * 7) + 8 / 2 * experts
+
+
+def test_simulates_json_is_fitted_at_the_plans_own_layout(tmp_path, capsys):
+    """``simulate --json``'s ranks carry the roofline's eager and compiled steps; the slowest rank's is fitted
+    at the layout the plan's flags fix."""
+    from qwen3_pretrain.plan.cli import fit_efficiency, read_roofline
+
+    cfg, cluster, hw = get_preset("qwen3-8b"), Cluster(1, 8), get_device("h100")
+    lay = Layout(tp=2, dp=4, seq_length=4096, micro_batch_size=2, activation_checkpointing="full", compile=True)
+    target = predict_step(cfg, lay, with_overrides(hw, compute_efficiency=0.45), cluster).step_time_s
+    path = tmp_path / "simulate.json"
+    ranks = [{"rank": r, "roofline": {"eager": {"step_s": 9.0}, "compiled": {"step_s": target * (1 - r / 10)}}}
+             for r in range(2)]
+    path.write_text(json.dumps({"ranks": ranks, "comm_bytes_per_step": {}}))
+    records = read_roofline(str(path), compile=True)
+    assert records == [({}, pytest.approx(target))]
+    fixed = {"tp": 2, "pp": 1, "cp": 1, "micro_batch_size": 2, "activation_checkpointing": "full"}
+    efficiency, _ = fit_efficiency(cfg, hw, cluster, Layout(seq_length=4096, compile=True), records, fixed)
+    assert efficiency == pytest.approx(0.45, rel=1e-4)
+    assert plan_main(["--model", "qwen3-8b", "--seq-length", "4096", "--tp", "2", "--pp", "1", "--cp", "1",
+                      "--micro-batch-size", "2", "--activation-checkpointing", "full", "--compile", "--roofline",
+                      str(path)]) == 0
+    assert "compute at 0.45 of the 989" in capsys.readouterr().out

@@ -254,19 +254,30 @@ ROOFLINE_LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "dp", "batch_size", "gradient_ac
                         "keep_params_gathered", "pp_microbatch_size", "fp8", "fp8_all_gather")
 
 
-def read_roofline(path: str) -> list[tuple[dict[str, Any], float]]:
+def read_roofline(path: str, compile: bool = False) -> list[tuple[dict[str, Any], float]]:
     """(layout keys, predicted step seconds) of each record of a roofline JSON: an object or a list of objects
     (or an object's ``layouts`` list), each with ``layout`` (or ``config``: plan's row keys, ``rank_size`` or
-    ``dp`` for the data-parallel degree) and ``step_time_s``, at the top or under ``roofline``; where the
-    record has ``eager`` and ``compiled`` parts, the one of the layout's ``compile``."""
+    ``dp`` for the data-parallel degree) and ``step_time_s`` (or ``step_s``), at the top or under
+    ``roofline``; where the record has ``eager`` and ``compiled`` parts, the one of the layout's ``compile``.
+    Or what ``simulate --json`` prints: its ranks' ``roofline`` parts, the slowest rank's step (the step ends
+    with it), of the layout the plan's own flags and ``--config`` fix (empty keys here), eager or compiled as
+    ``compile``."""
     if not os.path.isfile(path):
         raise MissingFileError(f"--roofline file {path!r} does not exist")
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path}: not JSON; --roofline reads the roofline's predicted step times") from None
+    out: list[tuple[dict[str, Any], float]] = []
+    if isinstance(data, dict) and isinstance(data.get("ranks"), list):  # simulate --json
+        mode = "compiled" if compile else "eager"
+        steps = [r["roofline"][mode].get("step_s") for r in data["ranks"]
+                 if isinstance(r, dict) and isinstance(r.get("roofline"), dict)
+                 and isinstance(r["roofline"].get(mode), dict)]
+        steps = [x for x in steps if isinstance(x, (int, float)) and x > 0]
+        if steps:
+            return [({}, float(max(steps)))]
     records = data if isinstance(data, list) else data.get("layouts", [data]) if isinstance(data, dict) else []
-    out = []
     for record in records:
         if not isinstance(record, dict):
             continue
@@ -276,7 +287,7 @@ def read_roofline(path: str) -> list[tuple[dict[str, Any], float]]:
         part = record.get("roofline", record)
         if isinstance(part, dict) and ("eager" in part or "compiled" in part):
             part = part.get("compiled" if keys.get("compile") else "eager") or {}
-        seconds = part.get("step_time_s") if isinstance(part, dict) else None
+        seconds = part.get("step_time_s", part.get("step_s")) if isinstance(part, dict) else None
         if isinstance(seconds, (int, float)) and seconds > 0:
             out.append(({k: keys[k] for k in (*ROOFLINE_LAYOUT_KEYS, "rank_size") if k in keys}, float(seconds)))
     if not out:
@@ -286,13 +297,16 @@ def read_roofline(path: str) -> list[tuple[dict[str, Any], float]]:
 
 
 def fit_efficiency(cfg: Qwen3Config, hw: Hardware, cluster: Cluster, base: Layout,
-                   records: list[tuple[dict[str, Any], float]]) -> tuple[float, str]:
+                   records: list[tuple[dict[str, Any], float]], fixed: dict[str, Any] | None = None
+                   ) -> tuple[float, str]:
     """The compute efficiency at which this planner's step time of each record's layout equals the
     roofline's (bisection: the step time falls as the efficiency rises), averaged over the records; and a
     line saying so. A record the planner cannot reach at any efficiency (its other terms alone are longer)
     takes the highest, 1."""
     fitted, described = [], []
     for keys, seconds in records:
+        if not keys:  # simulate's own JSON: the layout the plan's flags and config fix
+            keys = {{"micro_batch_size": "batch_size"}.get(k, k): v for k, v in (fixed or {}).items()}
         layout = base.replace(**{name: keys[key] for key, name in (
             ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"), ("batch_size", "micro_batch_size"),
             ("gradient_accumulation_steps", "gradient_accumulation_steps"), ("seq_length", "seq_length"),
@@ -695,7 +709,8 @@ def main(argv: list[str]) -> int:
     check_fixed(cfg, cluster, fixed, base.seq_length)
     fitted = ""
     if args.roofline:
-        efficiency, fitted = fit_efficiency(cfg, hw, cluster, base, read_roofline(args.roofline))
+        efficiency, fitted = fit_efficiency(cfg, hw, cluster, base, read_roofline(args.roofline, base.compile),
+                                            fixed)
         hw = with_overrides(hw, compute_efficiency=efficiency)
     if base.fp8 != "off":
         fp8_peak_tflops(hw, base.fp8)  # refuse a device without FP8 matmuls before searching
