@@ -15,7 +15,8 @@
 * **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
   or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
-  the last reduce-scatter of a step, and anything beyond the step's compute; tp, cp, ep and pp
+  the last reduce-scatter of a step (one call of each kind, the average size), and whatever of the rest
+  outlasts the step's compute; tp, cp, ep and pp
   collectives are waited on by the compute that follows and count whole.
 * **host**: eager issues every op at ``launch_latency_us``; compiled, each matmul, attention call,
   collective and fused region at ``compiled_launch_us``. An accelerator computes asynchronously, so only
@@ -136,7 +137,7 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     exposed = 0.0
     for axis, (total, edge) in comm_seconds(comm or {}, hardware, intra).items():
         out.communication_total += total
-        exposed += min(total, edge + max(0.0, total - compute)) if axis == "dp" else total
+        exposed += min(total, edge + max(0.0, total - edge - compute)) if axis == "dp" else total
     out.communication = exposed
     if compiled:
         kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values())

@@ -1,0 +1,148 @@
+"""The roofline (simulate/roofline): single ops recorded and priced against figures worked out by hand here,
+the compile fusion model on a known sequence, and simulate's priced output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen3_pretrain.hardware import GB, get_device, measured_cpu
+from qwen3_pretrain.simulate.roofline import OpTrace, RecordingMode, price
+
+H100 = get_device("h100")
+BW = 3350e9 * 0.85  # the H100's memory bandwidth x its bandwidth efficiency, written out
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_bf16_matmul_on_h100_is_2mnk_over_throughput():
+    a, b = meta(4096, 2048), meta(2048, 8192)
+    with RecordingMode() as rec:
+        a @ b
+    assert dict(rec.trace.matmuls) == {("forward", "bfloat16", 4096, 8192, 2048, 1): 1}
+    expected = 2 * 4096 * 8192 * 2048 / (989e12 * 0.75)  # large shape: the full efficiency
+    assert price(rec.trace, H100).matmul == pytest.approx(expected, rel=1e-9)
+
+
+def test_skinny_matmul_is_priced_lower_than_its_flops_alone():
+    a, b = meta(64, 4096), meta(4096, 4096)
+    with RecordingMode() as rec:
+        a @ b
+    at_peak = 2 * 64 * 4096 * 4096 / (989e12 * 0.75)
+    assert price(rec.trace, H100).matmul > 1.5 * at_peak
+
+
+def test_elementwise_add_is_bytes_over_bandwidth():
+    x, y = meta(1024, 1024, dtype=torch.float32), meta(1024, 1024, dtype=torch.float32)
+    with RecordingMode() as rec:
+        x + y
+    moved = 3 * 1024 * 1024 * 4  # two reads, one write
+    assert rec.trace.memory["forward"].eager_bytes == moved
+    assert price(rec.trace, H100).elementwise == pytest.approx(moved / BW)
+    # an accelerator computes asynchronously: the host's 10 us per op counts where the device does not cover it
+    assert price(rec.trace, H100).host == pytest.approx(10e-6 - moved / BW)
+    assert price(rec.trace, H100).step == pytest.approx(max(moved / BW, 10e-6))
+
+
+def test_causal_sdpa_records_the_fused_kernel_and_prices_half_the_square():
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    with RecordingMode() as rec:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    keys = sorted(rec.trace.attention)
+    assert [(k[0], k[1], k[3:]) for k in keys] == [
+        ("backward", "flash_backward", (1, 2, 128, 128, 64, True)), ("forward", "flash", (1, 2, 128, 128, 64, True))]
+    # a FLOP-bound call priced by hand: b 1, 32 heads, 8192 x 8192, head_dim 128, causal, forward
+    trace = OpTrace()
+    trace.attention[("forward", "flash", "bfloat16", 1, 32, 8192, 8192, 128, True)] = 1
+    flops = 4 * 32 * 8192 * 8192 * 128 / 2
+    assert price(trace, H100).attention == pytest.approx(flops / (989e12 * 0.5))
+    trace.attention[("backward", "flash_backward", "bfloat16", 1, 32, 8192, 8192, 128, True)] = 1
+    assert price(trace, H100).attention == pytest.approx(3.5 * flops / (989e12 * 0.5))
+
+
+def test_collectives_use_the_link_model_and_fsdp_overlap():
+    # tp: an all-reduce of 1 GB over 4 ranks on NVLink, 10 calls, waited on by the compute: all exposed
+    comm = {("tp", "all_reduce", 4): (10e9, 10)}
+    per_call = 1e9 * 2 * 3 / 4 / (360 * GB) + 10e-6
+    b = price(OpTrace(), H100, comm=comm)
+    assert b.communication == pytest.approx(10 * per_call)
+    # dp: FSDP's all-gathers behind compute, all but the first
+    trace = OpTrace()
+    trace.matmuls[("forward", "bfloat16", 8192, 8192, 8192, 1)] = 100  # ~1.5 s of compute
+    gather = 1e9 * 7 / 8 / (360 * GB) + 10e-6
+    b = price(trace, H100, comm={("dp", "all_gather", 8): (10e9, 10)})
+    assert b.communication_total == pytest.approx(10 * gather)
+    assert b.communication == pytest.approx(gather)
+    # across nodes (45 GB/s) the gathers outlast the compute: the excess is exposed
+    b = price(trace, H100, comm={("dp", "all_gather", 8): (1000e9, 10)}, intra={"dp": False})
+    gather = 100e9 * 7 / 8 / (45 * GB) + 25e-6
+    assert b.communication == pytest.approx(gather + (9 * gather - b.compute))  # the first, and the rest's excess
+
+
+def test_fusion_model_prices_a_compiled_region_by_its_inputs_and_outputs():
+    w = meta(4096, 4096)
+    x0 = meta(4096, 4096)
+    with RecordingMode() as rec:
+        x = x0 @ w
+        y = x0 @ w
+        z = x * torch.sigmoid(x) * y  # three elementwise ops between two matmuls
+        z @ w
+    mem = rec.trace.memory["forward"]
+    size = 4096 * 4096 * 2
+    assert mem.ops == 3 and mem.regions == 1
+    assert mem.eager_bytes == 8 * size  # sigmoid 2, each mul 3
+    assert mem.fused_bytes == 3 * size  # reads x and y, writes z once
+    assert price(rec.trace, H100, compiled=True).elementwise == pytest.approx(3 * size / BW)
+    assert price(rec.trace, H100).elementwise == pytest.approx(8 * size / BW)
+
+
+def test_phases_and_a_real_cpu_step_priced_with_measured_figures():
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(lin.parameters())
+    with RecordingMode() as rec:
+        x = torch.utils.checkpoint.checkpoint(lin, torch.randn(8, 64, requires_grad=True), use_reentrant=False)
+        x.sum().backward()
+        opt.step()
+    ops = rec.trace.host_ops
+    assert ops["forward"] and ops["backward"] and ops["recompute"] and ops["optimizer"]
+    cpu = measured_cpu(1.0, 0.5, 20.0, 5.0)
+    b = price(rec.trace, cpu)
+    assert b.host == pytest.approx(sum(ops.values()) * 5e-6)  # a CPU's host time adds to its compute
+    assert b.step == pytest.approx(b.matmul + b.elementwise + b.host)
+
+
+SIM = ["--nodes", "1", "--devices-per-node", "4", "model_name=qwen3-8b",
+       'model_overrides={"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, '
+       '"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}',
+       "tp=2", "seq_length=64", "batch_size=2", "activation_checkpointing=full"]
+
+
+@pytest.mark.parametrize("device, kernel", [("h100", "flash"), ("910b", "npu_fusion")])
+def test_simulate_json_carries_the_priced_step_on_the_named_device(device, kernel, capsys):
+    from qwen3_pretrain.simulate.cli import main
+
+    assert main(["--json", "--ranks", "0", "--device", device, *SIM]) == 0
+    rank = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert set(rank["attention_kernels_per_step"]) == {kernel}  # the engine built with the device's kernels
+    roof = rank["roofline"]
+    assert roof["device"] == device
+    for mode in ("eager", "compiled"):
+        b = roof[mode]["breakdown_s"]
+        assert b["matmul"] > 0 and b["elementwise"] > 0 and b["communication"] > 0
+        assert b["step"] == pytest.approx(sum(b[k] for k in ("matmul", "attention", "elementwise", "communication",
+                                                             "host", "bubble")), abs=1e-5)
+    assert roof["trace"]["host_ops"]["recompute"] > 0  # full recompute reruns the forward in backward
+    assert roof["compiled"]["step_s"] < roof["eager"]["step_s"]
+
+
+def test_simulate_rejects_an_unknown_device(capsys):
+    from qwen3_pretrain.errors import UserError
+    from qwen3_pretrain.simulate.cli import main
+
+    with pytest.raises(UserError, match="h100"):
+        main(["--device", "h1000", *SIM])
