@@ -366,3 +366,18 @@ def test_thirty_steps_in_fp8_follow_bf16(kind, overrides, tmp_path):
     assert abs(tail(fp8) - tail(bf16)) <= LOSS_RTOL * tail(bf16), (tail(fp8), tail(bf16))
     assert abs(fp8[0] - bf16[0]) <= 1e-2 * bf16[0]  # the first step: the same weights, one FP8 forward
     assert fp8 != bf16  # and FP8 was on
+
+
+def test_the_start_up_line_counts_the_fp8_projections_and_their_share_of_the_weights():
+    from qwen3_pretrain.models.ops.fp8 import describe
+
+    model = build(MOE, Fp8Projections("rowwise", emulate=True, filter=Fp8Filter.parse(["down_proj"])))
+    fp8 = [m for n, m in model.named_modules() if is_fp8_linear(m)]
+    # the rest of the layers' linear modules: the sparse layer's router and every down_proj
+    rest = [m for n, m in model.named_modules() if n.startswith("layers.") and isinstance(m, nn.Linear)
+            and not is_fp8_linear(m)]
+    assert {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m in rest} == {"gate", "down_proj"}
+    share = sum(m.weight.numel() for m in fp8) / sum(m.weight.numel() for m in fp8 + rest)
+    line = describe(Fp8Projections("rowwise", emulate=True), [model])
+    assert line.startswith(f"fp8: rowwise (emulated) | {len(fp8)} projections in FP8 ({share:.1%} of "), line
+    assert f", {len(rest)} in high precision" in line, line
