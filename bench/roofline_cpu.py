@@ -39,12 +39,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cpu import BATCH, HYBRID, MODEL, MOE, SEQ, free_port  # noqa: E402
 
 from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
+from qwen3_pretrain.hardware import DEVICES, Hardware  # noqa: E402
 from qwen3_pretrain.simulate.probe import CpuProbe, cpu_name, measure_cpu  # noqa: E402
+from qwen3_pretrain.simulate.roofline import RecordingMode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"dense": {}, "moe": MOE, "hybrid": HYBRID}
@@ -58,6 +61,8 @@ LAYOUTS = {"1p": (1, 1, {}), "tp2": (2, 1, {"tp": 2}), "dp2": (2, 1, {})}
 # (at the full vocabulary the head's matmuls and the loss's vocabulary-wide elementwise work are ~80% of it)
 VOCAB = 16384
 CATEGORIES = ("matmul", "attention", "elementwise", "communication", "other")
+# the profiler's "other" (the step outside every op: Python, autograd) is the roofline's host term on a CPU
+PREDICTED = {"other": "host"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -149,6 +154,19 @@ def probe_shapes(model: str, layout: str, vocab: int = VOCAB) -> list[tuple[int,
             (rows, hidden, width // tp), (1024, hidden, vocab // tp)]
 
 
+def probe_kernels(model: str, layout: str) -> dict:
+    """The probe's expert-layer and attention sizes of one rank of this variant."""
+    nproc, _, keys = LAYOUTS[layout]
+    tp = keys.get("tp", 1)
+    batch = BATCH // (1 if tp > 1 else nproc)
+    heads, kv_heads = MODEL["num_attention_heads"] // tp, MODEL["num_key_value_heads"] // tp
+    kernels = {"attention": (batch, heads, kv_heads, SEQ, MODEL["head_dim"])}
+    if model == "moe":
+        rows = batch * SEQ * MOE["num_experts_per_tok"]
+        kernels["grouped"] = [(rows, MOE["num_experts"], MODEL["hidden_size"], MOE["moe_intermediate_size"] // tp)]
+    return kernels
+
+
 def worker(args: argparse.Namespace) -> None:
     from qwen3_pretrain.train.trainer import Trainer
 
@@ -169,10 +187,11 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         step()
         walls.append(time.perf_counter() - start)
-        probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01))
+        probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
+                                  **probe_kernels(model, layout)))
     probe = median_probe(probes)
     profiled = profiled_categories(step)
-    predicted = predict_step(trainer, step, probe)
+    predicted = predict_step(trainer, step, probe, mode == "compiled")
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted}
@@ -202,13 +221,110 @@ def probe_json(probe: CpuProbe) -> dict:
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
 
 
-def predict_step(trainer, step, probe: CpuProbe) -> dict:
-    """Record one real step's op trace and price it with ``probe``: {"step_s", categories..., "ops"}."""
+aten = torch.ops.aten
+SAME_MATMUL = {aten.mm.out: aten.mm.default, aten.addmm.out: aten.addmm.default,
+               aten.addmm_.default: aten.addmm.default, aten.bmm.out: aten.bmm.default,
+               aten.baddbmm_.default: aten.baddbmm.default}
+
+
+class StepRecorder(RecordingMode):
+    """The roofline's recorder of a real step, also counting the step's collectives by mesh axis (what the
+    simulation's tracker does on fake tensors)."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        from qwen3_pretrain.parallel.dims import AXES
+        from qwen3_pretrain.simulate.track import CommCounter
+
+        mesh, engine = trainer.mesh, trainer.engine
+        groups = {mesh[a].get_group().group_name: ("dp" if a.startswith("dp") else a) for a in AXES}
+        for group in engine.dp_mesh.get_all_groups():
+            groups.setdefault(group.group_name, "dp")
+        if torch.distributed.is_initialized():
+            groups.setdefault(torch.distributed.group.WORLD.group_name, "world")
+        self.comm = CommCounter(groups)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented
+        self.comm.count(func, args)
+        out = func(*args, **(kwargs or {}))
+        # The fused loss writes its matmuls into buffers (mm.out, addmm_), which the recorder would count as
+        # memory-bound bytes: recorded as the functional matmul they compute.
+        same = SAME_MATMUL.get(func)
+        if same is not None:
+            func, kwargs = same, {k: v for k, v in (kwargs or {}).items() if k != "out"}
+        self.recorder.record(func, args, kwargs, out)
+        return out
+
+
+def measured_rate(probe: CpuProbe, trace, dtype: str) -> float:
+    """TFLOP/s of the trace's ``dtype`` matmuls at the probe's rates for their shapes: each matmul at the
+    rate of the probed linear layer with the same three sizes (or an expert layer's grouped rate), else at
+    the skinny rate; the total FLOPs over the total time."""
+    rates = {tuple(sorted(map(int, c.split("x")))): v for (d, c), v in probe.matmul_tflops.items()
+             if d == dtype and c[0].isdigit()}
+    grouped = [v for (_, c), v in probe.matmul_tflops.items() if c.startswith("grouped")]
+    flops = seconds = 0.0
+    for (_, dt, m, n, k, groups), calls in trace.matmuls.items():
+        if dt.replace("bfloat16", "bf16").replace("float32", "fp32") != dtype:
+            continue
+        rate = grouped[0] if groups > 1 and grouped else rates.get(tuple(sorted((m, n, k))),
+                                                                   probe.tflops(dtype, "skinny"))
+        flops += 2.0 * m * n * k * calls
+        seconds += 2.0 * m * n * k * calls / rate
+    return flops / seconds if seconds else probe.tflops(dtype, "skinny")
+
+
+def cpu_hardware(probe: CpuProbe, trace) -> Hardware:
+    """The device table's "cpu" with this process's measured figures, the roofline's calibration:
+
+    * matmul peaks: the probe's bf16 and fp32 rates at the trace's own matmul shapes (``measured_rate``),
+      with ``matmul_efficiency`` undoing the roofline's shape share of the class they fall in (smallest side
+      128-511: the shares model a GPU's tiles and waves; on these cores a 2048 x 256 x 256 product runs
+      as fast as a square 1024^3);
+    * ``memory_bandwidth_gbps``: the streaming fp32 add, at efficiency 1 (it is what a kernel achieves);
+    * ``launch_latency_us``: one op of a training step under autograd (its forward, its backward node), the
+      host cost of an eager op; ``compiled_launch_us``: one bare op's dispatch;
+    * gloo between two processes of this machine: a ring step copies each byte out of and into a socket
+      buffer, so the link is half the copy bandwidth (not measured: the probe has no second process).
+    """
+    from qwen3_pretrain.simulate.roofline.pricing import matmul_shape_share
+
+    return dataclasses.replace(
+        DEVICES["cpu"], name="cpu (measured)", peak_tflops=measured_rate(probe, trace, "bf16"),
+        fp32_peak_tflops=measured_rate(probe, trace, "fp32"), tf32_peak_tflops=None,
+        matmul_efficiency=1.0 / matmul_shape_share(2048, 256, 256),
+        memory_bandwidth_gbps=probe.bandwidth_gbps, bandwidth_efficiency=1.0,
+        launch_latency_us=probe.autograd_op_latency_us, compiled_launch_us=probe.op_latency_us,
+        intra_node_gbps=probe.memory_gbps["copy"] / 2, source=f"measured by simulate.probe: {probe.cpu}")
+
+
+def predict_step(trainer, step, probe: CpuProbe, compiled: bool) -> dict:
+    """Record one real step with the roofline's recorder (eager ops: a compiled step's kernels are not aten
+    ops, so the eager trace is priced as compiled, the roofline's fusion model) and price it on
+    ``cpu_hardware``: {"step_s", seconds per category}."""
+    from qwen3_pretrain.simulate.roofline import price
+    from qwen3_pretrain.simulate.roofline.pricing import ATTENTION_SHARE
+
+    recorder = StepRecorder(trainer)
+    if compiled:
+        torch._dynamo.config.disable = True  # record the ops the compiled graphs stand for
     try:
-        from qwen3_pretrain.simulate import roofline  # noqa: F401
-    except ImportError:  # the roofline's recorder and price are not in this checkout: measurement only
-        return {"step_s": float("nan")}
-    raise NotImplementedError
+        with recorder:
+            step()
+    finally:
+        torch._dynamo.config.disable = False
+    hw = cpu_hardware(probe, recorder.trace)
+    breakdown = price(recorder.trace, hw, compiled,
+                      {key: tuple(value) for key, value in recorder.comm.calls_by_size.items()})
+    result = {"step_s": breakdown.step, **breakdown.to_json(), "ops": sum(recorder.trace.host_ops.values())}
+    # The roofline prices fused attention at a fixed share of the matmul peak (a GPU's FlashAttention); this
+    # CPU's flash kernel reaches far less: the same seconds at the probe's measured attention rate.
+    assumed = ATTENTION_SHARE * hw.peak_tflops
+    result["attention_measured_rate"] = breakdown.attention * assumed / probe.tflops("bf16", "attention")
+    result["step_s_attention_measured"] = breakdown.step - breakdown.attention + result["attention_measured_rate"]
+    return result
 
 
 # --- the driver ------------------------------------------------------------------------------------------
@@ -246,16 +362,19 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> li
 
 
 def print_table(rows: dict[str, list[dict]]) -> None:
-    head = f"{'variant':<22} {'meas s':>7} {'pred s':>7} {'pred/meas':>9}"
+    """Rank 0's row per variant: measured and predicted step, and the prediction with attention at the
+    probe's measured rate (``att*``); per category the profiler's seconds / the prediction's."""
+    head = f"{'variant':<20} {'meas s':>6} {'pred s':>6} {'ratio':>5} {'att* s':>6} {'ratio':>5}"
     for cat in CATEGORIES:
-        head += f" {cat[:11]:>17}"
+        head += f" {cat[:11]:>13}"
     print(head + "   (per category: profiler s / predicted s)")
     for name, ranks in rows.items():
         r = ranks[0]
-        pred = r["predicted"]
-        line = f"{name:<22} {r['step_s']:>7.3f} {pred['step_s']:>7.3f} {pred['step_s'] / r['step_s']:>9.2f}"
+        pred, meas = r["predicted"], r["step_s"]
+        line = (f"{name:<20} {meas:>6.3f} {pred['step_s']:>6.3f} {pred['step_s'] / meas:>5.2f} "
+                f"{pred['step_s_attention_measured']:>6.3f} {pred['step_s_attention_measured'] / meas:>5.2f}")
         for cat in CATEGORIES:
-            line += f" {r['profiled'][cat]:>8.3f}/{pred.get(cat, 0.0):<8.3f}"
+            line += f" {r['profiled'][cat]:>6.3f}/{pred.get(PREDICTED.get(cat, cat), 0.0):<6.3f}"
         print(line)
 
 

@@ -29,10 +29,10 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert probe.threads == 1
     assert set(probe.matmul_tflops) == {(d, c) for d in ("fp32", "bf16") for c in ("square", "skinny", "256x64x128")} | {
         ("bf16", "grouped 256x4x64x64"), ("bf16", "attention")}
-    # one core of any CPU torch runs on: above 1 GFLOP/s, below 100 TFLOP/s
-    assert all(1e-3 < v < 100 and math.isfinite(v) for v in probe.matmul_tflops.values()), probe.matmul_tflops
+    # below 100 TFLOP/s on one core of any CPU; no lower bound but zero (a loaded machine can be very slow)
+    assert all(0 < v < 100 and math.isfinite(v) for v in probe.matmul_tflops.values()), probe.matmul_tflops
     assert set(probe.memory_gbps) == {"copy", "add_fp32", "add_bf16"}
-    assert all(0.1 < v < 10_000 for v in probe.memory_gbps.values()), probe.memory_gbps
+    assert all(0 < v < 10_000 for v in probe.memory_gbps.values()), probe.memory_gbps
     assert probe.bandwidth_gbps == probe.memory_gbps["add_fp32"]
     assert 0.05 < probe.op_latency_us < 10_000
     assert 0.05 < probe.autograd_op_latency_us < 100_000
@@ -70,3 +70,32 @@ def test_profiler_categories_of_the_bench():
     seconds = profiled_categories(lambda: (x @ w).relu().sum())
     assert set(seconds) == {*CATEGORIES, "wall"}
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
+
+
+def test_bench_recorder_counts_matmuls_into_buffers():
+    """The fused loss writes its head's matmuls into buffers (mm.out, addmm_): the bench's recorder counts
+    them as matmuls of their FLOPs, not as memory-bound bytes, and its CPU device prices them at the rate
+    the probe measured for their shape."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from roofline_cpu import StepRecorder, cpu_hardware
+
+    from qwen3_pretrain.simulate.roofline import price
+
+    from qwen3_pretrain.simulate.track import CommCounter
+
+    # sizes of the shape class (smallest side 128-511) whose roofline share the CPU device undoes
+    a, b, out = torch.randn(256, 128), torch.randn(128, 384), torch.empty(256, 384)
+    recorder = StepRecorder.__new__(StepRecorder)  # without a trainer: no mesh, no collectives
+    super(StepRecorder, recorder).__init__()
+    recorder.comm = CommCounter({})
+    with recorder:
+        torch.mm(a, b, out=out)
+        out.addmm_(a, b)
+        torch.mm(a, b)
+    calls = sum(recorder.trace.matmuls.values())
+    assert calls == 3, recorder.trace.matmuls
+    probe = CpuProbe("test", 1, {("fp32", "256x128x384"): 0.01, ("fp32", "skinny"): 1.0, ("bf16", "skinny"): 1.0},
+                     {"copy": 10.0, "add_fp32": 10.0, "add_bf16": 10.0}, 1.0, 2.0)
+    breakdown = price(recorder.trace, cpu_hardware(probe, recorder.trace))
+    # 3 x 2 x 256 x 128 x 384 FLOPs at the 0.01 TFLOP/s measured for these sizes
+    assert breakdown.matmul == pytest.approx(3 * 2 * 256 * 128 * 384 / 0.01e12, rel=1e-6)
