@@ -144,7 +144,7 @@ class Hardware:
     bandwidth_efficiency: float = 0.85
     # host time to issue one op in eager PyTorch (the dispatcher, the Python around it, the driver's launch),
     # microseconds; a compiled graph launches its fused kernels at ``compiled_launch_us`` each
-    launch_latency_us: float = 10.0
+    launch_latency_us: float = 3.2
     compiled_launch_us: float = 4.0
 
     def matmul_tflops(self, dtype: str) -> float | None:
@@ -226,10 +226,11 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 # Roofline figures (simulate/roofline): ``matmul_efficiency`` 0.75 on Hopper and Blackwell (cuBLAS bf16
 # GEMMs at training shapes commonly reach 700-780 of 989 TFLOP/s on an H100 SXM; not measured here), 0.80 on
 # Ampere (~250 of 312), 0.70 on Ascend (unverified); ``bandwidth_efficiency`` 0.85 (a streaming copy reaches
-# ~2.9 of 3.35 TB/s on an H100 SXM), 0.80 on Ascend (unverified); ``launch_latency_us`` 10 per eager op:
-# bench/host_overhead.py's HOST_MS_PER_LAYER (2.4 ms per eager layer at tp 1) over the ~240 aten ops a
-# decoder layer's forward and backward dispatch (simulate's op trace), and 4 per compiled kernel launch
-# (inductor's launcher, no CUDA graphs). An NPU's eager dispatch through torch_npu's task queue is
+# ~2.9 of 3.35 TB/s on an H100 SXM), 0.80 on Ascend (unverified); ``launch_latency_us`` 3.2 per eager op:
+# bench/host_overhead.py's HOST_MS_PER_LAYER (2.4 ms per eager layer at tp 1) over the ~760 operators a
+# decoder layer's forward and backward dispatch there (simulate's op trace of a tiny Qwen3 at tp 1, FSDP's
+# copies included: 3,530 ops for 4 layers, 2,012 for 2), and 4 per compiled kernel launch (inductor's
+# launcher, no CUDA graphs; not measured here). An NPU's eager dispatch through torch_npu's task queue is
 # reportedly slower: unmeasured, the same figure is used.
 # Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
@@ -323,7 +324,7 @@ DEVICES: dict[str, Hardware] = {
     "cpu": Hardware(
         "cpu", _cpu_memory_gib(), 2.4, 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
         inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0, device_type="cpu",
-        matmul_efficiency=1.0, bandwidth_efficiency=1.0, launch_latency_us=10.0, compiled_launch_us=10.0,
+        matmul_efficiency=1.0, bandwidth_efficiency=1.0, compiled_launch_us=3.2,
         source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); fp32 steps measured "
                "no slower than bf16 ones, so fp32 uses the same peak; efficiency 0.07 from measured small-model "
                "training (vocabulary-sized elementwise work dominates, which a roofline does not see); memory is "

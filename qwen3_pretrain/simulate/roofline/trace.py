@@ -148,6 +148,21 @@ def _is_view(func) -> bool:
 
 
 _VIEWS: dict = {}
+_WRITTEN: dict = {}
+
+
+def _written_arguments(func) -> tuple[int, ...]:
+    """Positions of the arguments ``func`` writes (``Tensor(a!)``) and does not return (returned ones are
+    already counted as outputs)."""
+    cached = _WRITTEN.get(func)
+    if cached is None:
+        returned = {r.alias_info.before_set and next(iter(r.alias_info.before_set)) for r in func._schema.returns
+                    if r.alias_info is not None}
+        cached = tuple(i for i, a in enumerate(func._schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write
+                       and next(iter(a.alias_info.before_set), None) not in returned)
+        _WRITTEN[func] = cached
+    return cached
 
 
 class TraceRecorder:
@@ -198,7 +213,8 @@ class TraceRecorder:
             self._region_writes.clear()
 
     def record(self, func, args, kwargs, out) -> None:
-        if _is_view(func) or func.__name__.split(".")[0] in _SKIP_NAMES:
+        name = func.__name__.split(".")[0]
+        if _is_view(func) or name in _SKIP_NAMES or name.startswith("empty"):
             return
         phase = self.phase()
         trace = self.trace
@@ -221,6 +237,9 @@ class TraceRecorder:
         if kwargs:
             _tensors(list(kwargs.values()), ins)
         outs = _tensors(out, [])
+        for i in _written_arguments(func):  # in-place and out= ops (foreach, fused AdamW) write these
+            if i < len(args):
+                _tensors(args[i], outs)
         mem = trace.memory[phase]
         mem.ops += 1
         mem.eager_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
