@@ -641,7 +641,8 @@ def format_notes(cfg: Qwen3Config, hw: Hardware, candidates: list[Candidate], to
                      "(each hides only behind the compute running while it is in flight: docs/planner.md)")
     searched = [k for k in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "activation_checkpointing",
                             "distributed_optimizer", "dp_shard", "keep_params_gathered")
-                if k not in fixed and not (k == "ep" and not cfg.is_moe)]
+                if k not in fixed and not (k == "ep" and not cfg.is_moe)
+                and not (k == "dp" and all(d in fixed for d in ("tp", "pp", "cp")))]  # dp is then the rest
     lines.append("searched: " + (", ".join(searched) or "nothing") + "; fixed: "
                  + (", ".join(f"{k} {_yaml_value(v)}" for k, v in fixed.items()) or "nothing")
                  + (f" (from {args.config} and the flags)" if args.config else ""))
