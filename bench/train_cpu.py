@@ -13,7 +13,11 @@ the project (``runs/data/d_convert``, built in a temporary folder when absent).
 Each variant runs in a fresh process (or ``torchrun`` group), so its peak
 resident memory (``ru_maxrss``, the largest rank's) is its own. Steps after
 the warm-up ones are timed in wall and CPU seconds (user + system over all
-threads and ranks); the table shows medians. On a shared machine the CPU time
+threads and ranks); the table shows medians and the spread of the timed steps
+(``p90/p50``, 1.0 perfectly steady), and after it each variant's resident memory
+after every step (warm-up steps included; the largest rank's; in brackets the
+part in transparent huge pages, ``/proc/self/smaps_rollup``): memory that keeps
+growing from step to step shows there. On a shared machine the CPU time
 is the steadier figure: the load average is printed before and after.
 
 ``--model moe``: the same model with a mixture of 16 experts of 256, top-4
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import socket
@@ -126,16 +131,40 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def memory_now_gib() -> tuple[float, float]:
+    """(resident memory, of it anonymous memory in transparent huge pages) of this process now, in GiB:
+    ``/proc/self/smaps_rollup``'s ``Rss`` and ``AnonHugePages`` (0, 0 where the file is missing)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return 0.0, 0.0
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in text.splitlines()[1:] if line.endswith("kB")}
+    return kib.get("Rss", 0) / 2**20, kib.get("AnonHugePages", 0) / 2**20
+
+
 def timed_steps(step, warmup: int, steps: int) -> dict:
-    """Run ``step()`` warmup + steps times; per-step wall and CPU seconds of the timed ones."""
-    walls, cpus, losses = [], [], []
+    """Run ``step()`` warmup + steps times; per-step wall and CPU seconds of the timed ones, and after every
+    step (the warm-up ones too) the resident memory and its share in huge pages (``memory_now_gib``)."""
+    walls, cpus, losses, rss, huge = [], [], [], [], []
     for i in range(warmup + steps):
         wall, cpu = time.perf_counter(), cpu_seconds()
         losses.append(step())
         if i >= warmup:
             walls.append(time.perf_counter() - wall)
             cpus.append(cpu_seconds() - cpu)
-    return {"wall_s": walls, "cpu_s": cpus, "loss": losses[-1], "peak_gib": peak_rss_gib()}
+        now, thp = memory_now_gib()
+        rss.append(now)
+        huge.append(thp)
+    return {"wall_s": walls, "cpu_s": cpus, "loss": losses[-1], "peak_gib": peak_rss_gib(), "rss_gib": rss,
+            "thp_gib": huge}
+
+
+def spread(values: list[float]) -> float:
+    """p90 / p50 of ``values`` (nearest rank; 1.0 is perfectly steady): how far the slow steps stray from the
+    typical one."""
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+    return p90 / statistics.median(ordered)
 
 
 def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 4) -> tuple[float, float]:
@@ -309,7 +338,8 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
         return {"wall_s": statistics.median(w for r in ranks for w in r["wall_s"]) / nproc,
                 "cpu_s": statistics.median(c for r in ranks for c in r["cpu_s"]),
                 "peak_gib": max(r["peak_gib"] for r in ranks), "before_gib": max(r["before_gib"] for r in ranks),
-                "loss": ranks[0]["loss"]}
+                "loss": ranks[0]["loss"], "spread": spread([w for r in ranks for w in r["wall_s"]]),
+                "rss_gib": ranks[0]["rss_gib"], "thp_gib": ranks[0]["thp_gib"]}
     proc = subprocess.run(launcher + worker_script(out), cwd=REPO, env=env, text=True, capture_output=not args.profile)
     if proc.returncode:
         raise RuntimeError(f"variant {name} failed ({proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
@@ -318,7 +348,10 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
     cpu = [sum(r["cpu_s"][i] for r in ranks) for i in range(args.steps)]
     return {"wall_s": statistics.median(ranks[0]["wall_s"]), "cpu_s": statistics.median(cpu),
             "peak_gib": max(r["peak_gib"] for r in ranks), "before_gib": max(r["before_gib"] for r in ranks),
-            "loss": ranks[0]["loss"]}
+            "loss": ranks[0]["loss"], "spread": spread(ranks[0]["wall_s"]),
+            # the largest rank's resident memory after each step
+            "rss_gib": [max(r["rss_gib"][i] for r in ranks) for i in range(len(ranks[0]["rss_gib"]))],
+            "thp_gib": [max(r["thp_gib"][i] for r in ranks) for i in range(len(ranks[0]["thp_gib"]))]}
 
 
 def describe(name: str) -> str:
@@ -343,13 +376,23 @@ def header(model: str) -> None:
     print(f"model: {model_keys(model)}; seq {SEQ} x batch {BATCH} = {SEQ * BATCH} tokens per step")
 
 
+def rounded(value):
+    return [round(v, 3) for v in value] if isinstance(value, list) else round(value, 3)
+
+
 def print_table(rows: dict[str, dict]) -> None:
-    print(f"{'variant':<11} {'loss':>7} {'step s':>7} {'CPU s':>6} {'tokens/s':>9} {'tok/CPU-s':>9} "
+    print(f"{'variant':<11} {'loss':>7} {'step s':>7} {'p90/p50':>7} {'CPU s':>6} {'tokens/s':>9} {'tok/CPU-s':>9} "
           f"{'before GiB':>10} {'peak GiB':>9}  what")
     for name, r in rows.items():
         tokens = SEQ * BATCH
-        print(f"{name:<11} {r['loss']:>7.3f} {r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {tokens / r['wall_s']:>9.0f} "
-              f"{tokens / r['cpu_s']:>9.0f} {r['before_gib']:>10.2f} {r['peak_gib']:>9.2f}  {describe(name)}")
+        print(f"{name:<11} {r['loss']:>7.3f} {r['wall_s']:>7.2f} {r['spread']:>7.2f} {r['cpu_s']:>6.2f} "
+              f"{tokens / r['wall_s']:>9.0f} {tokens / r['cpu_s']:>9.0f} {r['before_gib']:>10.2f} "
+              f"{r['peak_gib']:>9.2f}  {describe(name)}")
+    # Resident memory after each step (warm-up steps included; in huge pages in brackets): a run whose memory
+    # plateaus shows the same figure from its third step on.
+    for name, r in rows.items():
+        curve = " ".join(f"{m:.2f}({h:.2f})" for m, h in zip(r["rss_gib"], r["thp_gib"]))
+        print(f"RSS GiB after each step, {name}: {curve}")
     if "dp1-1t" in rows and "dp2" in rows:
         one, two = rows["dp1-1t"], rows["dp2"]
         print(f"DP scaling efficiency dp2 vs 2 x dp1-1t: {one['wall_s'] / (2 * two['wall_s']):.0%} by wall time, "
@@ -381,7 +424,7 @@ def main(argv: list[str]) -> int:
         data = ensure_data(args.data, Path(tmp))
         for name in names:
             rows[name] = run_variant(name, args, data, Path(tmp))
-            print(f"  {name}: {json.dumps({k: round(v, 3) for k, v in rows[name].items()})}", flush=True)
+            print(f"  {name}: {json.dumps({k: rounded(v) for k, v in rows[name].items()})}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print_table(rows)
     return 0
