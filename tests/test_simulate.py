@@ -75,11 +75,13 @@ def test_pipeline_stages_peak_where_the_planner_says():
     counted them gathered when they are not. Under 1F1B each layer frees its weights after its forward (the
     schedule keeps them only after backward): the last stage's peak, the fused loss, holds the head's and
     the final norm's alone. The first stage peaks while the schedule reduces the units at the step's end,
-    each freed first, or in its cool-down backward (all gathered, an earlier micro-batch's gradients held)."""
+    each freed first, or in its cool-down backward (all gathered, an earlier micro-batch's gradients held).
+    Sequences of 1024: with 512 (a 512-token chunk of 8,000 fp32 logits per tp rank, no bf16 copy beside
+    them) the loss is no longer the last stage's peak."""
     model = {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 16000}
     cfg = load_config(TrainConfig, None, ["model_name=qwen3-8b", f"model_overrides={json.dumps(model)}", "tp=2",
-                                          "pp=2", "seq_length=512", "batch_size=2", "activation_checkpointing=full"])
+                                          "pp=2", "seq_length=1024", "batch_size=2", "activation_checkpointing=full"])
     first, last = simulate_ranks(make_world(cfg, 8), [0, 4], steps=2)
     for r in (first, last):
         assert r.predicted.allocated == pytest.approx(r.peak["total"], rel=0.02), r.coords
