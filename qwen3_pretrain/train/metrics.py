@@ -74,7 +74,14 @@ def measure_cpu_tflops(n: int = 1024, reps: int = 8, dtype: torch.dtype = torch.
                        max_seconds: float = 0.5, threads: int | None = None) -> float:
     """Matmul throughput of this CPU in ``dtype`` on ``threads`` threads (default: the process's setting):
     up to ``reps`` timed products, fewer once ``max_seconds`` have passed (a CPU that emulates bf16 takes
-    about a second per product)."""
+    about a second per product).
+
+    ``threads`` goes through ``torch.set_num_threads``, which is process-wide (MKL's count and the thread
+    count new threads start with), so the probe must run where no other thread runs torch work: the
+    trainer calls it on the training thread before the first step, before the batch prefetch thread
+    starts, and the count set at start-up (parallel/env.py ``set_cpu_threads``) is restored before any
+    step runs. Run beside a step, it would change that step's thread count, and so its kernels' split and
+    last bits, mid-run."""
     if threads is not None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
