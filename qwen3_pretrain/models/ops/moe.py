@@ -26,8 +26,9 @@ The experts are stored stacked, ``gate_proj`` and ``up_proj`` [E, I, H] and
 weights), so a grouped matmul takes them as they are and a checkpoint holds
 three tensors per layer. How the experts compute is chosen when the model is
 built (``ExpertsKernel``): ``GroupedMM``, one ``torch._grouped_mm`` per
-projection for all experts (bf16, where the device has it), or ``ExpertLoop``,
-one matmul per expert (exact in any dtype, any device).
+projection for all experts (bf16, where the device has it; fp32 on CPUs where
+it is the faster: ``cpu_grouped_fp32``), or ``ExpertLoop``, one matmul per
+expert (exact in any dtype, any device).
 
 With a capacity (``Capacity``, config ``moe_capacity_factor``) each expert
 takes at most ``C = ceil(factor x pairs / E)`` of the pairs that chose it, the
@@ -155,7 +156,7 @@ class ExpertLoop:
 
 class GroupedMM:
     """``torch._grouped_mm`` over all experts at once, one call per projection (no host sync). Needs bf16
-    operands with dimensions that are multiples of 8 (the expert hidden sizes of every Qwen3-MoE are).
+    operands (fp32 too on a CPU) with dimensions that are multiples of 8 (the expert hidden sizes of every Qwen3-MoE are).
     ``align``: each expert's run padded to a multiple of this many rows (``pad_groups``): on CUDA 8 by
     default, the bf16 kernel's alignment (16 or 32 for FP8 later), so no group starts off a 16-byte row
     boundary (an empty group stays empty; the last expert's run takes the slack up to the padded total); 1
@@ -194,15 +195,41 @@ class _DenseGrad(torch.autograd.Function):
 GROUPED_MM_ALIGN = 8
 
 
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_grouped_fp32(flags: frozenset[str] | None = None) -> bool:
+    """Whether fp32 experts on this CPU run faster as ``torch._grouped_mm`` than as one matmul per expert: a
+    rule keyed on CPU features, not a timing probe, so that every rank of a job (same machines) and every run
+    choose alike whatever the load (the two kernels' fp32 results are also bitwise equal on the CPUs measured,
+    tests/test_kernel_choice.py). Measured (bench/README.md, the expert block forward and backward, 2 threads):
+    on Intel Xeons with AMX (``amx_bf16``) the grouped kernel is 1.35-2.6x faster in fp32; on an AMD EPYC it
+    was 2.8x slower (0.58 vs 0.21 s), so elsewhere the loop stays."""
+    return "amx_bf16" in (cpu_flags() if flags is None else flags)
+
+
 def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.linear,
-                   align: int | None = None) -> ExpertsKernel:
+                   align: int | None = None, flags: frozenset[str] | None = None) -> ExpertsKernel:
     """The expert kernel for ``device_type`` computing in ``dtype``. ``torch._grouped_mm`` takes bf16 on CUDA
     (sm90 and newer; sm80 through a fallback) and on a CPU, where it is also faster than one matmul per expert
-    in bf16 but slower in fp32 (bench/README.md); NPUs have their own grouped matmul in torch_npu, not used
-    yet. Elsewhere one matmul per expert through ``linear``. ``align``: rows each expert's run is padded to
-    a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1."""
+    in bf16; in fp32 on a CPU it is faster on some CPUs and slower on others (``cpu_grouped_fp32``, ``flags``
+    the CPU's features, by default this machine's), and only where ``linear`` is the plain one (not the
+    fp32-upcasting matmul of a CPU without native bf16); NPUs have their own grouped matmul in torch_npu, not
+    used yet. Elsewhere one matmul per expert through ``linear``. ``align``: rows each expert's run is padded
+    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1."""
     if device_type in ("cuda", "cpu") and dtype == torch.bfloat16:
         return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda" else 1)
+    if device_type == "cpu" and dtype == torch.float32 and linear is F.linear and cpu_grouped_fp32(flags):
+        return GroupedMM(align or 1)
     return ExpertLoop(linear, align or 1)
 
 

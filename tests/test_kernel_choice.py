@@ -1,0 +1,78 @@
+"""The kernels chosen by CPU features (models/ops/moe.py: ``experts_kernel``, ``cpu_grouped_fp32``): the choice is
+a rule on the CPU's flags, so every rank and every run of a job on the same machines choose alike whatever the
+load; on the CPU running the test the chosen fp32 expert kernel is not slower than the other (both timed here,
+interleaved, medians), and the two compute the same values."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen3_pretrain.models.ops.moe import ExpertLoop, GroupedMM, cpu_grouped_fp32, experts_kernel
+from qwen3_pretrain.models.ops.precision import fp32_linear
+
+E, H, I, N = 8, 128, 128, 1024
+
+
+def _inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, H, generator=gen, dtype=dtype, requires_grad=True)
+    gate, up = (torch.randn(E, I, H, generator=gen, dtype=dtype).div(H**0.5).requires_grad_() for _ in range(2))
+    down = torch.randn(E, H, I, generator=gen, dtype=dtype).div(I**0.5).requires_grad_()
+    counts = torch.multinomial(torch.ones(E), N, replacement=True, generator=gen).bincount(minlength=E)
+    weights = torch.rand(N, 1, generator=gen, dtype=dtype)
+    return x, counts, weights, gate, up, down, torch.randn(N, H, generator=gen, dtype=dtype)
+
+
+def _step(kernel, inputs):
+    x, counts, weights, gate, up, down, grad = inputs
+    for t in (x, gate, up, down):
+        t.grad = None
+    out = kernel(x, counts, weights, gate, up, down)
+    out.backward(grad)
+    return out.detach(), [t.grad.clone() for t in (x, gate, up, down)]
+
+
+def test_rule_is_keyed_on_cpu_flags():
+    amx, plain = frozenset({"avx512f", "amx_bf16", "amx_tile"}), frozenset({"avx2", "avx512f"})
+    assert experts_kernel("cpu", torch.float32, flags=amx).name == "grouped_mm"
+    assert experts_kernel("cpu", torch.float32, flags=plain).name == "loop"
+    # the fp32-upcasting matmul of a CPU without native bf16 keeps the loop; bf16 is grouped on any CPU
+    assert experts_kernel("cpu", torch.float32, fp32_linear, flags=amx).name == "loop"
+    assert experts_kernel("cpu", torch.bfloat16, flags=plain).name == "grouped_mm"
+    assert experts_kernel("cuda", torch.float32, flags=amx).name == "loop"
+    # this machine's choice is its flags' (no timing in it): the same at every call
+    assert {experts_kernel("cpu", torch.float32).name for _ in range(3)} == {
+        "grouped_mm" if cpu_grouped_fp32() else "loop"}
+
+
+def test_fp32_kernels_compute_the_same():
+    inputs = _inputs()
+    out_loop, grads_loop = _step(ExpertLoop(F.linear), inputs)
+    out_grouped, grads_grouped = _step(GroupedMM(), inputs)
+    torch.testing.assert_close(out_grouped, out_loop, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_grouped, grads_loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_chosen_fp32_kernel_is_not_slower_on_this_cpu():
+    """Forward and backward of the expert block, both kernels interleaved 5 times; the chosen one's median is
+    within noise (25%) of the other's or below it."""
+    torch.manual_seed(0)
+    inputs = _inputs()
+    chosen = experts_kernel("cpu", torch.float32)
+    other = ExpertLoop(F.linear) if chosen.name == "grouped_mm" else GroupedMM()
+    times = {chosen.name: [], other.name: []}
+    for kernel in (chosen, other):  # warm-up
+        _step(kernel, inputs)
+    for _ in range(5):
+        for kernel in (chosen, other):
+            start = time.perf_counter()
+            _step(kernel, inputs)
+            times[kernel.name].append(time.perf_counter() - start)
+    mine, theirs = statistics.median(times[chosen.name]), statistics.median(times[other.name])
+    assert mine <= 1.25 * theirs, f"chosen {chosen.name} {mine:.4f} s vs {other.name} {theirs:.4f} s: {times}"
