@@ -153,7 +153,7 @@ def set_cpu_threads(launched: bool) -> str:
     calls it), and say what was set (the trainer logs it).
 
     The count is ``OMP_NUM_THREADS`` where the user or launcher set it (torchrun sets 1 per rank), else this
-    rank's share of the node's cores (``node_cpu_share``: cores / processes). Setting it through
+    rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's default). Setting it through
     ``torch.set_num_threads`` also turns MKL's dynamic thread choice off (``mkl_set_dynamic(0)``), which torch
     leaves on until someone sets a count: with it on, MKL may run a GEMM on fewer threads than asked, and a
     GEMM split over another number of threads sums in another order, so the same run could differ in its
@@ -164,7 +164,9 @@ def set_cpu_threads(launched: bool) -> str:
     of the ranks preempting each other; under load, OpenMP's spinning workers take cores from the ones
     doing work), hence the share as the default."""
     cores, processes = node_cpu_share(launched)
-    share = max(1, cores // processes)
+    # Never above torch's own default (physical cores where it can tell): the affinity mask counts
+    # hyper-threads, and two threads on one core's siblings slow GEMMs down.
+    share = max(1, min(cores // processes, torch.get_num_threads()))
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     threads = int(given) if given.isdigit() and int(given) > 0 else share
     torch.set_num_threads(threads)
