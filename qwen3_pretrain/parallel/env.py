@@ -153,8 +153,8 @@ def set_cpu_threads(launched: bool) -> str:
     calls it), and say what was set (the trainer logs it).
 
     The count is ``OMP_NUM_THREADS`` where the user or launcher set it (torchrun sets 1 per rank), else this
-    rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's default). Setting it through
-    ``torch.set_num_threads`` also turns MKL's dynamic thread choice off (``mkl_set_dynamic(0)``), which torch
+    rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's default).
+    Setting it through ``torch.set_num_threads`` also turns MKL's dynamic thread choice off (``mkl_set_dynamic(0)``), which torch
     leaves on until someone sets a count: with it on, MKL may run a GEMM on fewer threads than asked, and a
     GEMM split over another number of threads sums in another order, so the same run could differ in its
     last bits from one start to the next. A fixed count, the same in every run of a config on the same
