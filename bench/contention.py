@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
     hf, ours = (statistics.median(times[s]) for s in sides)
     print(f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {args.busy} busy process(es), "
           f"model {args.model} fp32, load {os.getloadavg()[0]:.1f}")
-    print(f"plain loop (hf-fp32): {hf:.3f} s/step; engine (fp32): {ours:.3f} s/step; engine/plain tokens/s x{hf / ours:.2f}")
+    print(f"plain loop (hf-fp32): {hf:.3f} s/step; engine (fp32): {ours:.3f} s/step; "
+          f"engine/plain tokens/s x{hf / ours:.2f}")
     return 0
 
 

@@ -154,9 +154,9 @@ def set_cpu_threads(launched: bool) -> str:
 
     The count is ``OMP_NUM_THREADS`` where the user or launcher set it (torchrun sets 1 per rank), else this
     rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's default).
-    Setting it through ``torch.set_num_threads`` also turns MKL's dynamic thread choice off (``mkl_set_dynamic(0)``), which torch
-    leaves on until someone sets a count: with it on, MKL may run a GEMM on fewer threads than asked, and a
-    GEMM split over another number of threads sums in another order, so the same run could differ in its
+    Setting it through ``torch.set_num_threads`` also turns MKL's dynamic thread choice off
+    (``mkl_set_dynamic(0)``), which torch leaves on until someone sets a count: with it on, MKL may run
+    a GEMM on fewer threads than asked, and a GEMM split over another number of threads sums in another order, so the same run could differ in its
     last bits from one start to the next. A fixed count, the same in every run of a config on the same
     cores, keeps every kernel's split, and so a 1-process run's losses, the same bitwise whatever the
     machine's load (tests/test_reproducible_load.py). Interop threads are left at torch's default: the
@@ -168,9 +168,10 @@ def set_cpu_threads(launched: bool) -> str:
     # hyper-threads, and two threads on one core's siblings slow GEMMs down.
     share = max(1, min(cores // processes, torch.get_num_threads()))
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
-    threads = int(given) if given.isdigit() and int(given) > 0 else share
+    user_set = given.isdigit() and int(given) > 0
+    threads = int(given) if user_set else share
     torch.set_num_threads(threads)
-    origin = f"OMP_NUM_THREADS={given}" if given.isdigit() and int(given) > 0 else f"{cores} cores / {processes} process(es)"
+    origin = f"OMP_NUM_THREADS={given}" if user_set else f"{cores} cores / {processes} process(es)"
     note = f"; above this rank's share of {share}: the ranks' threads preempt each other" if threads > share else ""
     return f"CPU threads: {threads} intra-op ({origin}), MKL dynamic off{note}"
 
