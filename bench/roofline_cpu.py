@@ -1,7 +1,7 @@
 """The roofline checked where it can be measured: real training on this CPU, its step priced from its own op
 trace with this CPU's measured numbers, beside the measured step time and torch.profiler's per-category times.
 
-    python bench/roofline_cpu.py                                  # every model x mode x layout (~15 min idle)
+    python bench/roofline_cpu.py                                  # every model x mode x layout
     python bench/roofline_cpu.py --models dense --modes eager --layouts 1p,dp2 --steps 3
 
 Models: bench/train_cpu.py's tiny Qwen3 (hidden 256, 4 layers, the full 151,936 vocabulary, seq 512 x batch
@@ -16,8 +16,10 @@ batch). Each variant runs in fresh processes; per rank:
    model's projections and its vocabulary head), streaming bandwidth, the host latency of one tiny op;
 3. one step under ``torch.profiler``: self CPU time per op, summed by category (matmul, attention,
    elementwise, communication, other);
-4. one step recorded by the roofline's op recorder and priced with the probe's numbers: the predicted step
-   time and its breakdown.
+4. one step recorded by the roofline's op recorder (``StepRecorder``: ``simulate.roofline.RecordingMode``
+   with the step's collectives counted per mesh axis; a compiled step recorded with dynamo off and priced
+   with the roofline's fusion model) and priced on ``cpu_hardware``, the device table's "cpu" with the
+   probe's figures: the predicted step time and its breakdown.
 
 The table shows rank 0's figures: measured and predicted step seconds and their ratio (target: within 25%),
 and per category the profiler's and the prediction's seconds (target: within 30%). On a CPU an op's host
