@@ -156,8 +156,8 @@ def set_cpu_threads(launched: bool) -> str:
     rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's default).
     Setting it through ``torch.set_num_threads`` also turns MKL's dynamic thread choice off
     (``mkl_set_dynamic(0)``), which torch leaves on until someone sets a count: with it on, MKL may run
-    a GEMM on fewer threads than asked, and a GEMM split over another number of threads sums in another order, so the same run could differ in its
-    last bits from one start to the next. A fixed count, the same in every run of a config on the same
+    a GEMM on fewer threads than asked, and a GEMM split over another number of threads sums in another
+    order, so the same run could differ in its last bits from one start to the next. A fixed count, the same in every run of a config on the same
     cores, keeps every kernel's split, and so a 1-process run's losses, the same bitwise whatever the
     machine's load (tests/test_reproducible_load.py). Interop threads are left at torch's default: the
     engine runs no inter-op parallel work. A count above this rank's share is oversubscription (threads
