@@ -152,17 +152,17 @@ def set_cpu_threads(launched: bool) -> str:
     """Fix this process's intra-op thread count for the whole run, once, at start-up (collective: every rank
     calls it), and say what was set (the trainer logs it).
 
-    The count is ``OMP_NUM_THREADS`` where the user or launcher set it (torchrun sets 1 per rank), else this
-    rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's default).
-    Setting it through ``torch.set_num_threads`` also turns MKL's dynamic thread choice off
+    The count is ``OMP_NUM_THREADS`` where the user or launcher set it (torchrun sets 1 per rank), else
+    this rank's share of the node's cores (``node_cpu_share``: cores / processes, at most torch's
+    default). Setting it through ``torch.set_num_threads`` also turns MKL's dynamic thread choice off
     (``mkl_set_dynamic(0)``), which torch leaves on until someone sets a count: with it on, MKL may run
     a GEMM on fewer threads than asked, and a GEMM split over another number of threads sums in another
-    order, so the same run could differ in its last bits from one start to the next. A fixed count, the same in every run of a config on the same
-    cores, keeps every kernel's split, and so a 1-process run's losses, the same bitwise whatever the
-    machine's load (tests/test_reproducible_load.py). Interop threads are left at torch's default: the
-    engine runs no inter-op parallel work. A count above this rank's share is oversubscription (threads
-    of the ranks preempting each other; under load, OpenMP's spinning workers take cores from the ones
-    doing work), hence the share as the default."""
+    order, so the same run could differ in its last bits from one start to the next. A fixed count, the
+    same in every run of a config on the same cores, keeps every kernel's split, and so a 1-process
+    run's losses, the same bitwise whatever the machine's load (tests/test_reproducible_load.py).
+    Interop threads are left at torch's default: the engine runs no inter-op parallel work. A count
+    above this rank's share is oversubscription (the ranks' threads preempting each other; under load,
+    OpenMP's spinning workers take cores from the ones doing work), hence the share as the default."""
     cores, processes = node_cpu_share(launched)
     # Never above torch's own default (physical cores where it can tell): the affinity mask counts
     # hyper-threads, and two threads on one core's siblings slow GEMMs down.
