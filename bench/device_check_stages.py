@@ -597,6 +597,13 @@ def fp8_stage(kind: str) -> Callable[[Context, float], dict]:
     return run
 
 
+def _without_torchao(ctx: Context) -> str | None:
+    """The FP8 stages' reason not to run: torchao missing (an optional extra), which is no failure."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("torchao") else "torchao is not installed (pip install 'qwen3-pretrain[fp8]')"
+
+
 def stages(ctx: Context) -> list[Stage]:
     from device_check_multi import multi_stages
 
@@ -613,6 +620,6 @@ def stages(ctx: Context) -> list[Stage]:
                          ("env", "bench_data"), s.start_if[kind]))
     # last: on a device they compile two large models each (``--only bench_data,fp8`` runs them alone)
     fp8_cap = s.caps["compile"] + 60 if ctx.mode != "cpu" else s.caps["eager"]
-    out += [Stage(f"fp8/{kind}", fp8_stage(kind), fp8_cap, ("env", "bench_data"), s.start_if["compile"])
-            for kind in ("dense", "moe")]
+    out += [Stage(f"fp8/{kind}", fp8_stage(kind), fp8_cap, ("env", "bench_data"), s.start_if["compile"],
+                  skip=_without_torchao) for kind in ("dense", "moe")]
     return out

@@ -33,8 +33,10 @@ import functools
 import pytest
 import torch
 
-from tests._train_helpers import TINY_MODEL, check_ok, make_corpus, run_train, step_records, worst_relative_diff, \
-    write_config
+pytest.importorskip("torchao", reason="FP8 needs torchao (pip install 'qwen3-pretrain[fp8]')")
+
+from tests._train_helpers import (  # noqa: E402
+    TINY_MODEL, check_ok, make_corpus, run_train, step_records, worst_relative_diff, write_config)
 
 FP8 = ["fp8=tensorwise", "fp8_emulate=true", "batch_size=1"]
 MOE_MODEL = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)

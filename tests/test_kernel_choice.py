@@ -5,7 +5,6 @@ interleaved, medians), and the two compute the same values."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -57,11 +56,17 @@ def test_fp32_kernels_compute_the_same():
     torch.testing.assert_close(out_grouped, out_loop, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads_grouped, grads_loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    if cpu_grouped_fp32():
+        # where the rule switches fp32 experts to the grouped kernel, a run (and a resume started before the
+        # switch) computes what the loop did: bitwise
+        assert torch.equal(out_grouped, out_loop)
+        assert all(torch.equal(a, b) for a, b in zip(grads_grouped, grads_loop))
 
 
 def test_chosen_fp32_kernel_is_not_slower_on_this_cpu():
-    """Forward and backward of the expert block, both kernels interleaved 5 times; the chosen one's median is
-    within noise (25%) of the other's or below it."""
+    """Forward and backward of the expert block, both kernels interleaved 7 times; the chosen one's best time is
+    within noise (50%: a shared 2-core machine) of the other's or below it. A wrong rule loses by 2.6-2.8x on
+    the two CPUs measured (bench/README.md)."""
     torch.manual_seed(0)
     inputs = _inputs()
     chosen = experts_kernel("cpu", torch.float32)
@@ -69,10 +74,11 @@ def test_chosen_fp32_kernel_is_not_slower_on_this_cpu():
     times = {chosen.name: [], other.name: []}
     for kernel in (chosen, other):  # warm-up
         _step(kernel, inputs)
-    for _ in range(5):
+    for _ in range(7):
         for kernel in (chosen, other):
             start = time.perf_counter()
             _step(kernel, inputs)
             times[kernel.name].append(time.perf_counter() - start)
-    mine, theirs = statistics.median(times[chosen.name]), statistics.median(times[other.name])
-    assert mine <= 1.25 * theirs, f"chosen {chosen.name} {mine:.4f} s vs {other.name} {theirs:.4f} s: {times}"
+    # the best of each: preemption by other processes only ever adds time
+    mine, theirs = min(times[chosen.name]), min(times[other.name])
+    assert mine <= 1.5 * theirs, f"chosen {chosen.name} {mine:.4f} s vs {other.name} {theirs:.4f} s: {times}"

@@ -73,5 +73,6 @@ def test_which_kernel_the_experts_get():
     assert fp8_experts_kernel("mxfp8", "cuda", False, capability=(9, 0)) is None  # Hopper: no MXFP8
     assert fp8_experts_kernel("rowwise", "cuda", False, capability=(8, 9)) is None  # Ada: no grouped FP8 GEMM
     assert fp8_experts_kernel("rowwise", "cpu", False) is None
+    assert fp8_experts_kernel("rowwise", "npu", False) is None  # named without torch_npu loaded (simulate)
     emulated = fp8_experts_kernel("mxfp8", "cpu", True)
     assert emulated.name == "fp8_rowwise_grouped_mm (emulated)" and emulated.align == 16

@@ -148,3 +148,13 @@ def test_simulate_rejects_an_unknown_device(capsys):
 
     with pytest.raises(UserError, match="h100"):
         main(["--device", "h1000", *SIM])
+
+
+@pytest.mark.parametrize("device", ["910b", "a100"])
+def test_simulate_refuses_fp8_on_a_device_without_fp8(device):
+    """The run would be refused there at start; the simulation says so instead of pricing a missing peak."""
+    from qwen3_pretrain.errors import UserError
+    from qwen3_pretrain.simulate.cli import main
+
+    with pytest.raises(UserError, match=f"fp8: tensorwise cannot be simulated on {device}"):
+        main(["--device", device, *SIM, "fp8=tensorwise"])

@@ -48,9 +48,14 @@ def test_probe_restores_the_thread_count():
 def test_timer_counts_the_work_of_a_call():
     """A call that does twice the work takes about twice as long (the timer divides by the calls it made)."""
     a = torch.randn(256, 256)
-    one = seconds_per_call(lambda: a @ a, min_seconds=0.01)
-    two = seconds_per_call(lambda: (a @ a, a @ a), min_seconds=0.01)
-    assert 1.2 < two / one < 3.5, (one, two)
+    ratios = []
+    for _ in range(3):  # a shared machine may preempt one window: one attempt in bounds shows the division
+        one = seconds_per_call(lambda: a @ a, min_seconds=0.01)
+        two = seconds_per_call(lambda: (a @ a, a @ a), min_seconds=0.01)
+        ratios.append(two / one)
+        if 1.2 < ratios[-1] < 3.5:
+            break
+    assert 1.2 < ratios[-1] < 3.5, ratios
     # three products per linear layer, each 2 m k n FLOPs
     assert linear_tflops(64, 64, 64, torch.float32, 0.002) > 0
 

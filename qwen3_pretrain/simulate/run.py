@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.hardware import Hardware, default_chunk_tokens, get_device, matmul_precision
 from qwen3_pretrain.models.qwen3.attention_calls import AttentionCall
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
@@ -102,6 +103,13 @@ def make_world(cfg: TrainConfig, world_size: int, target: str | None = None, moe
     built for (``target`` overrides it) and whose figures price the op trace."""
     hardware = get_device(hardware) if isinstance(hardware, str) else hardware
     target = target or hardware.device_type
+    if cfg.fp8 is not None and not cfg.fp8_emulate:
+        # the real run would be refused at start on this device: no FP8 peak to price it at either
+        peak = hardware.mxfp8_tflops if cfg.fp8 == "mxfp8" else hardware.fp8_tflops
+        if peak is None:
+            raise UserError(f"fp8: {cfg.fp8} cannot be simulated on {hardware.name}, which has no "
+                            f"{'MXFP8' if cfg.fp8 == 'mxfp8' else 'FP8'} tensor cores (training there is refused "
+                            "too); choose an FP8 device with --device (h100, h200, b200) or leave fp8 empty")
     source = model_source(cfg)
     parallelism = resolve_parallelism(cfg, world_size, source.config)
     chunk = cfg.loss_chunk_tokens or default_chunk_tokens(target, source.config.vocab_size)

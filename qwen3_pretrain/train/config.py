@@ -94,7 +94,8 @@ class TrainConfig:
         [], "Projections kept out of FP8, by module path: an entry excludes every path containing it "
             "(down_proj, layers.0., shared_expert); entries starting with + keep FP8 to paths containing one "
             "of them (+mlp.: only the MLPs). Paths look like layers.3.attn.q_proj, layers.3.mlp.down_proj, "
-            "layers.2.linear_attn.out_proj, mtp.layers.0.mlp.up_proj.")
+            "layers.2.linear_attn.out_proj, mtp.layers.0.mlp.up_proj. A MoE layer's experts are matched as the "
+            "one path mlp.experts in every layer (experts: all of them out of FP8; +mlp.: them and the MLPs in).")
     fp8_emulate: bool = field_help(
         False, "Allow fp8 on a device without FP8 tensor cores (CPU, A100, Ascend 910B): the FP8 numerics "
                "(operands rounded to e4m3/e5m2 with their scales), multiplied in high precision: slower than "

@@ -79,10 +79,13 @@ class Trainer:
                                                                                 self.source.config.vocab_size)
         flight_recorder_env(self.device.type, cfg.nccl_trace_buffer_size, cfg.output_path)
         env.init_process_group(self.launch, self.device, cfg.collective_timeout_s, cfg.init_timeout_s)
-        # One fixed intra-op thread count for the run (runs repeat bitwise under load; parallel/env.py).
-        threads_line = env.set_cpu_threads(self.launch.launcher != "none")
-        if self.launch.rank == 0:
-            log.info("%s", threads_line)
+        # On a CPU, one fixed intra-op thread count for the run (runs repeat bitwise under load;
+        # parallel/env.py). Not on an accelerator: its matmuls do not run on host threads, and the cores'
+        # share is found by a collective that an accelerator's start-up has no need for.
+        if self.device.type == "cpu":
+            threads_line = env.set_cpu_threads(self.launch.launcher != "none")
+            if self.launch.rank == 0:
+                log.info("%s", threads_line)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
         # Start-up phases that can take minutes (weights read from a HF directory, a checkpoint) are said

@@ -128,8 +128,9 @@ def fp8_experts_kernel(recipe: str, device: torch.device | str, emulate: bool,
     """The experts' FP8 kernel under ``fp8 <recipe>`` on ``device``, or None where the device has no FP8
     grouped GEMM for it and ``emulate`` is off (the experts keep their high-precision kernel)."""
     experts = experts_recipe(recipe)
-    device = torch.device(device)
-    if device.type == "cuda" and not emulate:
+    # the type by name: torch.device("npu") raises unless torch_npu is loaded (simulate --device 910b is not)
+    device_type = str(device).split(":")[0]
+    if device_type == "cuda" and not emulate:
         if capability is None:
             if not torch.cuda.is_available():
                 # the scale simulation, building for a CUDA device on a host without one: torchao's kernels
