@@ -44,6 +44,9 @@ def test_rule_is_keyed_on_cpu_flags():
     assert experts_kernel("cpu", torch.float32, fp32_linear, flags=amx).name == "loop"
     assert experts_kernel("cpu", torch.bfloat16, flags=plain).name == "grouped_mm"
     assert experts_kernel("cuda", torch.float32, flags=amx).name == "loop"
+    # under torch.compile: torch's fake kernel of _grouped_mm takes bf16 only
+    assert experts_kernel("cpu", torch.float32, flags=amx, compiled=True).name == "loop"
+    assert experts_kernel("cpu", torch.bfloat16, flags=amx, compiled=True).name == "grouped_mm"
     # this machine's choice is its flags' (no timing in it): the same at every call
     assert {experts_kernel("cpu", torch.float32).name for _ in range(3)} == {
         "grouped_mm" if cpu_grouped_fp32() else "loop"}

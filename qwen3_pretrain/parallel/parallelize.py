@@ -72,7 +72,7 @@ def choose_attention(device_type: str, fp32_matmul: bool = False, cp_mesh: Devic
 
 
 def choose_experts(device_type: str, mixed_precision: str, fp32_matmul: bool = False,
-                   fp8: Fp8Projections | None = None) -> ExpertsKernel:
+                   fp8: Fp8Projections | None = None, compiled: bool = False) -> ExpertsKernel:
     """The one place a MoE layer's expert kernel is chosen (``models/ops/moe.py``: ``experts_kernel``): a
     grouped matmul where the device has one for the compute dtype, else one matmul per expert (in fp32 where
     bf16 matmuls run in fp32). Under ``fp8`` the FP8 grouped matmul (``models/ops/moe_fp8.py``) where the
@@ -82,23 +82,26 @@ def choose_experts(device_type: str, mixed_precision: str, fp32_matmul: bool = F
         if kernel is not None:
             return kernel
     dtype = torch.float32 if fp32_matmul or mixed_precision != "bf16" else torch.bfloat16
-    return experts_kernel(device_type, dtype, fp32_linear if fp32_matmul else torch.nn.functional.linear)
+    return experts_kernel(device_type, dtype, fp32_linear if fp32_matmul else torch.nn.functional.linear,
+                          compiled=compiled)
 
 
 def kernel_table(cfg: Qwen3Config, device_type: str, elementwise: ElementwiseKernels, mixed_precision: str,
                  fp32_matmul: bool = False, cp: bool = False, optimizer: str | None = None,
-                 make: KernelFactory = attention_kernel, fp8: Fp8Projections | None = None) -> dict[str, str]:
+                 make: KernelFactory = attention_kernel, fp8: Fp8Projections | None = None,
+                 compiled: bool = False) -> dict[str, str]:
     """Which kernel each block of ``cfg``'s model runs on ``device_type``, for the start-up log: asked of
     the choosers the engine builds with (``choose_attention``, ``choose_experts``, ``delta_rule_kernel``),
     never restated; ``elementwise``: the kernels the engine built with (``Engine.elementwise``: its tensors'
     device's, which under tp take the norms' DTensors: models/ops/elementwise.py). ``cp``: the sequence is
     split over ranks; ``optimizer``: the optimizer's row (train/optim.py: ``describe_optimizer``, which reads
-    the built optimizer); ``fp8``: the engine's FP8 choice (the experts' kernel follows it)."""
+    the built optimizer); ``fp8``: the engine's FP8 choice (the experts' kernel follows it); ``compiled``: the
+    layers run under ``torch.compile`` (the experts' kernel may follow it)."""
     attention = choose_attention(device_type, fp32_matmul, make=make)
     table = {"attention": f"{attention.name} ({type(attention).__name__}{', gathered over cp' if cp else ''})"}
     table.update(elementwise.describe(zero_centered=cfg.is_hybrid))
     if cfg.is_moe:
-        table["experts"] = choose_experts(device_type, mixed_precision, fp32_matmul, fp8).name
+        table["experts"] = choose_experts(device_type, mixed_precision, fp32_matmul, fp8, compiled).name
     if cfg.num_linear_layers:
         table["delta rule"] = delta_rule_kernel(device_type).name
     if optimizer is not None:

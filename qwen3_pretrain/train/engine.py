@@ -229,7 +229,8 @@ class Engine:
         ranges = stage_layer_ranges(model_cfg.num_hidden_layers, self.num_stages)
         cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
         attention = choose_attention(self.target_device_type, self.fp32_matmul, cp_mesh, self.make_attention)
-        experts = choose_experts(self.target_device_type, cfg.mixed_precision, self.fp32_matmul, self.fp8)
+        experts = choose_experts(self.target_device_type, cfg.mixed_precision, self.fp32_matmul, self.fp8,
+                                 cfg.compile)
         part = build_stage(stage_cfg, PartSpec(idx, self.num_stages, ranges[idx]), model_cfg.vocab_size,
                            self.loss_chunk_tokens, attention=attention, fp32_matmul=self.fp32_matmul,
                            ac_mode=cfg.ac_mode, document_mask=cfg.document_mask, cp_mesh=cp_mesh,

@@ -433,7 +433,7 @@ class Trainer:
             log.info("%s", cfg.conventions_in_force())
             log.info("kernels: %s", describe_kernels(kernel_table(
                 m, self.engine.target_device_type, self.engine.elementwise, cfg.mixed_precision, self.fp32_matmul,
-                dims.cp > 1, describe_optimizer(self.optimizers[0]), fp8=self.engine.fp8)))
+                dims.cp > 1, describe_optimizer(self.optimizers[0]), fp8=self.engine.fp8, compiled=cfg.compile)))
             if self.engine.fp8 is not None:
                 log.info("%s", describe_fp8(self.engine.fp8, self.engine.parts))
             # The start record first: a resume record after it belongs to the run it starts.

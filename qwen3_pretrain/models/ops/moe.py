@@ -218,17 +218,21 @@ def cpu_grouped_fp32(flags: frozenset[str] | None = None) -> bool:
 
 
 def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.linear,
-                   align: int | None = None, flags: frozenset[str] | None = None) -> ExpertsKernel:
+                   align: int | None = None, flags: frozenset[str] | None = None,
+                   compiled: bool = False) -> ExpertsKernel:
     """The expert kernel for ``device_type`` computing in ``dtype``. ``torch._grouped_mm`` takes bf16 on CUDA
     (sm90 and newer; sm80 through a fallback) and on a CPU, where it is also faster than one matmul per expert
     in bf16; in fp32 on a CPU it is faster on some CPUs and slower on others (``cpu_grouped_fp32``, ``flags``
     the CPU's features, by default this machine's), and only where ``linear`` is the plain one (not the
     fp32-upcasting matmul of a CPU without native bf16); NPUs have their own grouped matmul in torch_npu, not
     used yet. Elsewhere one matmul per expert through ``linear``. ``align``: rows each expert's run is padded
-    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1."""
+    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1.
+    ``compiled``: the layers run under ``torch.compile``, whose fake-tensor kernel of ``torch._grouped_mm``
+    takes bf16 only (torch 2.13: 'Expected inputs of BF16 type'): fp32 experts keep the loop there."""
     if device_type in ("cuda", "cpu") and dtype == torch.bfloat16:
         return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda" else 1)
-    if device_type == "cpu" and dtype == torch.float32 and linear is F.linear and cpu_grouped_fp32(flags):
+    if (device_type == "cpu" and dtype == torch.float32 and linear is F.linear and not compiled
+            and cpu_grouped_fp32(flags)):
         return GroupedMM(align or 1)
     return ExpertLoop(linear, align or 1)
 
