@@ -479,29 +479,38 @@ def variant_name(v: Variant, tiny: bool) -> str:
             f"{'compile' if v.compile else 'eager'}")
 
 
+def bench_run(ctx: Context, deadline: float, work: Path, logs: Path, steps: tuple[int, int], model: str,
+              overrides: dict, seq_length: int, batch_size: int, compile: bool, extra: dict | None = None) -> dict | None:
+    """One timed training run of ``bench/train_gpu.py`` (bf16, full recompute, the bench data; ``extra`` config
+    keys on top) in ``work``, its config, log and metrics kept in ``logs``: its summary, or None without a
+    timed step (the throughput and FP8 stages)."""
+    cfg = {"model_name": model, "model_overrides": overrides,
+           "data_path": str(ctx.work / "bench" / "data"), "output_path": str(work),
+           "seq_length": seq_length, "batch_size": batch_size, "mixed_precision": "bf16",
+           "activation_checkpointing": "full", "compile": compile, "learning_rate": 1e-4,
+           "warmup_steps": 100, "total_steps": 100_000, "log_steps": 1, "save_steps": 0,
+           "device": "cpu" if ctx.mode == "cpu" else "auto", **(extra or {})}
+    (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
+    warmup, timed = steps
+    try:
+        ctx.run(ctx.torchrun("bench/train_gpu.py", "run", "--config", logs / "config.yaml", "--steps", timed,
+                             "--warmup", warmup), deadline, logs / "log.txt")
+    finally:
+        if (work / "metrics.jsonl").is_file():
+            shutil.copy(work / "metrics.jsonl", logs / "metrics.jsonl")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train_gpu import summarize
+
+    return summarize(work / "metrics.jsonl")
+
+
 def throughput(v: Variant) -> Callable[[Context, float], dict]:
     def run(ctx: Context, deadline: float) -> dict:
         s = ctx.sizes
         short = variant_name(v, s.bench_model is not None).split("/")[1]
         work, logs = fresh(ctx.work / "bench" / short), fresh(ctx.out / "bench" / short)
-        cfg = {"model_name": v.model, "model_overrides": s.bench_model or {},
-               "data_path": str(ctx.work / "bench" / "data"), "output_path": str(work),
-               "seq_length": v.seq_length, "batch_size": v.batch_size,
-               "mixed_precision": "bf16", "activation_checkpointing": "full", "compile": v.compile,
-               "learning_rate": 1e-4, "warmup_steps": 100, "total_steps": 100_000, "log_steps": 1, "save_steps": 0,
-               "device": "cpu" if ctx.mode == "cpu" else "auto"}
-        (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
-        warmup, timed = s.bench_steps
-        try:
-            ctx.run(ctx.torchrun("bench/train_gpu.py", "run", "--config", logs / "config.yaml", "--steps", timed,
-                                 "--warmup", warmup), deadline, logs / "log.txt")
-        finally:
-            if (work / "metrics.jsonl").is_file():
-                shutil.copy(work / "metrics.jsonl", logs / "metrics.jsonl")
-        sys.path.insert(0, str(ROOT / "bench"))
-        from train_gpu import summarize
-
-        figures = summarize(work / "metrics.jsonl")
+        figures = bench_run(ctx, deadline, work, logs, s.bench_steps, v.model, s.bench_model or {},
+                            v.seq_length, v.batch_size, v.compile)
         if figures is None or not math.isfinite(figures["last_loss"]):
             raise StageFailed(f"no finite timed step in {work / 'metrics.jsonl'}", tail(logs / "log.txt"), figures)
         return {"model": v.model, "seq_length": v.seq_length, "batch_size": v.batch_size, "compile": v.compile,
@@ -559,24 +568,8 @@ def fp8_stage(kind: str) -> Callable[[Context, float], dict]:
             sides = sides[1:]
         for name, extra in sides:
             work, logs = fresh(ctx.work / "fp8" / f"{kind}-{name}"), fresh(ctx.out / "fp8" / f"{kind}-{name}")
-            cfg = {"model_name": bench.model, "model_overrides": bench.overrides,
-                   "data_path": str(ctx.work / "bench" / "data"), "output_path": str(work),
-                   "seq_length": bench.seq_length, "batch_size": bench.batch_size, "mixed_precision": "bf16",
-                   "activation_checkpointing": "full", "compile": bench.compile, "learning_rate": 1e-4,
-                   "warmup_steps": 100, "total_steps": 100_000, "log_steps": 1, "save_steps": 0,
-                   "device": "cpu" if ctx.mode == "cpu" else "auto", **extra}
-            (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
-            warmup, timed = bench.steps
-            try:
-                ctx.run(ctx.torchrun("bench/train_gpu.py", "run", "--config", logs / "config.yaml", "--steps", timed,
-                                     "--warmup", warmup), deadline, logs / "log.txt")
-            finally:
-                if (work / "metrics.jsonl").is_file():
-                    shutil.copy(work / "metrics.jsonl", logs / "metrics.jsonl")
-            sys.path.insert(0, str(ROOT / "bench"))
-            from train_gpu import summarize
-
-            runs[name] = summarize(work / "metrics.jsonl")
+            runs[name] = bench_run(ctx, deadline, work, logs, bench.steps, bench.model, bench.overrides,
+                                   bench.seq_length, bench.batch_size, bench.compile, extra)
             if runs[name] is None or not math.isfinite(runs[name]["last_loss"]):
                 raise StageFailed(f"{kind} {name}: no finite timed step in {work / 'metrics.jsonl'}",
                                   tail(logs / "log.txt"), {"runs": runs})
