@@ -12,19 +12,27 @@ batch). Each variant runs in fresh processes; per rank:
 
 1. warm-up steps (compilation), then ``--steps`` timed steps: the measured step time is their median;
 2. ``simulate.probe.measure_cpu`` at the rank's thread count (both ranks at once under tp2 / dp2, so each
-   sees the memory bandwidth it shares): matmul TFLOP/s per dtype and shape class (square, skinny, the
-   model's projections and its vocabulary head), streaming bandwidth, the host latency of one tiny op;
+   sees the memory bandwidth it shares): matmul TFLOP/s per dtype and shape class (square, skinny, tiny, the
+   model's projections and its vocabulary head, the expert layer's grouped products), causal SDPA,
+   streaming bandwidth;
 3. one step under ``torch.profiler``: self CPU time per op, summed by category (matmul, attention,
    elementwise, communication, other);
 4. one step recorded by the roofline's op recorder (``StepRecorder``: ``simulate.roofline.RecordingMode``
-   with the step's collectives counted per mesh axis; a compiled step recorded with dynamo off and priced
-   with the roofline's fusion model) and priced on ``cpu_hardware``, the device table's "cpu" with the
-   probe's figures: the predicted step time and its breakdown.
+   with the step's collectives counted per mesh axis; a compiled step recorded with dynamo off, its compiled
+   modules marked as the compiled scope, and priced with the roofline's fusion model) and priced on
+   ``CpuProbe.hardware``: the predicted step time and its breakdown.
+
+The host cost per op comes from a calibration run before the variant (``--tiny``): the same model, mode and
+layout at tiny shapes (hidden 64, vocabulary 512, seq 64), where the arithmetic is negligible: its median step
+time over the ops its trace counts is the host's cost per eager op (the engine's Python, autograd, hooks, the
+optimizer's loop); compiled, what is left of its step time after the ops outside the compiled scope at that
+eager cost, over the compiled scope's kernels.
 
 The table shows rank 0's figures: measured and predicted step seconds and their ratio (target: within 25%),
 and per category the profiler's and the prediction's seconds (target: within 30%). On a CPU an op's host
 cost and its computation run on the same thread one after the other, so the profiler's self time of an op
-holds both; the prediction's host term is spread over the categories by the ops it counts in each.
+holds its dispatch as well as its work, while the prediction's host term holds each op's whole host cost:
+the profiler's "other" (the time outside every op) is the part of the host term outside the ops.
 """
 
 from __future__ import annotations
@@ -47,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cpu import BATCH, HYBRID, MODEL, MOE, SEQ, free_port  # noqa: E402
 
 from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
-from qwen3_pretrain.hardware import DEVICES, Hardware  # noqa: E402
 from qwen3_pretrain.simulate.probe import CpuProbe, cpu_name, measure_cpu  # noqa: E402
 from qwen3_pretrain.simulate.roofline import RecordingMode  # noqa: E402
 
@@ -77,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (151936: Qwen3's)")
     parser.add_argument("--json", help="also write every variant's per-rank results to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host-us", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -128,15 +137,25 @@ def profiled_categories(step) -> dict[str, float]:
 # --- one variant's rank (a worker process) ---------------------------------------------------------------
 
 
-def variant_config(model: str, mode: str, layout: str, data: str, out: str, vocab: int = VOCAB):
+# The host calibration's model (``--tiny``): the same layers at negligible arithmetic
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16}
+TINY_VOCAB, TINY_SEQ = 512, 64
+
+
+def variant_config(model: str, mode: str, layout: str, data: str, out: str, vocab: int = VOCAB, tiny: bool = False):
     from qwen3_pretrain.config.loader import from_dict
     from qwen3_pretrain.train.config import TrainConfig
 
     nproc, _, keys = LAYOUTS[layout]
     dp = nproc if "tp" not in keys else 1
+    overrides = dict(MODEL, vocab_size=vocab, **MODELS[model])
+    if tiny:
+        overrides.update({k: v for k, v in TINY.items() if k in overrides}, vocab_size=TINY_VOCAB)
     cfg = {"model_name": "qwen3.5-0.8b" if model == "hybrid" else "qwen3-0.6b",
-           "model_overrides": dict(MODEL, vocab_size=vocab, **MODELS[model]), "data_path": data, "output_path": out,
-           "seq_length": SEQ, "batch_size": BATCH // dp, "total_steps": 1000, "log_steps": 1000,
+           "model_overrides": overrides, "data_path": data, "output_path": out,
+           "seq_length": TINY_SEQ if tiny else SEQ, "batch_size": BATCH // dp, "total_steps": 1000, "log_steps": 1000,
            "save_steps": 0, "learning_rate": 3e-4, "mixed_precision": "bf16",
            **({"moe_aux_loss": "none"} if model == "moe" else {}), **MODES[mode], **keys}
     return from_dict(TrainConfig, cfg, source=f"variant {model}-{mode}-{layout}")
@@ -176,13 +195,18 @@ def worker(args: argparse.Namespace) -> None:
     nproc, threads, _ = LAYOUTS[layout]
     torch.set_num_threads(threads)
     rank = int(os.environ.get("RANK", 0))
-    trainer = Trainer(variant_config(model, mode, layout, args.data, str(Path(args.out) / "run"), args.vocab))
+    trainer = Trainer(variant_config(model, mode, layout, args.data, str(Path(args.out) / "run"), args.vocab,
+                                     args.tiny))
 
     def step() -> float:
         return trainer.train_step()["loss"]
 
     for _ in range(args.warmup):
         step()
+    if args.tiny:
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps(host_calibration(trainer, step, mode, args)))
+        trainer.close()
+        return
     # Steps and probes interleaved, so that both see the same spread of the machine's load; the medians of each.
     walls, probes = [], []
     for _ in range(args.steps):
@@ -192,12 +216,35 @@ def worker(args: argparse.Namespace) -> None:
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   **probe_kernels(model, layout)))
     probe = median_probe(probes)
+    host = json.loads(args.host_us)
+    probe = dataclasses.replace(probe, engine_op_us=host["eager_us"], engine_compiled_us=host.get("compiled_us"))
     profiled = profiled_categories(step)
     predicted = predict_step(trainer, step, probe, mode == "compiled")
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict:
+    """The tiny run's host cost per op (module docstring): eager, its median step time over its ops; compiled
+    (``args.host_us`` holding the eager figure), over its compiled scope's kernels what the ops outside the
+    scope at the eager cost leave."""
+    from qwen3_pretrain.simulate.probe import host_us_per_op
+
+    recorder = record_step(trainer, step, mode == "compiled")
+    trace = recorder.trace
+    ops = sum(trace.host_ops.values())
+    out = {"ops": ops, "eager_us": host_us_per_op(step, ops, repeats=max(args.steps, 3))}
+    if mode == "compiled":
+        eager_us = json.loads(args.host_us)["eager_us"]
+        outside = sum(trace.outside_ops.values())
+        kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values()) - trace.outside_kernels
+                   + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in recorder.comm_calls().values()))
+        wall = out.pop("eager_us") * ops
+        out.update(eager_us=eager_us, compiled_us=max(wall - outside * eager_us, 0.0) / max(kernels, 1),
+                   outside_ops=outside, kernels=kernels)
+    return out
 
 
 def median_probe(probes: list[CpuProbe]) -> CpuProbe:
@@ -217,98 +264,51 @@ def probe_json(probe: CpuProbe) -> dict:
     return {"cpu": probe.cpu, "threads": probe.threads, "load": probe.load_average,
             "matmul_tflops": {f"{d} {s}": v for (d, s), v in probe.matmul_tflops.items()},
             "memory_gbps": probe.memory_gbps, "op_latency_us": probe.op_latency_us,
-            "autograd_op_latency_us": probe.autograd_op_latency_us}
+            "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
+            "engine_compiled_us": probe.engine_compiled_us}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
 
 
-aten = torch.ops.aten
-SAME_MATMUL = {aten.mm.out: aten.mm.default, aten.addmm.out: aten.addmm.default,
-               aten.addmm_.default: aten.addmm.default, aten.bmm.out: aten.bmm.default,
-               aten.baddbmm_.default: aten.baddbmm.default}
-
-
 class StepRecorder(RecordingMode):
     """The roofline's recorder of a real step, also counting the step's collectives by mesh axis (what the
-    simulation's tracker does on fake tensors)."""
+    simulation's tracker does on fake tensors). The compiled scope: the modules ``compile: true`` compiled
+    (``module.compile()``); where none is (eager), the decoder layers, as simulate prices it."""
 
-    def __init__(self, trainer) -> None:
-        super().__init__()
+    def __init__(self, trainer=None) -> None:
         from qwen3_pretrain.parallel.dims import AXES
         from qwen3_pretrain.simulate.track import CommCounter
 
-        mesh, engine = trainer.mesh, trainer.engine
-        groups = {mesh[a].get_group().group_name: ("dp" if a.startswith("dp") else a) for a in AXES}
-        for group in engine.dp_mesh.get_all_groups():
-            groups.setdefault(group.group_name, "dp")
-        if torch.distributed.is_initialized():
-            groups.setdefault(torch.distributed.group.WORLD.group_name, "world")
+        compiled = [m for part in (trainer.engine.parts if trainer is not None else ())
+                    for m in part.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        super().__init__(scope="layers")
+        if compiled:
+            self.recorder.mark_compiled(compiled)
+        groups: dict = {}
+        if trainer is not None:
+            mesh, engine = trainer.mesh, trainer.engine
+            groups = {mesh[a].get_group().group_name: ("dp" if a.startswith("dp") else a) for a in AXES}
+            for group in engine.dp_mesh.get_all_groups():
+                groups.setdefault(group.group_name, "dp")
+            if torch.distributed.is_initialized():
+                groups.setdefault(torch.distributed.group.WORLD.group_name, "world")
         self.comm = CommCounter(groups)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
             return NotImplemented
         self.comm.count(func, args)
-        out = func(*args, **(kwargs or {}))
-        # The fused loss writes its matmuls into buffers (mm.out, addmm_), which the recorder would count as
-        # memory-bound bytes: recorded as the functional matmul they compute.
-        same = SAME_MATMUL.get(func)
-        if same is not None:
-            func, kwargs = same, {k: v for k, v in (kwargs or {}).items() if k != "out"}
-        self.recorder.record(func, args, kwargs, out)
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def comm_calls(self) -> dict:
+        """{(axis, kind, group size): (whole-buffer bytes, calls)}: what ``price`` takes."""
+        return {key: tuple(value) for key, value in self.comm.calls_by_size.items()}
 
 
-def measured_rate(probe: CpuProbe, trace, dtype: str) -> float:
-    """TFLOP/s of the trace's ``dtype`` matmuls at the probe's rates for their shapes: each matmul at the
-    rate of the probed linear layer with the same three sizes (or an expert layer's grouped rate), else at
-    the skinny rate; the total FLOPs over the total time."""
-    rates = {tuple(sorted(map(int, c.split("x")))): v for (d, c), v in probe.matmul_tflops.items()
-             if d == dtype and c[0].isdigit()}
-    grouped = [v for (_, c), v in probe.matmul_tflops.items() if c.startswith("grouped")]
-    flops = seconds = 0.0
-    for (_, dt, m, n, k, groups), calls in trace.matmuls.items():
-        if dt.replace("bfloat16", "bf16").replace("float32", "fp32") != dtype:
-            continue
-        rate = grouped[0] if groups > 1 and grouped else rates.get(tuple(sorted((m, n, k))),
-                                                                   probe.tflops(dtype, "skinny"))
-        flops += 2.0 * m * n * k * calls
-        seconds += 2.0 * m * n * k * calls / rate
-    return flops / seconds if seconds else probe.tflops(dtype, "skinny")
-
-
-def cpu_hardware(probe: CpuProbe, trace) -> Hardware:
-    """The device table's "cpu" with this process's measured figures, the roofline's calibration:
-
-    * matmul peaks: the probe's bf16 and fp32 rates at the trace's own matmul shapes (``measured_rate``),
-      with ``matmul_efficiency`` undoing the roofline's shape share of the class they fall in (smallest side
-      128-511: the shares model a GPU's tiles and waves; on these cores a 2048 x 256 x 256 product runs
-      as fast as a square 1024^3);
-    * ``memory_bandwidth_gbps``: the streaming fp32 add, at efficiency 1 (it is what a kernel achieves);
-    * ``launch_latency_us``: one op of a training step under autograd (its forward, its backward node), the
-      host cost of an eager op; ``compiled_launch_us``: one bare op's dispatch;
-    * gloo between two processes of this machine: a ring step copies each byte out of and into a socket
-      buffer, so the link is half the copy bandwidth (not measured: the probe has no second process).
-    """
-    from qwen3_pretrain.simulate.roofline.pricing import matmul_shape_share
-
-    return dataclasses.replace(
-        DEVICES["cpu"], name="cpu (measured)", peak_tflops=measured_rate(probe, trace, "bf16"),
-        fp32_peak_tflops=measured_rate(probe, trace, "fp32"), tf32_peak_tflops=None,
-        matmul_efficiency=1.0 / matmul_shape_share(2048, 256, 256),
-        memory_bandwidth_gbps=probe.bandwidth_gbps, bandwidth_efficiency=1.0,
-        launch_latency_us=probe.autograd_op_latency_us, compiled_launch_us=probe.op_latency_us,
-        intra_node_gbps=probe.memory_gbps["copy"] / 2, source=f"measured by simulate.probe: {probe.cpu}")
-
-
-def predict_step(trainer, step, probe: CpuProbe, compiled: bool) -> dict:
-    """Record one real step with the roofline's recorder (eager ops: a compiled step's kernels are not aten
-    ops, so the eager trace is priced as compiled, the roofline's fusion model) and price it on
-    ``cpu_hardware``: {"step_s", seconds per category}."""
-    from qwen3_pretrain.simulate.roofline import price
-    from qwen3_pretrain.simulate.roofline.pricing import ATTENTION_SHARE
-
+def record_step(trainer, step, compiled: bool) -> StepRecorder:
+    """One real step recorded (eager ops: a compiled step's kernels are not aten ops, so dynamo is off while
+    recording and the compiled modules are marked as the compiled scope)."""
     recorder = StepRecorder(trainer)
     if compiled:
         torch._dynamo.config.disable = True  # record the ops the compiled graphs stand for
@@ -317,16 +317,24 @@ def predict_step(trainer, step, probe: CpuProbe, compiled: bool) -> dict:
             step()
     finally:
         torch._dynamo.config.disable = False
-    hw = cpu_hardware(probe, recorder.trace)
-    breakdown = price(recorder.trace, hw, compiled,
-                      {key: tuple(value) for key, value in recorder.comm.calls_by_size.items()})
-    result = {"step_s": breakdown.step, **breakdown.to_json(), "ops": sum(recorder.trace.host_ops.values())}
-    # The roofline prices fused attention at a fixed share of the matmul peak (a GPU's FlashAttention); this
-    # CPU's flash kernel reaches far less: the same seconds at the probe's measured attention rate.
-    assumed = ATTENTION_SHARE * hw.peak_tflops
-    result["attention_measured_rate"] = breakdown.attention * assumed / probe.tflops("bf16", "attention")
-    result["step_s_attention_measured"] = breakdown.step - breakdown.attention + result["attention_measured_rate"]
-    return result
+    return recorder
+
+
+def predict_step(trainer, step, probe: CpuProbe, compiled: bool) -> dict:
+    """Record one real step (``record_step``) and price it on ``probe.hardware``: {"step_s", seconds per
+    category, the trace's op counts, the device's figures}."""
+    from qwen3_pretrain.simulate.roofline import price
+
+    recorder = record_step(trainer, step, compiled)
+    hw = probe.hardware(recorder.trace)
+    breakdown = price(recorder.trace, hw, compiled, recorder.comm_calls())
+    return {"step_s": breakdown.step, **breakdown.to_json(), "ops": sum(recorder.trace.host_ops.values()),
+            "outside_ops": sum(recorder.trace.outside_ops.values()),
+            "device": {"bf16_tflops": hw.peak_tflops, "fp32_tflops": hw.fp32_peak_tflops,
+                       "attention_efficiency": hw.attention_efficiency,
+                       "classes": [hw.matmul_shape_classes, hw.fp32_shape_classes],
+                       "grouped_share": hw.grouped_matmul_share, "launch_us": hw.launch_latency_us,
+                       "compiled_launch_us": hw.compiled_launch_us}}
 
 
 # --- the driver ------------------------------------------------------------------------------------------
@@ -344,12 +352,16 @@ def synthetic_data(path: Path, vocab: int) -> str:
     return str(path)
 
 
-def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> list[dict]:
+def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path, host: dict | None = None,
+                tiny: bool = False) -> list[dict]:
+    """One variant's ranks in fresh processes: the timed run (``host``: the calibration's figures), or the
+    host calibration at tiny shapes (``tiny``; ``host``: the eager calibration, for a compiled one)."""
     nproc, threads, _ = LAYOUTS[name.split("-")[2]]
-    out = tmp / name
+    out = tmp / (name + ("-tiny" if tiny else ""))
     out.mkdir()
     script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out),
-              "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocab", str(args.vocab)]
+              "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocab", str(args.vocab),
+              "--host-us", json.dumps(host or {})] + (["--tiny"] if tiny else [])
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
         str(free_port())]
@@ -364,17 +376,17 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> li
 
 
 def print_table(rows: dict[str, list[dict]]) -> None:
-    """Rank 0's row per variant: measured and predicted step, and the prediction with attention at the
-    probe's measured rate (``att*``); per category the profiler's seconds / the prediction's."""
-    head = f"{'variant':<20} {'meas s':>6} {'pred s':>6} {'ratio':>5} {'att* s':>6} {'ratio':>5}"
+    """Rank 0's row per variant: the load average before and after it, measured and predicted step; per
+    category the profiler's seconds / the prediction's."""
+    head = f"{'variant':<20} {'load':>9} {'meas s':>6} {'pred s':>6} {'ratio':>5}"
     for cat in CATEGORIES:
         head += f" {cat[:11]:>13}"
     print(head + "   (per category: profiler s / predicted s)")
     for name, ranks in rows.items():
         r = ranks[0]
         pred, meas = r["predicted"], r["step_s"]
-        line = (f"{name:<20} {meas:>6.3f} {pred['step_s']:>6.3f} {pred['step_s'] / meas:>5.2f} "
-                f"{pred['step_s_attention_measured']:>6.3f} {pred['step_s_attention_measured'] / meas:>5.2f}")
+        line = (f"{name:<20} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f} {meas:>6.3f} {pred['step_s']:>6.3f} "
+                f"{pred['step_s'] / meas:>5.2f}")
         for cat in CATEGORIES:
             line += f" {r['profiled'][cat]:>6.3f}/{pred.get(PREDICTED.get(cat, cat), 0.0):<6.3f}"
         print(line)
@@ -390,13 +402,26 @@ def main(argv: list[str]) -> int:
     print(f"cpu: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     rows: dict[str, list[dict]] = {}
+    hosts: dict[str, dict] = {}  # variant -> its rank 0's host calibration
     with tempfile.TemporaryDirectory(prefix="roofline_cpu_") as tmp:
         data = synthetic_data(Path(tmp) / "data", args.vocab)
+        tiny_data = synthetic_data(Path(tmp) / "tiny_data", TINY_VOCAB)
         for name in names:
-            rows[name] = run_variant(name, args, data, Path(tmp))
+            model, mode, layout = name.split("-")
+            eager = f"{model}-eager-{layout}"
+            if eager not in hosts:
+                hosts[eager] = run_variant(eager, args, tiny_data, Path(tmp), tiny=True)[0]
+            if mode == "compiled":
+                hosts[name] = run_variant(name, args, tiny_data, Path(tmp), hosts[eager], tiny=True)[0]
+            load = os.getloadavg()[0]
+            rows[name] = run_variant(name, args, data, Path(tmp), hosts[name])
+            for r in rows[name]:
+                r["load"] = [load, os.getloadavg()[0]]
+                r["host_calibration"] = hosts[name]
             r = rows[name][0]
-            print(f"  {name}: measured {r['step_s']:.3f} s, predicted {r['predicted']['step_s']:.3f} s; probe "
-                  f"{json.dumps(r['probe'])}", flush=True)
+            print(f"  {name}: measured {r['step_s']:.3f} s, predicted {r['predicted']['step_s']:.3f} s, load "
+                  f"{r['load'][0]:.1f}-{r['load'][1]:.1f}; host {json.dumps(hosts[name])}; device "
+                  f"{json.dumps(r['predicted']['device'])}; probe {json.dumps(r['probe'])}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print_table(rows)
     if args.json:

@@ -146,6 +146,15 @@ class Hardware:
     # microseconds; a compiled graph launches its fused kernels at ``compiled_launch_us`` each
     launch_latency_us: float = 3.2
     compiled_launch_us: float = 4.0
+    # share of the dtype's dense peak a fused attention kernel (SDPA's flash/efficient/cuDNN, the NPU's fused
+    # attention) reaches on its executed FLOPs, forward and backward together (ATTENTION_EFFICIENCY's source)
+    attention_efficiency: float = 0.5
+    # (smallest matmul side, share of ``matmul_efficiency``) by ascending side, the first class whose side the
+    # matmul's smallest side is under wins, else share 1; a grouped matmul's side is one group's
+    matmul_shape_classes: tuple[tuple[int, float], ...] = ()
+    fp32_shape_classes: tuple[tuple[int, float], ...] = ()  # fp32 matmuls' where they differ (a CPU's do)
+    # a grouped matmul's (torch._grouped_mm) share of what a plain matmul of one group's shape reaches
+    grouped_matmul_share: float = 1.0
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -161,6 +170,13 @@ class Hardware:
         if d == "tf32":
             return self.tf32_peak_tflops or self.fp32_peak_tflops
         return self.fp32_peak_tflops
+
+    def shape_classes(self, dtype: str = "bfloat16") -> tuple[tuple[int, float], ...]:
+        """The roofline's matmul shape classes on this device for ``dtype`` matmuls (``MATMUL_SHAPE_CLASSES``
+        unless it has its own)."""
+        if dtype in ("float32", "fp32") and self.fp32_shape_classes:
+            return self.fp32_shape_classes
+        return self.matmul_shape_classes or MATMUL_SHAPE_CLASSES
 
     def host_seconds_per_layer(self, tensor_parallel: bool, compiled: bool) -> float:
         """Host time to issue one decoder layer's forward and backward for one micro-batch."""
@@ -198,6 +214,9 @@ def matmul_precision(mixed_precision: str, allow_tf32: bool = False, device_type
 # collective waits are counted). A device computes asynchronously, so this bounds a micro-batch's time
 # from below rather than adding to it.
 HOST_MS_PER_LAYER = {(False, False): 2.4, (True, False): 9.6, (False, True): 1.4, (True, True): 3.3}
+# The roofline's matmul shape classes on an accelerator: (smallest side below which, share of the large-GEMM
+# efficiency), smallest first (the device table's comment says where the figures come from)
+MATMUL_SHAPE_CLASSES = ((128, 0.35), (512, 0.6), (1024, 0.85))
 
 
 def _cpu_memory_gib() -> float:
@@ -232,6 +251,15 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 # copies included: 3,530 ops for 4 layers, 2,012 for 2), and 4 per compiled kernel launch (inductor's
 # launcher, no CUDA graphs; not measured here). An NPU's eager dispatch through torch_npu's task queue is
 # reportedly slower: unmeasured, the same figure is used.
+# ``attention_efficiency`` 0.5 of the dtype's peak for fused attention (FlashAttention-2 on Hopper, forward and
+# backward together: ~50% of the H100's bf16 peak in its paper's training benchmarks; not measured here),
+# kept for every accelerator; a CPU's is measured (simulate/probe.py: torch's flash kernel for CPU reached
+# 0.02-0.03 TFLOP/s, a tenth of its matmuls, on the 2-core AMX Xeon). ``matmul_shape_classes``: a GEMM whose
+# smallest side is under 128 / 512 / 1024 reaches 0.35 / 0.6 / 0.85 of ``matmul_efficiency`` on an
+# accelerator (it fills fewer tiles and waves; a simple documented model, not a measurement); a CPU's
+# classes come from the probe. ``grouped_matmul_share`` 1: a grouped GEMM (CUTLASS / cuBLAS grouped, the
+# NPU's GroupedMatmul) taken as fast as one GEMM of a group's shape (unmeasured); on a CPU torch runs it as
+# a loop of small products, measured by the probe.
 # Sources and what was verified on hardware: docs/planner.md, "Devices".
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware(
@@ -360,11 +388,18 @@ def with_overrides(hw: Hardware, **values: float | None) -> Hardware:
 
 
 def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: float, launch_latency_us: float,
-                 name: str = "cpu-measured", source: str = "") -> Hardware:
+                 name: str = "cpu-measured", source: str = "", *, attention_tflops: float | None = None,
+                 shape_classes: tuple[tuple[int, float], ...] = (),
+                 fp32_shape_classes: tuple[tuple[int, float], ...] = (), grouped_matmul_share: float = 1.0,
+                 compiled_launch_us: float | None = None, intra_node_gbps: float | None = None) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
-    time of one eager op (microseconds, dispatch included). The efficiencies stay 1: the figures are the
-    achieved ones. What a roofline check on this CPU prices a recorded trace with."""
+    time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
+    stay 1: the figures are the achieved ones. What a roofline check on this CPU prices a recorded trace with
+    (``simulate.probe.CpuProbe.hardware`` fills it from a probe). Optional: the fused attention kernel's
+    measured rate (TFLOP/s on the roofline's FLOP count; ``attention_efficiency`` is it over the bf16 peak),
+    shape classes (shares of the peaks, bf16 and fp32), a grouped matmul's share of a plain one of a group's
+    shape, a compiled kernel's launch cost (default: the eager op's) and the link between two processes."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -372,6 +407,10 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     return dataclasses.replace(
         DEVICES["cpu"], name=name, peak_tflops=bf16_tflops, fp32_peak_tflops=fp32_tflops,
         memory_bandwidth_gbps=memory_bandwidth_gbps, launch_latency_us=launch_latency_us,
-        compiled_launch_us=launch_latency_us,
+        compiled_launch_us=compiled_launch_us or launch_latency_us,
+        attention_efficiency=(attention_tflops / bf16_tflops) if attention_tflops else 1.0,
+        matmul_shape_classes=shape_classes or ((1, 1.0),), fp32_shape_classes=fp32_shape_classes,
+        grouped_matmul_share=grouped_matmul_share,
+        intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         source=source or f"measured on this CPU: bf16 {bf16_tflops:.3g} TFLOP/s, fp32 {fp32_tflops:.3g} TFLOP/s, "
                          f"{memory_bandwidth_gbps:.3g} GB/s, {launch_latency_us:.3g} us per op")

@@ -158,3 +158,131 @@ def test_simulate_refuses_fp8_on_a_device_without_fp8(device):
 
     with pytest.raises(UserError, match=f"fp8: tensorwise cannot be simulated on {device}"):
         main(["--device", device, *SIM, "fp8=tensorwise"])
+
+
+# --- per-device attention, grouped matmuls per group, the compiled scope, matmuls into buffers ----------------
+
+
+def test_attention_is_priced_at_the_devices_own_efficiency():
+    import dataclasses
+
+    trace = OpTrace()
+    trace.attention[("forward", "flash", "bfloat16", 1, 32, 8192, 8192, 128, True)] = 1
+    flops = 4 * 32 * 8192 * 8192 * 128 / 2
+    assert H100.attention_efficiency == 0.5  # FlashAttention's share on accelerators
+    slow = dataclasses.replace(H100, attention_efficiency=0.02)  # a CPU's flash kernel, say
+    assert price(trace, slow).attention == pytest.approx(flops / (989e12 * 0.02))
+    cpu = measured_cpu(1.0, 0.5, 20.0, 5.0, attention_tflops=0.03)
+    assert cpu.attention_efficiency == pytest.approx(0.03)  # the measured rate over the bf16 peak of 1 TFLOP/s
+    assert price(trace, cpu).attention == pytest.approx(flops / 0.03e12)
+
+
+def test_grouped_matmul_is_recorded_and_priced_per_group():
+    x, g = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, 16, dtype=torch.bfloat16)
+    w = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    with RecordingMode() as rec:
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # 4 groups of 16 rows: [16, 32] @ [32, 16]
+        torch._grouped_mm(g.t(), x, offs=offs)  # weight gradient: [16, 16 of 64] @ [16 of 64, 32] per group
+    assert dict(rec.trace.matmuls) == {("forward", "bfloat16", 16, 16, 32, 4): 1,
+                                       ("forward", "bfloat16", 16, 32, 16, 4): 1}
+    assert rec.trace.matmul_flops() == 2 * (2 * 64 * 16 * 32)
+    # a FLOP-bound grouped call by hand: 8 groups of [512, 4096] @ [4096, 2048]; one group's smallest side is
+    # 512 (class share 0.85 on an accelerator), and the device's grouped share applies on top
+    import dataclasses
+
+    trace = OpTrace()
+    trace.matmuls[("forward", "bfloat16", 512, 2048, 4096, 8)] = 1
+    flops = 2 * 512 * 2048 * 4096 * 8
+    assert price(trace, H100).matmul == pytest.approx(flops / (989e12 * 0.75 * 0.85))
+    looped = dataclasses.replace(H100, grouped_matmul_share=0.25)
+    assert price(trace, looped).matmul == pytest.approx(flops / (989e12 * 0.75 * 0.85 * 0.25))
+    # per-device shape classes: a device whose products under 1024 on a side reach a tenth
+    tiny = dataclasses.replace(H100, matmul_shape_classes=((1024, 0.1),))
+    assert price(trace, tiny).matmul == pytest.approx(flops / (989e12 * 0.75 * 0.1))
+
+
+def test_fp32_matmuls_take_the_devices_fp32_shape_classes():
+    trace = OpTrace()
+    trace.matmuls[("forward", "float32", 1024, 64, 64, 1)] = 10
+    cpu = measured_cpu(1.0, 0.5, 1e6, 5.0, shape_classes=((128, 0.2),), fp32_shape_classes=((128, 0.4),))
+    assert price(trace, cpu).matmul == pytest.approx(10 * 2 * 1024 * 64 * 64 / (0.5e12 * 0.4))
+    trace = OpTrace()
+    trace.matmuls[("forward", "bfloat16", 1024, 64, 64, 1)] = 10
+    assert price(trace, cpu).matmul == pytest.approx(10 * 2 * 1024 * 64 * 64 / (1.0e12 * 0.2))
+
+
+class _Gate(torch.nn.Module):
+    def forward(self, x, y):
+        return x * torch.sigmoid(x) * y
+
+
+def test_only_the_compiled_scope_is_fused():
+    """The module compile would compile fuses its ops (reads x and y, writes z once); the add after it, outside
+    the compiled scope, runs eager under compile too: its bytes count one op at a time."""
+    w, x0 = meta(4096, 4096), meta(4096, 4096)
+    gate = _Gate()
+    with RecordingMode() as rec:
+        rec.recorder.mark_compiled([gate])
+        x = x0 @ w
+        y = x0 @ w
+        z = gate(x, y)  # sigmoid, mul, mul: inside
+        out = z + y  # outside
+        out.sum()  # outside
+    mem, size = rec.trace.memory["forward"], 4096 * 4096 * 2
+    assert mem.ops == 5 and mem.regions == 1
+    assert mem.fused_bytes == 3 * size  # the gate: reads x, y, writes z
+    assert mem.outside_bytes == 3 * size + size + 2  # the add: 2 reads 1 write; the sum reads out, writes 2 bytes
+    assert mem.eager_bytes == 8 * size + mem.outside_bytes
+    assert rec.trace.outside_ops["forward"] == 4 and rec.trace.outside_kernels == 2  # the two matmuls too
+    assert price(rec.trace, H100, compiled=True).elementwise == pytest.approx((3 * size + 4 * size + 2) / BW)
+    # host under compile: the gate's fused region at the compiled launch cost, the 4 outside ops eager
+    host = 1 * H100.compiled_launch_us * 1e-6 + 4 * H100.launch_latency_us * 1e-6
+    cpu_like = dataclasses_replace(H100, device_type="cpu")
+    assert price(rec.trace, cpu_like, compiled=True).host == pytest.approx(host)
+
+
+def dataclasses_replace(hw, **changes):
+    import dataclasses
+
+    return dataclasses.replace(hw, **changes)
+
+
+class _Sin(torch.nn.Module):
+    def forward(self, y):
+        return y.sin()
+
+
+def test_backward_of_the_compiled_scope_is_in_it():
+    """The backward ops of the nodes a compiled module's forward created are in the scope (sin's backward:
+    cos and mul); those of the eager op before it (mul's backward: one mul) and the autograd root are not."""
+    gate = _Sin()
+    x = torch.randn(64, requires_grad=True)
+    with RecordingMode() as rec:
+        rec.recorder.mark_compiled([gate])
+        gate(x * 2).sum().backward()
+    trace = rec.trace
+    assert trace.outside_ops["forward"] == 3  # x * 2, the sum and backward()'s seed (ones_like); sin inside
+    inside_backward = trace.host_ops["backward"] - trace.outside_ops["backward"]
+    assert inside_backward == 2, (dict(trace.host_ops), dict(trace.outside_ops))  # cos, mul of SinBackward
+
+
+def test_the_decoder_layers_are_the_default_compiled_scope_of_simulate():
+    from qwen3_pretrain.simulate.roofline import TraceRecorder
+
+    assert TraceRecorder().scope == "layers" and RecordingMode().recorder.scope is None
+
+
+def test_matmuls_written_into_buffers_count_as_matmuls():
+    a, b = torch.randn(32, 16), torch.randn(16, 8)
+    out, bias = torch.empty(32, 8), torch.zeros(32, 8)
+    a3, b3, out3 = torch.randn(2, 32, 16), torch.randn(2, 16, 8), torch.zeros(2, 32, 8)
+    with RecordingMode() as rec:
+        torch.mm(a, b, out=out)
+        bias.addmm_(a, b)
+        torch.addmm(bias, a, b, out=out)
+        torch.bmm(a3, b3, out=out3)
+        out3.baddbmm_(a3, b3)
+    assert dict(rec.trace.matmuls) == {("forward", "float32", 32, 8, 16, 1): 3, ("forward", "float32", 64, 8, 16, 1): 2}
+    assert rec.trace.matmul_flops() == 3 * 2 * 32 * 8 * 16 + 2 * 2 * 64 * 8 * 16
+    assert rec.trace.memory["forward"].ops == 0  # no memory-bound bytes for them

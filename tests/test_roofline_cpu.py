@@ -27,7 +27,8 @@ def probe() -> CpuProbe:
 
 def test_probe_figures_are_positive_and_plausible(probe):
     assert probe.threads == 1
-    assert set(probe.matmul_tflops) == {(d, c) for d in ("fp32", "bf16") for c in ("square", "skinny", "256x64x128")} | {
+    assert set(probe.matmul_tflops) == {(d, c) for d in ("fp32", "bf16")
+                                        for c in ("square", "skinny", "tiny", "256x64x128")} | {
         ("bf16", "grouped 256x4x64x64"), ("bf16", "attention")}
     # below 100 TFLOP/s on one core of any CPU; no lower bound but zero (a loaded machine can be very slow)
     assert all(0 < v < 100 and math.isfinite(v) for v in probe.matmul_tflops.values()), probe.matmul_tflops
@@ -77,30 +78,51 @@ def test_profiler_categories_of_the_bench():
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
 
 
-def test_bench_recorder_counts_matmuls_into_buffers():
-    """The fused loss writes its head's matmuls into buffers (mm.out, addmm_): the bench's recorder counts
-    them as matmuls of their FLOPs, not as memory-bound bytes, and its CPU device prices them at the rate
-    the probe measured for their shape."""
+def test_bench_recorder_counts_matmuls_into_buffers_and_the_probe_device_prices_them():
+    """The fused loss writes its head's matmuls into buffers (mm.out, addmm_): the bench's recorder (the
+    roofline's, with collectives counted) takes them as matmuls, and the probe's device prices them at the
+    rate the probe measured for their sizes."""
     sys.path.insert(0, str(REPO / "bench"))
-    from roofline_cpu import StepRecorder, cpu_hardware
+    from roofline_cpu import StepRecorder
 
     from qwen3_pretrain.simulate.roofline import price
 
-    from qwen3_pretrain.simulate.track import CommCounter
-
-    # sizes of the shape class (smallest side 128-511) whose roofline share the CPU device undoes
     a, b, out = torch.randn(256, 128), torch.randn(128, 384), torch.empty(256, 384)
-    recorder = StepRecorder.__new__(StepRecorder)  # without a trainer: no mesh, no collectives
-    super(StepRecorder, recorder).__init__()
-    recorder.comm = CommCounter({})
-    with recorder:
+    with StepRecorder() as recorder:  # without a trainer: no mesh, no collectives
         torch.mm(a, b, out=out)
         out.addmm_(a, b)
         torch.mm(a, b)
-    calls = sum(recorder.trace.matmuls.values())
-    assert calls == 3, recorder.trace.matmuls
-    probe = CpuProbe("test", 1, {("fp32", "256x128x384"): 0.01, ("fp32", "skinny"): 1.0, ("bf16", "skinny"): 1.0},
-                     {"copy": 10.0, "add_fp32": 10.0, "add_bf16": 10.0}, 1.0, 2.0)
-    breakdown = price(recorder.trace, cpu_hardware(probe, recorder.trace))
+    assert sum(recorder.trace.matmuls.values()) == 3, recorder.trace.matmuls
+    probe = _probe({("fp32", "256x128x384"): 0.01})
+    breakdown = price(recorder.trace, probe.hardware(recorder.trace))
     # 3 x 2 x 256 x 128 x 384 FLOPs at the 0.01 TFLOP/s measured for these sizes
     assert breakdown.matmul == pytest.approx(3 * 2 * 256 * 128 * 384 / 0.01e12, rel=1e-6)
+
+
+def _probe(rates: dict, **kw) -> CpuProbe:
+    base = {("fp32", "skinny"): 1.0, ("bf16", "skinny"): 2.0, ("fp32", "tiny"): 0.25, ("bf16", "tiny"): 0.1}
+    return CpuProbe("test", 1, {**base, **rates}, {"copy": 10.0, "add_fp32": 20.0, "add_bf16": 10.0}, 1.0, 2.0, **kw)
+
+
+def test_probe_device_classes_grouped_attention_and_host():
+    """Each figure of ``CpuProbe.hardware`` against the probe's numbers, worked out by hand."""
+    from qwen3_pretrain.simulate.roofline import OpTrace, price
+
+    probe = _probe({("bf16", "grouped 512x16x256x256"): 0.5, ("bf16", "attention"): 0.04}, engine_op_us=100.0,
+                   engine_compiled_us=20.0)
+    hw = probe.hardware()  # no trace: the skinny rates are the peaks
+    assert (hw.peak_tflops, hw.fp32_peak_tflops) == (2.0, 1.0)
+    assert hw.shape_classes("bfloat16") == ((128, 0.05),) and hw.shape_classes("float32") == ((128, 0.25),)
+    assert hw.grouped_matmul_share == pytest.approx(0.25) and hw.attention_efficiency == pytest.approx(0.02)
+    assert (hw.launch_latency_us, hw.compiled_launch_us) == (100.0, 20.0)
+    assert hw.memory_bandwidth_gbps == 20.0 and hw.intra_node_gbps == 5.0
+    trace = OpTrace()
+    trace.matmuls[("forward", "float32", 1024, 64, 64, 1)] = 2  # the delta rule's chunk products: tiny class
+    trace.matmuls[("forward", "bfloat16", 512, 256, 256, 16)] = 1  # 16 experts' groups of 512 rows
+    trace.attention[("forward", "flash", "bfloat16", 4, 4, 512, 512, 64, True)] = 1
+    b = price(trace, hw)
+    assert b.matmul == pytest.approx(2 * 2 * 1024 * 64 * 64 / 0.25e12 + 2 * 512 * 256 * 256 * 16 / 0.5e12)
+    assert b.attention == pytest.approx(4 * 4 * 4 * 512 * 512 * 64 / 2 / 0.04e12)
+    assert b.host == pytest.approx(0)  # no op recorded: host counts recorded ops
+    # without the training step's own figure the autograd chain's stands in
+    assert _probe({}).hardware().launch_latency_us == 2.0

@@ -10,8 +10,18 @@ step). Each figure is the median of a few repeats, each repeat long enough (``mi
 timer: the median, not the best, because the step time it predicts is a median under the same load.
 
 Shape classes: ``square`` (an n x n x n product, what datasheets quote), ``skinny`` (many tokens through a
-narrow layer, [tokens, k] @ [k, n] with k, n small: the projections of a small model), and whatever exact
-shapes the caller names (``shapes``: the model's own projections, forward and the two backward products).
+narrow layer, [tokens, k] @ [k, n] with k, n small: the projections of a small model), ``tiny`` (a batch of
+64 x 64 x 64 products: the Gated DeltaNet's chunk products, whose smallest side is under the roofline's
+128), and whatever exact shapes the caller names (``shapes``: the model's own projections, forward and the
+two backward products).
+
+``CpuProbe.hardware`` turns a probe into the roofline's device (``hardware.measured_cpu``): the matmul peaks
+at the priced trace's own shapes, shape classes, the grouped matmul's and fused attention's measured rates,
+the bandwidth, and the host cost per op. That host cost is not an op's dispatch alone: an eager training
+step spends the engine's Python, autograd's bookkeeping and the hooks around every op, which no
+microbenchmark of one op sees (bench/roofline_cpu.py measured 0.1-0.5 s outside ops per tiny-model step
+against 0.001-0.017 s at the tiny op's latency). The caller measures it on the training step itself at
+tiny shapes, where the arithmetic is negligible (``host_us_per_op``), and hands it in (``engine_op_us``).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}  # a trace's dtype names -> the probe's
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,10 @@ class CpuProbe:
     # run by the autograd engine, per op dispatched
     autograd_op_latency_us: float = 0.0
     load_average: float = 0.0  # the 1-minute load average when the probe ran
+    # host microseconds per op of the training step itself (``host_us_per_op`` at tiny shapes), eager and,
+    # per compiled kernel, compiled; None: unmeasured (the autograd chain's and the tiny op's figures stand in)
+    engine_op_us: float | None = None
+    engine_compiled_us: float | None = None
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -51,6 +66,55 @@ class CpuProbe:
     def tflops(self, dtype: str, shape_class: str = "square") -> float:
         return self.matmul_tflops[(dtype, shape_class)]
 
+    def hardware(self, trace=None, name: str = "cpu (measured)"):
+        """The roofline's device for this CPU (``hardware.measured_cpu``), from the probe's figures:
+
+        * matmul peaks: the bf16 and fp32 rates at the trace's own matmul shapes where the probe timed them
+          (``shapes``), else at ``skinny`` (the rate over the FLOPs of every matmul whose smallest side is 128
+          or more, ``trace_rate``); without a trace, ``skinny``;
+        * shape classes: a product whose smallest side is under 128 at ``tiny``'s share of that peak, per
+          dtype (the delta rule's chunk products); no class below the peak otherwise (on these cores a
+          2048 x 256 x 256 product runs as fast as a square 1024^3: a GPU's tiles-and-waves shares do not
+          apply);
+        * a grouped matmul at the probe's expert-layer rate over the bf16 peak (torch runs it on a CPU as a
+          loop of per-group products); fused attention at the probe's SDPA rate;
+        * memory bandwidth: the streaming fp32 add (reads two, writes one);
+        * host per eager op: ``engine_op_us`` (the training step's own), else the autograd chain's; per
+          compiled kernel ``engine_compiled_us``, else one bare op's dispatch;
+        * the link between two processes (gloo): a ring step copies each byte out of and into a socket
+          buffer, half the copy bandwidth (not measured: the probe has no second process)."""
+        from qwen3_pretrain.hardware import measured_cpu
+
+        peaks = {d: self.trace_rate(trace, d) for d in DTYPES}
+        classes = {d: ((128, min(1.0, self.matmul_tflops[(d, "tiny")] / peaks[d])),)
+                   if (d, "tiny") in self.matmul_tflops else () for d in DTYPES}
+        grouped = [v for (_, c), v in self.matmul_tflops.items() if c.startswith("grouped")]
+        return measured_cpu(
+            peaks["bf16"], peaks["fp32"], self.bandwidth_gbps, self.engine_op_us or self.autograd_op_latency_us,
+            name=name, source=f"measured by simulate.probe: {self.cpu}, {self.threads} thread(s), load "
+                              f"{self.load_average:.1f}",
+            attention_tflops=self.matmul_tflops.get(("bf16", "attention")), shape_classes=classes["bf16"],
+            fp32_shape_classes=classes["fp32"],
+            grouped_matmul_share=min(grouped) / peaks["bf16"] if grouped else 1.0,
+            compiled_launch_us=self.engine_compiled_us or self.op_latency_us,
+            intra_node_gbps=self.memory_gbps["copy"] / 2)
+
+    def trace_rate(self, trace, dtype: str) -> float:
+        """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
+        at the rate the probe timed for a linear layer of the same three sizes, else at ``skinny``; the total
+        FLOPs over the total time (``skinny`` where the trace has none)."""
+        skinny = self.tflops(dtype, "skinny")
+        rates = {tuple(sorted(map(int, c.split("x")))): v for (d, c), v in self.matmul_tflops.items()
+                 if d == dtype and c[0].isdigit()}
+        flops = seconds = 0.0
+        for (_, dt, m, n, k, groups), calls in (trace.matmuls.items() if trace is not None else ()):
+            if _SHORT.get(dt) != dtype or groups > 1 or min(m, n, k) < 128:
+                continue
+            work = 2.0 * m * n * k * calls
+            flops += work
+            seconds += work / rates.get(tuple(sorted((m, n, k))), skinny)
+        return flops / seconds if seconds else skinny
+
     def rows(self) -> list[str]:
         """The probe as printable lines."""
         lines = [f"cpu: {self.cpu}, {self.threads} thread(s), load average {self.load_average:.1f}"]
@@ -59,6 +123,9 @@ class CpuProbe:
         lines += [f"memory {name}: {value:.1f} GB/s" for name, value in self.memory_gbps.items()]
         lines.append(f"tiny op: {self.op_latency_us:.1f} us, under autograd (forward and backward, per op): "
                      f"{self.autograd_op_latency_us:.1f} us")
+        if self.engine_op_us is not None:
+            lines.append(f"training step's host per op: {self.engine_op_us:.1f} us eager"
+                         + (f", {self.engine_compiled_us:.1f} us per compiled kernel" if self.engine_compiled_us else ""))
         return lines
 
 
@@ -104,6 +171,24 @@ def linear_tflops(tokens: int, k: int, n: int, dtype: torch.dtype, min_seconds: 
         g.t() @ x
 
     return 3 * 2 * tokens * k * n / seconds_per_call(fwd_bwd, min_seconds) / 1e12
+
+
+def tiny_tflops(batch: int, side: int, dtype: torch.dtype, min_seconds: float = 0.02) -> float:
+    """TFLOP/s of a batch of ``side``-cubed products (``bmm``, 2 batch side^3 FLOPs)."""
+    a, b = torch.randn(batch, side, side, dtype=dtype), torch.randn(batch, side, side, dtype=dtype)
+    return 2 * batch * side**3 / seconds_per_call(lambda: torch.bmm(a, b), min_seconds) / 1e12
+
+
+def host_us_per_op(step: Callable[[], object], ops: int, repeats: int = 3) -> float:
+    """Microseconds per op of ``step`` (a training step at tiny shapes, which dispatches ``ops`` ops): its
+    median wall time over ``repeats`` calls over ``ops``. At tiny shapes the arithmetic is negligible, so this is
+    the host's cost per op: the dispatcher, autograd, the engine's Python and hooks."""
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls) / max(ops, 1) * 1e6
 
 
 def grouped_tflops(rows: int, experts: int, k: int, n: int, min_seconds: float = 0.02) -> float:
@@ -179,14 +264,15 @@ def autograd_op_latency_us(length: int = 32) -> float:
 def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None = None,
                 grouped: Iterable[tuple[int, int, int, int]] = (),
                 attention: tuple[int, int, int, int, int] | None = None,
-                square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256),
+                square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256), tiny: tuple[int, int] = (32, 64),
                 min_seconds: float = 0.02, memory_mib: int = 128) -> CpuProbe:
     """Measure this CPU at ``threads`` intra-op threads (default: torch's current setting).
 
     ``shapes``: (tokens, in, out) of linear layers whose forward and backward products are timed together,
     recorded as shape class ``"tokens x in x out"``; ``grouped``: (rows, experts, in, out) of expert layers,
     timed as ``grouped_tflops`` and recorded as bf16 shape class ``"grouped rows x experts x in x out"``;
-    ``attention``: (batch, heads, kv heads, seq, head_dim) of causal SDPA, bf16 shape class ``"attention"``.
+    ``attention``: (batch, heads, kv heads, seq, head_dim) of causal SDPA, bf16 shape class ``"attention"``;
+    ``tiny``: (batch, side) of the ``"tiny"`` class's batched products.
     About 2-4 s on 2 idle cores with the defaults.
     Measure at the thread count the priced work runs at: with more threads than the cores free at the
     moment, every parallel region waits for a descheduled thread, a cost per op that grows with the load.
@@ -199,6 +285,7 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
         for name, dtype in DTYPES.items():
             tflops[(name, "square")] = matmul_tflops(square, square, square, dtype, min_seconds)
             tflops[(name, "skinny")] = matmul_tflops(*skinny, dtype, min_seconds)
+            tflops[(name, "tiny")] = tiny_tflops(*tiny, dtype, min_seconds)
             for tokens, k, n in shapes:
                 tflops[(name, f"{tokens}x{k}x{n}")] = linear_tflops(tokens, k, n, dtype, min_seconds)
         for rows, experts, k, n in grouped:

@@ -1,17 +1,21 @@
 """Price an op trace (``trace.OpTrace``) on a device (``hardware.Hardware``): a roofline per op class.
 
 * **matmuls**: ``2 m n k`` FLOPs at the dtype's dense peak (``Hardware.matmul_tflops``) x
-  ``matmul_efficiency`` x the shape class's share (``SHAPE_CLASSES``: a GEMM whose smallest side is
-  under 1024 fills the device's tiles and waves less; the figures are a simple documented model, not
-  a measurement), or its operands' bytes at memory bandwidth where that is longer (a skinny matmul is
-  memory-bound). A grouped matmul's smallest side is its rows per group.
+  ``matmul_efficiency`` x the shape class's share (``Hardware.shape_classes``: on an accelerator a GEMM
+  whose smallest side is under 1024 fills the device's tiles and waves less, a simple documented model,
+  not a measurement; a CPU's classes are measured by ``simulate.probe``), or its operands' bytes at memory
+  bandwidth where that is longer (a skinny matmul is memory-bound). A grouped matmul is priced per group
+  (the trace keeps one group's sizes): its class is one group's smallest side, times the device's
+  ``grouped_matmul_share`` (a CPU runs it as a loop of small products).
 * **attention** (SDPA's fused kernels): forward ``4 b h sq skv d`` FLOPs, half of it under a causal
-  mask; backward 2.5 times the forward (it recomputes the scores: five products against two), at
-  ``ATTENTION_SHARE`` of the dtype's peak, or its q, k, v, output bytes at memory bandwidth where longer.
+  mask; backward 2.5 times the forward (it recomputes the scores: five products against two), at the
+  device's ``attention_efficiency`` of the dtype's peak (0.5 on accelerators, FlashAttention's; a CPU's
+  measured), or its q, k, v, output bytes at memory bandwidth where longer.
   FlexAttention and the document mask are played as causal (density 1/2). SDPA's math fallback arrives
   as ``bmm`` and softmax ops: its whole square and its probabilities' traffic.
 * **memory-bound ops**: bytes at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``; eager one op at a
-  time, compiled as the trace's fused regions.
+  time; compiled, the fused regions inside the compiled scope (the decoder layers ``compile: true``
+  compiles, ``trace.py``) and the ops outside it (embedding, loss, optimizer, FSDP's copies) one at a time.
 * **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
   or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
@@ -19,7 +23,8 @@
   outlasts the step's compute; tp, cp, ep and pp
   collectives are waited on by the compute that follows and count whole.
 * **host**: eager issues every op at ``launch_latency_us``; compiled, each matmul, attention call,
-  collective and fused region at ``compiled_launch_us``. An accelerator computes asynchronously, so only
+  collective and fused region of the compiled scope at ``compiled_launch_us``, and every op outside it at
+  ``launch_latency_us``. An accelerator computes asynchronously, so only
   host time beyond the device's is exposed; a CPU computes on its host, so there it adds.
 * **pipeline bubble**: the busy time x Megatron's bubble ratio ``(p - 1) / (v m)``
   (``plan.formulas.megatron_bubble_ratio``).
@@ -29,21 +34,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from qwen3_pretrain.hardware import GB, Hardware
+from qwen3_pretrain.hardware import GB, MATMUL_SHAPE_CLASSES, Hardware
 from qwen3_pretrain.plan.formulas import collective_seconds, megatron_bubble_ratio
 from qwen3_pretrain.simulate.roofline.trace import OpTrace
 
-# smallest matmul side -> share of the large-GEMM efficiency (smallest threshold first wins)
-SHAPE_CLASSES = ((128, 0.35), (512, 0.6), (1024, 0.85))
-ATTENTION_SHARE = 0.5  # of the dtype's dense peak: FlashAttention-2 on Hopper, forward and backward together
+# smallest matmul side -> share of the large-GEMM efficiency on an accelerator (hardware.py has the figures)
+SHAPE_CLASSES = MATMUL_SHAPE_CLASSES
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 _P2P = ("send", "recv", "broadcast")
 
 
-def matmul_shape_share(m: int, n: int, k: int, groups: int = 1) -> float:
-    """The share of ``matmul_efficiency`` a matmul of this shape class reaches (``SHAPE_CLASSES``)."""
-    side = min(max(m // max(groups, 1), 1), n, k)
-    for bound, share in SHAPE_CLASSES:
+def matmul_shape_share(m: int, n: int, k: int, classes: tuple[tuple[int, float], ...] = SHAPE_CLASSES) -> float:
+    """The share of ``matmul_efficiency`` a matmul (or one group of a grouped one) of these sizes reaches:
+    the first of ``classes`` (smallest side below which, share) its smallest side is under, else 1."""
+    side = min(m, n, k)
+    for bound, share in classes:
         if side < bound:
             return share
     return 1.0
@@ -77,14 +82,17 @@ def _matmul_seconds(trace: OpTrace, hw: Hardware) -> float:
     bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
     total = 0.0
     for (_, dtype, m, n, k, groups), calls in trace.matmuls.items():
+        classes = hw.shape_classes(dtype)
         peak = hw.matmul_tflops(dtype)
         if peak is None:
             raise ValueError(f"the {hw.name} has no {dtype} matmuls")
-        flops = 2.0 * m * n * k
-        size = _BYTES.get(dtype, 1)
-        moved = size * (m * k + k * n * (groups if groups > 1 else 1) + m * n)
-        total += calls * max(flops / (peak * 1e12 * hw.matmul_efficiency * matmul_shape_share(m, n, k, groups)),
-                             moved / bandwidth)
+        # one group's product (a plain matmul is one group), ``groups`` of them per call
+        flops = 2.0 * m * n * k * groups
+        moved = _BYTES.get(dtype, 1) * (m * k + k * n + m * n) * groups
+        rate = peak * 1e12 * hw.matmul_efficiency * matmul_shape_share(m, n, k, classes)
+        if groups > 1:
+            rate *= hw.grouped_matmul_share
+        total += calls * max(flops / rate, moved / bandwidth)
     return total
 
 
@@ -101,7 +109,7 @@ def _attention_seconds(trace: OpTrace, hw: Hardware) -> float:
         backward = kernel.endswith("_backward")
         flops = attention_flops(b, h, sq, skv, d, causal, backward)
         moved = _BYTES.get(dtype, 2) * b * h * d * (2 * sq + 2 * skv) * (2 if backward else 1)
-        total += calls * max(flops / ((hw.matmul_tflops(dtype) or hw.peak_tflops) * 1e12 * ATTENTION_SHARE),
+        total += calls * max(flops / ((hw.matmul_tflops(dtype) or hw.peak_tflops) * 1e12 * hw.attention_efficiency),
                              moved / bandwidth)
     return total
 
@@ -131,7 +139,7 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     ``intra``: which axes stay inside a node; ``pp``, ``microbatches``, ``virtual``: the pipeline."""
     out = Breakdown(matmul=_matmul_seconds(trace, hardware), attention=_attention_seconds(trace, hardware))
     bandwidth = hardware.memory_bandwidth_gbps * GB * hardware.bandwidth_efficiency
-    moved = sum((m.fused_bytes if compiled else m.eager_bytes) for m in trace.memory.values())
+    moved = sum((m.fused_bytes + m.outside_bytes if compiled else m.eager_bytes) for m in trace.memory.values())
     out.elementwise = moved / bandwidth
     compute = out.compute
     exposed = 0.0
@@ -140,9 +148,12 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
         exposed += min(total, edge + max(0.0, total - edge - compute)) if axis == "dp" else total
     out.communication = exposed
     if compiled:
-        kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values())
+        # the compiled scope's matmuls, attention calls and fused regions, and the collectives, at the compiled
+        # launch cost; every op outside the scope at the eager one
+        outside = sum(trace.outside_ops.values())
+        kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values()) - trace.outside_kernels
                    + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in (comm or {}).values()))
-        host = kernels * hardware.compiled_launch_us * 1e-6
+        host = kernels * hardware.compiled_launch_us * 1e-6 + outside * hardware.launch_latency_us * 1e-6
     else:
         host = sum(trace.host_ops.values()) * hardware.launch_latency_us * 1e-6
     out.host = host if hardware.device_type == "cpu" else max(0.0, host - compute - exposed)

@@ -4,11 +4,14 @@ A step of Qwen3-8B dispatches some 10^5 operators per rank; storing each would
 double the simulation's time and memory, so ``OpTrace`` keeps what pricing
 needs, summed on the fly:
 
-* **matmuls** (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``,
-  ``_scaled_mm``): calls by (phase, dtype, m, n, k, groups), FLOPs ``2 m n k``
-  per call; ``m`` is the output's rows (batches folded in), ``k`` the contracted
-  size, ``groups`` a grouped matmul's group count (its rows per group set the
-  shape class);
+* **matmuls** (``mm``, ``addmm``, ``bmm``, ``baddbmm``, their ``out=`` and
+  in-place forms, which the fused loss's head writes into buffers,
+  ``_grouped_mm``, ``_scaled_mm``): calls by (phase, dtype, m, n, k, groups),
+  FLOPs ``2 m n k groups`` per call; ``m`` is the output's rows (batches folded
+  in), ``k`` the contracted size; a grouped matmul keeps one group's sizes
+  (rows per group, or the contracted size per group for the weight gradient,
+  the groups of equal size: a fake tensor has no offsets to read) and its
+  group count;
 * **attention** (SDPA's fused kernels, forward and backward): calls by (phase,
   kernel, dtype, batch, heads, q_len, kv_len, head_dim, causal). SDPA's math
   kernel decomposes into ``bmm`` and softmax before dispatch and lands in the
@@ -21,6 +24,21 @@ needs, summed on the fly:
 
 Views and other metadata-only ops (their results alias an input), ``empty``
 and the collectives' ``wait_tensor`` launch nothing and are skipped.
+
+**Compiled scope**: ``compile: true`` compiles the decoder layers
+(``parallel/parallelize.py: compile_layer``); the embedding, the final norm, the
+loss, the optimizer and FSDP's copies and hooks outside them stay eager. The
+recorder's ``scope`` names what runs compiled: ``"layers"`` (the default of
+``TraceRecorder``, what simulate prices: every ``DecoderLayer``, the
+multi-token-prediction layers' too; where the engine compiles a layer's parts
+instead, under expert parallelism or a tensor-parallel full recompute, the few
+norms and residual adds joining them are counted as compiled), given modules
+(``mark_compiled``: a real compiled model's compiled modules), or None (the
+whole step: ``RecordingMode``'s default). Ops inside a scoped module's forward (a
+recompute's too) and inside the backward of the autograd nodes that forward
+created (told by the autograd sequence numbers handed out meanwhile) are in the
+scope; the others are counted apart (``MemoryOps.outside_bytes``,
+``OpTrace.outside_ops``) and priced eager under compile.
 
 Phases: ``optimizer`` while a ``torch.optim`` step runs (global optimizer step
 hooks); ``backward`` inside autograd's engine, ``recompute`` there while grad
@@ -49,6 +67,7 @@ is a standalone ``TorchDispatchMode`` that records a real (non-fake) step:
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -60,8 +79,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 PHASES = ("forward", "backward", "recompute", "optimizer")
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-_GROUPED = {getattr(aten, "_grouped_mm", None), getattr(aten, "_scaled_grouped_mm", None)} - {None}
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            aten.mm.out, aten.addmm.out, aten.addmm_.default, aten.bmm.out, aten.baddbmm.out, aten.baddbmm_.default}
+# matmuls whose first argument is the added term (the products are its second and third)
+_ADDED = {aten.addmm.default, aten.baddbmm.default, aten.addmm.out, aten.addmm_.default, aten.baddbmm.out,
+          aten.baddbmm_.default}
+# the overloads (``.default``), which dispatch sees, not the packets
+_GROUPED = {getattr(getattr(aten, name, None), "default", None) for name in ("_grouped_mm", "_scaled_grouped_mm")} - {None}
 _SCALED = {aten._scaled_mm.default} if hasattr(aten, "_scaled_mm") else set()
 
 
@@ -91,9 +115,10 @@ class MemoryOps:
     """One phase's memory-bound ops: bytes moved one op at a time and as fused regions, and the counts."""
 
     eager_bytes: float = 0.0
-    fused_bytes: float = 0.0
+    fused_bytes: float = 0.0  # the compiled scope's fused regions
     ops: int = 0
     regions: int = 0
+    outside_bytes: float = 0.0  # ops outside the compiled scope, one at a time (in ``eager_bytes`` too)
 
 
 @dataclass
@@ -104,14 +129,18 @@ class OpTrace:
     attention: Counter = field(default_factory=Counter)  # (phase, kernel, dtype, b, h, sq, skv, d, causal) -> calls
     memory: dict[str, MemoryOps] = field(default_factory=lambda: {p: MemoryOps() for p in PHASES})
     host_ops: Counter = field(default_factory=Counter)  # phase -> every op that launches work (matmuls too)
+    # phase -> the ops of ``host_ops`` outside the compiled scope (collectives aside): eager under compile too
+    outside_ops: Counter = field(default_factory=Counter)
+    outside_kernels: int = 0  # matmul and attention calls outside the compiled scope
 
     def matmul_flops(self) -> float:
-        return sum(2.0 * m * n * k * calls for (_, _, m, n, k, _), calls in self.matmuls.items())
+        return sum(2.0 * m * n * k * g * calls for (_, _, m, n, k, g), calls in self.matmuls.items())
 
     def to_json(self) -> dict:
         return {"matmul_calls": sum(self.matmuls.values()), "matmul_tflop": round(self.matmul_flops() / 1e12, 3),
                 "attention_calls": sum(self.attention.values()),
-                "memory_ops": {p: vars(m) for p, m in self.memory.items()}, "host_ops": dict(self.host_ops)}
+                "memory_ops": {p: vars(m) for p, m in self.memory.items()}, "host_ops": dict(self.host_ops),
+                "outside_compiled_ops": dict(self.outside_ops)}
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -148,6 +177,7 @@ def _is_view(func) -> bool:
 
 
 _VIEWS: dict = {}
+_LAST = 2**64  # above every autograd sequence number
 _WRITTEN: dict = {}
 
 
@@ -168,13 +198,49 @@ def _written_arguments(func) -> tuple[int, ...]:
 class TraceRecorder:
     """Records ops into ``trace`` (module docstring); ``record`` is called with each op's result."""
 
-    def __init__(self) -> None:
+    def __init__(self, scope: str | None = "layers") -> None:
         self.trace = OpTrace()
         self.in_optimizer = False
+        self.scope = scope  # "layers", None or "modules" (module docstring, "Compiled scope")
         self._region_reads: dict[int, int] = {}  # storage -> bytes, read from outside the open region
         self._region_writes: dict[int, int] = {}  # storage -> bytes, produced in the open region
         self._region_phase = "forward"
         self._hooks: list = []
+        self._scoped = scope is not None  # else the whole step is the compiled scope
+        self._scope_depth = 0  # compiled modules whose forward is running
+        self._scope_start: list[int] = []  # the autograd sequence number at each open forward's start
+        self._scope_ranges: list[tuple[int, int]] = []  # [start, end) of the nodes the scope's forwards made
+        self._module_hooks: list = []
+
+    def _enter(self, *_) -> None:
+        self._scope_depth += 1
+        self._scope_start.append(torch._C._autograd._get_sequence_nr())
+
+    def _leave(self, *_) -> None:
+        self._scope_depth -= 1
+        start = self._scope_start.pop()
+        end = torch._C._autograd._get_sequence_nr()
+        if end > start and self._scope_depth == 0:
+            self._scope_ranges.append((start, end))
+
+    def mark_compiled(self, modules) -> None:
+        """Name the modules that run compiled, instead of the decoder layers (module docstring, "Compiled
+        scope")."""
+        self.scope, self._scoped = "modules", True
+        for module in modules:
+            self._module_hooks += [module.register_forward_pre_hook(self._enter),
+                                   module.register_forward_hook(self._leave, always_call=True)]
+
+    def in_compiled_scope(self) -> bool:
+        """Whether the op being recorded runs inside the compiled scope."""
+        if not self._scoped or self._scope_depth:
+            return True
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return False
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self._scope_ranges, (seq, _LAST)) - 1  # the last range starting at or before seq
+        return i >= 0 and seq < self._scope_ranges[i][1]
 
     def install(self) -> None:
         """Optimizer step hooks that mark the optimizer phase."""
@@ -186,16 +252,33 @@ class TraceRecorder:
             self.in_optimizer = False
 
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        if self.scope == "layers":
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+            from qwen3_pretrain.models.qwen3.model import DecoderLayer
+
+            def enter(module, *_):
+                if isinstance(module, DecoderLayer):
+                    self._enter()
+
+            def leave(module, *_):
+                if isinstance(module, DecoderLayer):
+                    self._leave()
+
+            self._hooks += [register_module_forward_pre_hook(enter),
+                            register_module_forward_hook(leave, always_call=True)]
 
     def remove(self) -> None:
         self.close_region()
-        for h in self._hooks:
+        for h in self._hooks + self._module_hooks:
             h.remove()
         self._hooks = []
+        self._module_hooks = []
 
     def reset(self) -> None:
         self.close_region()
         self.trace = OpTrace()
+        self._scope_ranges = []
 
     def phase(self) -> str:
         if self.in_optimizer:
@@ -224,14 +307,19 @@ class TraceRecorder:
             trace.host_ops[phase] += 1
             return
         trace.host_ops[phase] += 1
+        inside = self.in_compiled_scope()
+        if not inside:
+            trace.outside_ops[phase] += 1
         if func in _MATMULS or func in _GROUPED or func in _SCALED:
             self.close_region()
             self._matmul(func, args, out, phase)
+            trace.outside_kernels += not inside
             return
         attention = _ATTENTION.get(func)
         if attention is not None:
             self.close_region()
             self._attention(attention, func, args, kwargs or {}, phase)
+            trace.outside_kernels += not inside
             return
         ins = _tensors(args, [])
         if kwargs:
@@ -242,7 +330,12 @@ class TraceRecorder:
                 _tensors(args[i], outs)
         mem = trace.memory[phase]
         mem.ops += 1
-        mem.eager_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        mem.eager_bytes += moved
+        if not inside:  # eager under compile too: ends the open fused region
+            self.close_region()
+            mem.outside_bytes += moved
+            return
         if phase != self._region_phase:
             self.close_region()
             self._region_phase = phase
@@ -259,7 +352,7 @@ class TraceRecorder:
             writes[key] = max(writes.get(key, 0), _nbytes(t))
 
     def _matmul(self, func, args, out, phase: str) -> None:
-        if func in (aten.addmm.default, aten.baddbmm.default):
+        if func in _ADDED:
             a, b = args[1], args[2]
         else:
             a, b = args[0], args[1]
@@ -267,17 +360,19 @@ class TraceRecorder:
             a, b = a._local_tensor, b._local_tensor
         dtype = str(a.dtype).replace("torch.", "")
         groups = 1
+        offs = args[2] if len(args) > 2 else None
+        offs = offs if isinstance(offs, torch.Tensor) else None
         if func in _GROUPED and a.dim() == 2 and b.dim() == 2:  # weight gradient: k split into groups
-            m, k, n = a.shape[0], a.shape[1], b.shape[1]
-            offs = args[2] if len(args) > 2 else None
-            groups = offs.shape[0] if isinstance(offs, torch.Tensor) else 1
+            groups = offs.shape[0] if offs is not None else 1
+            m, k, n = a.shape[0], a.shape[1] // groups, b.shape[1]
         else:
             o = out[0] if isinstance(out, (tuple, list)) else out
             n = o.shape[-1]
             m = o.numel() // max(n, 1)
             k = a.shape[-1]
-            if func in _GROUPED:
-                groups = b.shape[0] if b.dim() == 3 else 1
+            if func in _GROUPED:  # rows split into groups (2-D input, 3-D weights) or a batch of groups
+                groups = b.shape[0] if b.dim() == 3 else (a.shape[0] if a.dim() == 3 else 1)
+                m //= max(groups, 1)
         self.trace.matmuls[(phase, dtype, int(m), int(n), int(k), int(groups))] += 1
 
     def _attention(self, kind, func, args, kwargs, phase: str) -> None:
@@ -303,11 +398,12 @@ def _argument(func, args, kwargs, name: str):
 class RecordingMode(TorchDispatchMode):
     """``TraceRecorder`` as a dispatch mode of its own, for a real (or fake) step outside ``simulate``.
     Records the ops eager PyTorch dispatches: a compiled region's kernels are not aten ops, so record the
-    eager step and price it as compiled (``price(..., compiled=True)``)."""
+    eager step (dynamo disabled) and price it as compiled (``price(..., compiled=True)``), naming what runs
+    compiled (``scope``, or ``recorder.mark_compiled``; default: the whole step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scope: str | None = None) -> None:
         super().__init__()
-        self.recorder = TraceRecorder()
+        self.recorder = TraceRecorder(scope)
 
     @property
     def trace(self) -> OpTrace:
