@@ -2,7 +2,8 @@
 planner's prediction.
 
     qwen3-pretrain simulate --config pretrain_config.yaml [--nodes N] [--devices-per-node D] [--device NAME]
-                            [--ranks all|stages|LIST] [--steps 1] [--jobs N] [--each] [key=value ...] [--json]
+                            [--ranks all|stages|LIST] [--steps 1] [--jobs N] [--each] [--whole-step]
+                            [key=value ...] [--json]
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "cores this process may use)")
     parser.add_argument("--each", action="store_true", help="simulate every chosen rank, not one per pipeline "
                         "stage standing for the others of its stage")
+    parser.add_argument("--whole-step", action="store_true", help="simulate every micro-batch of the step; by "
+                        "default a step of more than a + b micro-batches (a = max(2, pp), b = a + 1; not under GPipe or "
+                        "the interleaved schedule) is simulated at a and b and extrapolated, exact where each "
+                        "further micro-batch runs the same ops (simulate/microbatches.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     return parser.parse_args(argv)
@@ -86,6 +91,7 @@ def to_json(results: list[RankResult], seconds: float) -> dict:
               "unfused_attention": [dict(dataclasses.asdict(call), kernel=kernel)
                                     for call, kernel in r.unfused_attention],
               "seconds": round(r.seconds, 1), "roofline": r.roofline,
+              "extrapolated_from_microbatches": list(r.extrapolated_from) if r.extrapolated_from else None,
               **({"simulated_as": r.simulated_as} if r.simulated_as is not None else {})} for r in results]
     # The rank of each stage that sends most stands for the axis (ranks of a stage send alike).
     comm: dict[str, dict[str, float]] = {}
@@ -119,6 +125,11 @@ def format_table(world: World, results: list[RankResult], seconds: float) -> str
     lines += attention_lines(world, results)
     lines += roofline_lines(world, results)
     simulated = sum(r.simulated_as is None for r in results)
+    short = next((r.extrapolated_from for r in results if r.extrapolated_from), None)
+    if short:
+        lines.append(f"{world.layout.num_microbatches} micro-batches per step: simulated at {short[0]} and {short[1]}, "
+                     "the figures extrapolated (each further micro-batch runs the same ops; --whole-step simulates "
+                     "them all)")
     lines.append(f"{len(results)} rank(s), {simulated} simulated (one per stage stands for its stage unless "
                  f"--each), in {seconds:.1f} s")
     return "\n".join(lines)
@@ -178,7 +189,8 @@ def main(argv: list[str]) -> int:
     world = make_world(cfg, world_size(args, cfg), hardware=args.device, devices_per_node=args.devices_per_node)
     ranks = select_ranks(args.ranks, world)
     start = time.perf_counter()
-    results = simulate_ranks(world, ranks, args.steps, args.jobs or available_cores(), args.each)
+    results = simulate_ranks(world, ranks, args.steps, args.jobs or available_cores(), args.each,
+                             extrapolate=not args.whole_step)
     seconds = time.perf_counter() - start
     print(json.dumps(to_json(results, seconds), indent=1) if args.json else format_table(world, results, seconds))
     return 0

@@ -16,6 +16,11 @@ those it uses there.
 The same dispatch mode records the step's op trace (``simulate/roofline``),
 priced on the target device eager and compiled: step time, tokens/s/device,
 MFU and HFU, and the breakdown (``RankResult.roofline``).
+
+A step of many micro-batches is simulated as two shorter steps whose figures
+are extrapolated to the step's count (``simulate/microbatches.py``: exact where
+each further micro-batch runs the same ops): Megatron-Bridge's 64 micro-batches
+of Qwen3-8B cost 2 + 3.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from qwen3_pretrain.plan.layout import Cluster, Layout
 from qwen3_pretrain.plan.memory import MemoryBreakdown, predict_memory
 from qwen3_pretrain.simulate.attention import KernelRecord, simulated_kernels
 from qwen3_pretrain.simulate.experts import play_experts
+from qwen3_pretrain.simulate.microbatches import (config_with_microbatches, extrapolate_comm_bytes,
+                                                extrapolate_comm_calls, extrapolate_trace, extrapolation_counts)
 from qwen3_pretrain.simulate.roofline import OpTrace, TraceRecorder, price, throughput
 from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
 from qwen3_pretrain.train.config import TrainConfig
@@ -83,6 +90,11 @@ class RankResult:
     simulated_as: int | None = None  # the rank whose simulation stands for this one (same stage)
     # the priced op trace: {"eager": {...}, "compiled": {...}, "trace": {...}} (``roofline_report``)
     roofline: dict = dataclasses.field(default_factory=dict)
+    trace: OpTrace | None = None  # the step's op trace itself (what ``roofline`` prices)
+    comm_calls: dict = dataclasses.field(default_factory=dict)  # (axis, kind, group size) -> (bytes, calls)
+    # the micro-batch counts simulated where the step's figures are extrapolated from two shorter steps
+    # (``simulate/microbatches.py``); None: the whole step was simulated
+    extrapolated_from: tuple[int, int] | None = None
 
 
 def model_source(cfg: TrainConfig) -> ModelSource:
@@ -173,10 +185,12 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
         coords = dims.coords(rank)
         predicted = predict_memory(world.source.config, world.layout, stage=coords["pp"])
         per_step = {axis: dict(kinds) for axis, kinds in comm.bytes.items()}
+        calls = {key: tuple(value) for key, value in comm.calls_by_size.items()}
         return RankResult(rank, coords, tracker.peak_by_category(), predicted, per_step,
                           time.perf_counter() - start, attention=dict(kernels.counts),
                           unfused_attention=[(call, backend) for call, backend in kernels.unfused.items()],
-                          roofline=roofline_report(world, recorder.trace, dict(comm.calls_by_size)))
+                          roofline=roofline_report(world, recorder.trace, calls), trace=recorder.trace,
+                          comm_calls=calls)
     finally:
         dist.destroy_process_group()
 
@@ -231,20 +245,28 @@ def _stage_io(engine: Engine, fake: FakeTensorMode):
 
 
 def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1,
-                   each: bool = False) -> list[RankResult]:
+                   each: bool = False, extrapolate: bool = True) -> list[RankResult]:
     """``simulate_rank`` for ``ranks``, each in a fresh child process (torch.distributed keeps per-process
     state, group names and mesh caches, that one world would leave to the next).
 
     Ranks of one pipeline stage hold equal-sized slices of the same tensors and run the same operators
     on the same shapes, so unless ``each`` is set one rank per stage is simulated and its figures stand
-    for the others of its stage (``simulated_as``).
+    for the others of its stage (``simulated_as``). With ``extrapolate``, a step of many micro-batches is
+    simulated as two shorter steps and extrapolated (``simulate/microbatches.py``: exact where each further
+    micro-batch runs the same ops).
     """
     chosen: dict[int, int] = {}
     for rank in ranks:
         chosen.setdefault(rank if each else world.dims.coords(rank)["pp"], rank)
+    layout = world.layout
+    counts = extrapolation_counts(layout.num_microbatches, layout.pp, world.cfg.pp_schedule) if extrapolate else None
+    worlds = [world] if counts is None else [_shorter_world(world, n) for n in counts]
+    tasks = [(w, rank, steps) for rank in chosen.values() for w in worlds]
     context = multiprocessing.get_context("fork")
-    with context.Pool(processes=max(1, min(jobs, len(chosen))), maxtasksperchild=1) as pool:
-        done = pool.starmap(simulate_rank, [(world, rank, steps) for rank in chosen.values()], chunksize=1)
+    with context.Pool(processes=max(1, min(jobs, len(tasks))), maxtasksperchild=1) as pool:
+        done = pool.starmap(simulate_rank, tasks, chunksize=1)
+    if counts is not None:
+        done = [_extrapolated(world, done[i], done[i + 1], counts) for i in range(0, len(done), 2)]
     by_rank = {r.rank: r for r in done}
     out = []
     for rank in ranks:
@@ -252,6 +274,30 @@ def simulate_ranks(world: World, ranks: list[int], steps: int = 1, jobs: int = 1
         out.append(rep if rep.rank == rank else
                    dataclasses.replace(rep, rank=rank, coords=world.dims.coords(rank), simulated_as=rep.rank))
     return out
+
+
+def _shorter_world(world: World, microbatches: int) -> World:
+    """``world`` with ``microbatches`` micro-batches per step (the same shapes, layout and device)."""
+    cfg = config_with_microbatches(world.cfg, world.layout.pp, microbatches)
+    return make_world(cfg, world.dims.world_size, world.target, world.layout.moe_imbalance, world.hardware,
+                      world.devices_per_node)
+
+
+def _extrapolated(world: World, a: RankResult, b: RankResult, counts: tuple[int, int]) -> RankResult:
+    """The rank's figures for ``world``'s micro-batch count from its simulations at ``counts`` (``a`` < ``b``
+    micro-batches): sums extrapolated, and the peak by category too (equal at ``a`` and ``b`` but for what a
+    step keeps per micro-batch: MoE routing statistics, a few bytes each)."""
+    f = (world.layout.num_microbatches - counts[1]) / (counts[1] - counts[0])
+    trace = extrapolate_trace(a.trace, b.trace, f)
+    calls = extrapolate_comm_calls(a.comm_calls, b.comm_calls, f)
+    attention = {k: round(b.attention.get(k, 0) + f * (b.attention.get(k, 0) - a.attention.get(k, 0)))
+                 for k in set(a.attention) | set(b.attention)}
+    predicted = predict_memory(world.source.config, world.layout, stage=b.coords["pp"])
+    peak = {k: round(b.peak[k] + f * (b.peak[k] - a.peak.get(k, 0))) for k in b.peak}
+    return dataclasses.replace(b, peak=peak, predicted=predicted, comm=extrapolate_comm_bytes(a.comm, b.comm, f),
+                               seconds=a.seconds + b.seconds, attention=attention,
+                               roofline=roofline_report(world, trace, calls), trace=trace, comm_calls=calls,
+                               extrapolated_from=counts)
 
 
 def _quiet_known_notices() -> None:

@@ -1,0 +1,114 @@
+"""``simulate``'s step of many micro-batches extrapolated from two shorter simulated steps
+(simulate/microbatches.py) against the whole step simulated, on tiny models: gradient accumulation under
+FSDP, a 1F1B pipeline with tp, MoE with ep; and the figures table's arithmetic (bench/planner_figures.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+
+from qwen3_pretrain.config.loader import load_config
+from qwen3_pretrain.simulate.roofline import trace as trace_module
+from qwen3_pretrain.simulate.microbatches import extrapolation_counts
+from qwen3_pretrain.simulate.run import make_world, simulate_ranks
+from qwen3_pretrain.train.config import TrainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+TINY_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 512}
+
+
+@pytest.fixture(autouse=True)
+def stable_storage_keys(monkeypatch):
+    """The fusion model keys storages by address, which the allocator reuses within a region, so its bytes
+    vary by 0.5-4% between two simulations of the same step; here each storage gets an id of its own for
+    its lifetime (torch keeps one Python object per storage), so the comparison is exact."""
+    ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    counter = itertools.count()
+
+    def key(t):
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return id(t)
+        if storage not in ids:
+            ids[storage] = next(counter)
+        return ids[storage]
+
+    monkeypatch.setattr(trace_module, "_storage_key", key)
+
+
+def _both(overrides: list[str], world_size: int, device: str = "h100"):
+    cfg = load_config(TrainConfig, None, ["seq_length=32", "activation_checkpointing=full", *overrides])
+    world = make_world(cfg, world_size, hardware=device)
+    ranks = world.dims.first_rank_of_stages()
+    whole = simulate_ranks(world, ranks, jobs=2, extrapolate=False)
+    short = simulate_ranks(world, ranks, jobs=2)
+    return world, whole, short
+
+
+def _same(whole, short) -> None:
+    for w, s in zip(whole, short):
+        assert w.extrapolated_from is None and s.extrapolated_from is not None
+        assert s.trace.matmuls == w.trace.matmuls
+        assert s.trace.attention == w.trace.attention
+        assert s.trace.host_ops == w.trace.host_ops
+        for phase, ops in w.trace.memory.items():
+            got = s.trace.memory[phase]
+            assert (got.ops, got.regions) == (ops.ops, ops.regions), phase
+            assert got.eager_bytes == pytest.approx(ops.eager_bytes, rel=1e-12, abs=1e-6), phase
+            assert got.fused_bytes == pytest.approx(ops.fused_bytes, rel=1e-12, abs=1e-6), phase
+        assert s.comm_calls.keys() == w.comm_calls.keys()
+        for key, (nbytes, calls) in w.comm_calls.items():
+            assert s.comm_calls[key][1] == calls and s.comm_calls[key][0] == pytest.approx(nbytes), key
+        assert s.attention == w.attention
+        assert s.peak == w.peak  # held memory stops growing after the shorter steps' counts
+        for mode in ("eager", "compiled"):
+            assert s.roofline[mode]["step_s"] == pytest.approx(w.roofline[mode]["step_s"], rel=1e-6)
+
+
+def test_counts_only_where_they_save_work():
+    assert extrapolation_counts(64, 1, "1f1b") == (2, 3)
+    assert extrapolation_counts(5, 1, "1f1b") is None  # 2 + 3 micro-batches: no saving
+    assert extrapolation_counts(6, 1, "1f1b") == (2, 3)
+    assert extrapolation_counts(64, 4, "1f1b") == (4, 5)  # the warm-up of 3 forwards complete
+    assert extrapolation_counts(64, 2, "gpipe") is None  # the peak grows with the count
+    assert extrapolation_counts(64, 2, "interleaved") is None
+
+
+def test_accumulation_under_fsdp_extrapolates_exactly():
+    """dp 2 (FSDP, weights gathered per micro-batch), 6 accumulated micro-batches: simulated at 2 and 3."""
+    _, whole, short = _both(["model_name=qwen3-8b", f"model_overrides={json.dumps(TINY)}", "tp=1", "pp=1",
+                             "batch_size=1", "gradient_accumulation_steps=6"], 2)
+    assert short[0].extrapolated_from == (2, 3)
+    _same(whole, short)
+
+
+def test_1f1b_pipeline_with_tp_extrapolates_exactly():
+    """tp 2 x pp 2, 6 pipeline micro-batches, both stages; built for the 910B (its kernels and pricing)."""
+    world, whole, short = _both(["model_name=qwen3-8b", f"model_overrides={json.dumps(TINY)}", "tp=2", "pp=2",
+                                 "batch_size=6", "pp_microbatch_size=1"], 4, device="910b")
+    assert world.layout.num_microbatches == 6 and len(short) == 2
+    _same(whole, short)
+    assert whole[0].roofline["eager"]["breakdown_s"]["bubble"] > 0
+
+
+def test_moe_with_ep_extrapolates_exactly():
+    """Qwen3-MoE, dp 2 x ep 2, 6 accumulated micro-batches (the heaviest ep rank at 2x the mean)."""
+    cfg = load_config(TrainConfig, None, ["seq_length=32", "activation_checkpointing=full",
+                                          "model_name=qwen3-30b-a3b", f"model_overrides={json.dumps(TINY_MOE)}",
+                                          "tp=1", "pp=1", "ep=2", "batch_size=1", "gradient_accumulation_steps=6"])
+    world = make_world(cfg, 2, moe_imbalance=2.0)
+    whole = simulate_ranks(world, [0], jobs=2, extrapolate=False)
+    short = simulate_ranks(world, [0], jobs=2)
+    _same(whole, short)
+    assert ("ep", "all_to_all", 2) in short[0].comm_calls
