@@ -513,10 +513,39 @@ def throughput(v: Variant) -> Callable[[Context, float], dict]:
                             v.seq_length, v.batch_size, v.compile)
         if figures is None or not math.isfinite(figures["last_loss"]):
             raise StageFailed(f"no finite timed step in {work / 'metrics.jsonl'}", tail(logs / "log.txt"), figures)
+        roofline = roofline_check(ctx, deadline, logs, v, figures["step_time_s"])
         return {"model": v.model, "seq_length": v.seq_length, "batch_size": v.batch_size, "compile": v.compile,
-                **figures}
+                **figures, "roofline": roofline}
 
     return run
+
+
+def roofline_check(ctx: Context, deadline: float, logs: Path, v: Variant, measured_step_s: float) -> dict:
+    """The roofline's predicted step for the run just measured (``bench/device_check_roofline.py``: simulate of
+    its config priced on the detected device, or this CPU's probed figures on ``--cpu``) beside the measured
+    median step: ``ratio`` = predicted / measured, and the predicted breakdown. One simulation per shape serves
+    the eager and compiled variants. A failure is recorded, not raised: the throughput figures stand."""
+    cache = ctx.work / "roofline" / f"{v.model}-seq{v.seq_length}-b{v.batch_size}.json"
+    if not cache.is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        env = json.loads((ctx.out / "env.json").read_text()) if (ctx.out / "env.json").is_file() else {}
+        target = ["--cpu"] if ctx.mode == "cpu" else ["--device-name", env.get("device_name", "")]
+        try:
+            ctx.run([ctx.python, "bench/device_check_roofline.py", "--config", logs / "config.yaml", *target,
+                     "--out", cache], deadline, logs / "roofline.log")
+        except StageFailed as e:
+            return {"error": e.message, "tail": e.tail[-1500:]}
+    priced = json.loads(cache.read_text())
+    if "skipped" in priced:
+        return priced
+    mode = "compiled" if v.compile else "eager"
+    e = priced["modes"][mode]
+    out = {"device": priced["device"], "mode": mode, "predicted_step_s": e["predicted_step_s"],
+           "measured_step_s": measured_step_s, "ratio": round(e["predicted_step_s"] / measured_step_s, 3),
+           "predicted_mfu": e["predicted_mfu"], "breakdown_s": e["breakdown_s"], "simulate_s": priced["simulate_s"]}
+    print(f"  roofline {variant_name(v, ctx.sizes.bench_model is not None)} on {out['device']}: predicted "
+          f"{out['predicted_step_s']:.4f} s, measured {measured_step_s:.4f} s, ratio {out['ratio']:.2f}", flush=True)
+    return out
 
 
 # --- FP8 ---------------------------------------------------------------------------------------------------------

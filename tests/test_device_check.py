@@ -68,6 +68,10 @@ def test_every_stage_passes_on_the_cpu(cpu_run):
     assert names[len(CLI_STAGES):len(CLI_STAGES) + len(multi)] == multi and "multi/ep2-moe-bf16" in multi
     variants = names[len(CLI_STAGES) + len(multi):-2]
     assert variants and [n.startswith("throughput/") for n in variants] == [True] * len(variants), variants
+    for name in variants:  # the roofline's predicted step beside the measured one (probed CPU figures)
+        roofline = by_name(summary)[name]["roofline"]
+        assert roofline["predicted_step_s"] > 0 and roofline["measured_step_s"] > 0 and roofline["ratio"] > 0, roofline
+        assert roofline["breakdown_s"]["matmul"] > 0 and roofline["breakdown_s"]["elementwise"] > 0, roofline
     assert names[-2:] == ["fp8/dense", "fp8/moe"]  # emulated FP8 runs, the last stages
     assert summary["finished"] and summary["all_ok"] and summary["not_run"] == [] and summary["mode"] == "cpu"
     assert summary["skipped"] == []
