@@ -248,8 +248,10 @@ _ASCEND_PEAK = ("no Huawei datasheet gives per-SKU dense bf16 figures; this is t
 # ~2.9 of 3.35 TB/s on an H100 SXM), 0.80 on Ascend (unverified); ``launch_latency_us`` 3.2 per eager op:
 # bench/host_overhead.py's HOST_MS_PER_LAYER (2.4 ms per eager layer at tp 1) over the ~760 operators a
 # decoder layer's forward and backward dispatch there (simulate's op trace of a tiny Qwen3 at tp 1, FSDP's
-# copies included: 3,530 ops for 4 layers, 2,012 for 2), and 4 per compiled kernel launch (inductor's
-# launcher, no CUDA graphs; not measured here). An NPU's eager dispatch through torch_npu's task queue is
+# copies included: 3,530 ops for 4 layers, 2,012 for 2): the engine's whole host cost per op at tiny shapes
+# (its Python, autograd and FSDP's hooks with the dispatch and the launch), what bench/roofline_cpu.py
+# calibrates the same way on a CPU; and 4 per compiled kernel launch (inductor's launcher, no CUDA graphs;
+# not measured here). An NPU's eager dispatch through torch_npu's task queue is
 # reportedly slower: unmeasured, the same figure is used.
 # ``attention_efficiency`` 0.5 of the dtype's peak for fused attention (FlashAttention-2 on Hopper, forward and
 # backward together: ~50% of the H100's bf16 peak in its paper's training benchmarks; not measured here),
