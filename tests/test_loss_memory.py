@@ -41,15 +41,16 @@ def _forward_peak(tokens: int, chunk: int, dtype: torch.dtype, fp32_matmul: bool
     return peak
 
 
-@pytest.mark.parametrize("tokens, chunk", [(512, 256), (300, 256), (256, 256)])
+@pytest.mark.parametrize("tokens, chunk", [(512, 256), (300, 256), (256, 256), (768, 256), (1000, 256)])
 def test_bf16_chunk_keeps_its_fp32_logits_and_no_bf16_copy(tokens, chunk):
     """Beside the gradients it returns, the loss holds one chunk's fp32 logits (the in-place conversions' one
     bf16 row is freed before the weight's gradient, larger, exists): a separate bf16 logits buffer would add
-    chunk x vocab x 2 bytes (4 MiB)."""
+    chunk x vocab x 2 bytes (4 MiB). The weight's gradient: over one or two chunks the bf16 gradient alone
+    (the second chunk's product in the logits' spent bytes), over more the fp32 sum alone."""
     peak = _forward_peak(tokens, chunk, torch.bfloat16)
     logits = chunk * VOCAB * 4
     grad_hidden = tokens * HIDDEN * 2
-    grad_weight = VOCAB * HIDDEN * (2 + (4 if tokens > chunk else 0))  # bf16 buffer + fp32 sum over chunks
+    grad_weight = VOCAB * HIDDEN * (4 if -(-tokens // chunk) > 2 else 2)
     kept = logits + grad_hidden + grad_weight
     small = 64 * chunk * 8  # per-token vectors of the chunk (max, sums, ids, masks)
     assert kept <= peak <= kept + small, (peak, kept)
@@ -58,15 +59,17 @@ def test_bf16_chunk_keeps_its_fp32_logits_and_no_bf16_copy(tokens, chunk):
 
 def test_bf16_peak_scales_with_the_chunk_not_the_tokens():
     """Twice the tokens in chunks of the same size cost the same logits bytes; twice the chunk costs
-    twice the fp32 logits (4 bytes per entry, not 6)."""
+    twice the fp32 logits (4 bytes per entry, not 6; both in four chunks, so the weight's gradient is kept
+    alike)."""
     base = _forward_peak(512, 128, torch.bfloat16)
     assert _forward_peak(1024, 128, torch.bfloat16) - base < 0.05 * 128 * VOCAB * 4
-    assert _forward_peak(512, 256, torch.bfloat16) - base == pytest.approx(128 * VOCAB * 4, rel=0.02)
+    assert _forward_peak(1024, 256, torch.bfloat16) - base == pytest.approx(128 * VOCAB * 4, rel=0.02)
 
 
 @pytest.mark.parametrize("dtype, fp32_matmul, tokens, chunk", [
     (torch.bfloat16, False, 512, 256), (torch.bfloat16, False, 256, 256), (torch.float32, False, 512, 256),
-    (torch.bfloat16, True, 512, 256)])
+    (torch.bfloat16, True, 512, 256), (torch.bfloat16, False, 768, 256), (torch.bfloat16, False, 96, 8),
+    (torch.bfloat16, False, 16, 8)])
 def test_planner_logits_term_is_the_measured_peak(dtype, fp32_matmul, tokens, chunk):
     """``loss_working_bytes`` counts the head's input (the final norm's output), made before the loss and
     not measured here, where the measurement has the hidden states' gradient of the same size, which the
@@ -111,3 +114,21 @@ def test_default_chunk_keeps_the_logits_within_the_budget():
             assert chunk * vocab * 4 <= budget or chunk == floor
             assert chunk == cap or 2 * chunk * vocab * 4 > budget
     assert default_chunk_tokens("cpu", 248320) == 512
+
+
+@pytest.mark.parametrize("tokens, chunk", [(512, 256), (700, 256), (1000, 200), (40, 8), (24, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_gradient_is_the_fp32_sum_of_the_chunks_products_rounded_once(tokens, chunk, dtype):
+    """The head's weight gradient over several chunks equals, to the bit, each chunk's product (a call on that
+    chunk alone, whose gradient is its one matmul's output) summed in fp32 in chunk order and rounded once:
+    for two chunks (one addition in the inputs' dtype), for more (an fp32 running sum), and where a chunk has
+    fewer tokens than the hidden size (8 < 16: each product in a buffer of its own)."""
+    hidden, weight, labels = _inputs(tokens, dtype)
+    fused_linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk).backward()
+    total = torch.zeros(VOCAB, HIDDEN)
+    for start in range(0, tokens, chunk):
+        part = weight.detach().clone().requires_grad_()
+        piece = slice(start, start + chunk)
+        fused_linear_cross_entropy(hidden.detach()[:, piece], part, labels[:, piece], chunk_tokens=chunk).backward()
+        total += part.grad.float()
+    assert torch.equal(weight.grad, total.to(dtype))

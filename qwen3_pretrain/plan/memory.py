@@ -188,9 +188,13 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     bf16 the matmul's output before the upcast and the gradient after the
     downcast live in those same bytes, converted in place through one row, which
     is gone before the weight's gradient exists, so it never adds to the peak);
-    the head's weight gradient accumulated in fp32 and, in bf16,
-    one chunk's contribution (the buffer that ends as the rounded sum; with a
-    single chunk that buffer is the gradient and there is no fp32 sum); and its
+    the head's weight gradient: in fp32 the running sum; in bf16 over one or two
+    chunks the gradient (the second chunk's product is written into the logits'
+    spent bytes and added to the first's), over three or more the fp32 running
+    sum (each product in the logits' spent bytes), rounded after the logits are
+    freed (sum and rounded copy then, if larger than the logits and sum; a
+    product in a buffer of its own where a chunk has fewer tokens than the
+    hidden size); and its
     input, the final norm's output (plus its gathered copy under tp). With
     ``fp32_matmul`` (bf16 multiplied in fp32 on a CPU) the logits and their
     gradient exist in fp32 only, and fp32 copies of the weight and of the input
@@ -204,8 +208,12 @@ def loss_working_bytes(cfg: Qwen3Config, layout: Layout) -> float:
     if low and layout.fp32_matmul:
         return chunk * vocab * 4 + vocab * cfg.hidden_size * (4 + 4 + d) + hidden + 4 * tokens * cfg.hidden_size
     logits = chunk * vocab * 4
-    weight_grad = vocab * cfg.hidden_size * (d + (4 if low and tokens > chunk else 0))
-    return logits + weight_grad + hidden
+    summed = low and -(-tokens // chunk) > 2  # bf16 over three or more chunks: the fp32 running sum
+    weight_grad = vocab * cfg.hidden_size * (4 if summed else d)
+    if low and tokens > chunk and cfg.hidden_size > chunk:  # too few spent bytes: each product in its own buffer
+        weight_grad += vocab * cfg.hidden_size * d
+    rounding = vocab * cfg.hidden_size * (4 + d) if summed else 0  # sum and its rounded copy, logits freed
+    return max(logits + weight_grad, rounding) + hidden
 
 
 def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, dict[str, float]]:

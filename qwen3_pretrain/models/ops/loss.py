@@ -140,7 +140,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         want_weight_grad = opts.compute_grads and ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=compute, device=hidden.device)
         unmatched = torch.zeros(num_tokens if opts.check_labels else 0, dtype=torch.bool, device=hidden.device)
-        scratch = _Scratch(min(opts.chunk_tokens, num_tokens), weight, compute)
+        scratch = _Scratch(min(opts.chunk_tokens, num_tokens), weight, compute,
+                           num_chunks=-(-num_tokens // opts.chunk_tokens))
         # Autocast already happened in the caller; inside, every dtype is chosen explicitly.
         with torch.autocast(hidden.device.type, enabled=False):
             # A fixed chunk order keeps the fp32 accumulations deterministic.
@@ -183,18 +184,28 @@ class _Scratch:
     (``_upcast_in_place``, ``_downcast_in_place``): a chunk keeps ``n x V_local``
     fp32 logits and nothing else of that size (it kept a separate bf16 buffer,
     half as large again, before; the arithmetic is the same to the bit).
+
+    The weight's gradient over several chunks in bf16 is the fp32 sum of the
+    chunks' bf16 products, rounded once. Each chunk's product is written into the
+    buffer's bytes that the chunk's bf16 gradient leaves free (``spare_view``),
+    so beside the logits the loss holds, with two chunks, only the first chunk's
+    product, to which the second is added by one bf16 addition (computed in fp32,
+    rounded once: the same bits); with three or more, only the fp32 sum, rounded
+    once the logits are gone. (It held a bf16 product buffer and the fp32 sum
+    before: 1.5x the weight in fp32 bytes, the same arithmetic.)
     """
 
-    def __init__(self, rows: int, weight: torch.Tensor, compute: torch.dtype) -> None:
+    def __init__(self, rows: int, weight: torch.Tensor, compute: torch.dtype, num_chunks: int = 1) -> None:
         shape = (rows, weight.shape[0])
         self.logits = torch.empty(shape, dtype=compute, device=weight.device)  # softmax math
         self.compute = compute
         self.low_dtype = weight.dtype  # the matmuls' dtype: the inputs'
         self.same_dtype = weight.dtype == compute
         assert self.same_dtype or compute.itemsize == 2 * weight.dtype.itemsize, (compute, weight.dtype)
-        # [V_local, H] in the inputs' dtype: the first chunk's matmul output, then each chunk's
+        self.num_chunks = num_chunks
+        # [V_local, H] in the inputs' dtype: the gradient (one chunk), the first chunk's product (two chunks)
         self.weight_grad: torch.Tensor | None = None
-        # the sum over chunks in the compute dtype, when the inputs are in a lower one and there are several
+        # the running sum over three or more chunks in the compute dtype, when the inputs are in a lower one
         self.weight_sum: torch.Tensor | None = None
 
     def low_view(self, rows: int, upper: bool) -> torch.Tensor:
@@ -205,23 +216,38 @@ class _Scratch:
         size = rows * self.logits.shape[1]
         return (flat[size:] if upper else flat[:size]).view(rows, -1)
 
+    def spare_view(self, rows: int, shape: torch.Size) -> torch.Tensor:
+        """``shape`` in the inputs' dtype over the buffer's bytes after a ``rows``-row chunk's bf16 gradient
+        (``low_view(rows, upper=False)``), whose fp32 logits are spent by then; a new tensor where the
+        buffer has too few such bytes (a chunk of fewer tokens than the hidden size)."""
+        flat = self.logits.view(self.low_dtype).view(-1)
+        start, size = rows * self.logits.shape[1], shape.numel()
+        if start + size > flat.numel():
+            return torch.empty(shape, dtype=self.low_dtype, device=self.logits.device)
+        return flat[start:start + size].view(shape)
+
     def add_weight_grad(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Add one chunk's ``grad_logits.T @ hidden`` to the weight's gradient. With one chunk the
         matmul's output is the gradient: no fp32 sum, no rounding pass."""
-        if self.weight_grad is None:
+        if self.weight_grad is None and self.weight_sum is None and (self.same_dtype or self.num_chunks <= 2):
             self.weight_grad = torch.mm(grad_logits.T, hidden)
         elif self.same_dtype:  # fp32 / fp64 inputs: accumulate in place
             self.weight_grad.addmm_(grad_logits.T, hidden)
         else:
-            if self.weight_sum is None:
-                self.weight_sum = self.weight_grad.to(self.compute)
-            self.weight_sum += torch.mm(grad_logits.T, hidden, out=self.weight_grad)
+            shape = torch.Size((grad_logits.shape[1], hidden.shape[1]))
+            product = torch.mm(grad_logits.T, hidden, out=self.spare_view(len(grad_logits), shape))
+            if self.weight_grad is not None:  # the second of two: fp32 sum of the two, rounded once
+                self.weight_grad.add_(product)
+            elif self.weight_sum is None:
+                self.weight_sum = product.to(self.compute)
+            else:
+                self.weight_sum += product
 
     def weight_grad_result(self) -> torch.Tensor:
-        """The weight's gradient in the inputs' dtype (an fp32 sum is rounded once, into the chunk buffer)."""
+        """The weight's gradient in the inputs' dtype (an fp32 sum is rounded once, after the logits are freed)."""
         if self.weight_sum is not None:
-            self.weight_grad.copy_(self.weight_sum)
-            self.weight_sum = None
+            self.logits = None
+            self.weight_grad, self.weight_sum = self.weight_sum.to(self.low_dtype), None
         return self.weight_grad
 
 
