@@ -443,6 +443,8 @@ def main(argv: list[str]) -> int:
             print(f"  {name}: measured {r['step_s']:.3f} s, predicted {r['predicted']['step_s']:.3f} s, load "
                   f"{r['load'][0]:.1f}-{r['load'][1]:.1f}; host {json.dumps(hosts[name])}; device "
                   f"{json.dumps(r['predicted']['device'])}; probe {json.dumps(r['probe'])}", flush=True)
+            if args.json:  # after each variant: a later variant's failure keeps the earlier ones
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print_table(rows)
     if args.json:

@@ -140,7 +140,7 @@ def seconds_per_call(fn: Callable[[], object], min_seconds: float = 0.02, repeat
     """Median over ``repeats`` of the mean time of ``fn`` over a run of at least ``min_seconds``."""
     fn()  # first call: oneDNN primitive creation, page faults of fresh outputs
     start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_seconds / 4:
+    while calls == 0 or time.perf_counter() - start < min_seconds / 4:  # one call at least (a preempted start)
         fn()
         calls += 1
     per_call = (time.perf_counter() - start) / calls
