@@ -30,11 +30,18 @@ def make_corpus(path: Path, num_docs: int = 300, vocab: int = 500, eod: int = 51
     return path
 
 
+# MFU's peak of the test runs: given, so that a run skips the CPU's matmul probe (about 0.5 s of one core
+# per launch, while the other ranks wait; hundreds of launches in the suite). The probe runs where a test
+# passes peak_tflops=None (test_first_hour.py's torchrun runs) or uses a shipped config (the quickstart, the
+# examples, the device check), and tests/test_device_metrics.py times it alone.
+TEST_PEAK_TFLOPS = 1.0
+
+
 def write_config(path: Path, data_path: Path, output_path: Path, **overrides) -> Path:
     cfg = {"model_name": "qwen3-0.6b", "data_path": str(data_path), "output_path": str(output_path),
            "seq_length": 64, "batch_size": 2, "total_steps": 5, "log_steps": 1, "learning_rate": 3e-3,
            "warmup_steps": 1, "mixed_precision": "fp32", "seed": 7, "model_overrides": dict(TINY_MODEL),
-           "save_steps": 0}
+           "save_steps": 0, "peak_tflops": TEST_PEAK_TFLOPS}
     cfg.update(overrides)
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -66,18 +73,29 @@ def child_env() -> dict:
     return env
 
 
-def train_command(config: Path, nproc: int = 1, *overrides: str) -> list[str]:
-    """``qwen3-pretrain train`` as one process, or under torchrun with ``nproc`` processes."""
+def train_command(config: Path, nproc: int = 1, *overrides: str, torchrun: bool = False) -> list[str]:
+    """``qwen3-pretrain train`` as one process, or ``nproc`` ranks started by tests/_ranks.py with torchrun's
+    environment (``torchrun``: under torchrun itself, for the tests of what torchrun does)."""
+    train = ["-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
     if nproc == 1:
-        return [sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port()), "-m", "qwen3_pretrain", "train", "--config", str(config), *overrides]
+        return [sys.executable, *train]
+    if torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), *train]
+    return ranks_launch(nproc) + [sys.executable, *train]
 
 
-def run_train(config: Path, nproc: int = 1, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``qwen3-pretrain train`` as one process, or under torchrun with ``nproc`` processes."""
-    return subprocess.run(train_command(config, nproc, *overrides), capture_output=True, text=True,
-                          timeout=timeout, env=child_env())
+def ranks_launch(nproc: int) -> list[str]:
+    """The start of a command that runs what follows it as ``nproc`` ranks with torchrun's environment
+    (tests/_ranks.py: no agent process importing torch)."""
+    return [sys.executable, str(Path(__file__).with_name("_ranks.py")), str(nproc), str(free_port())]
+
+
+def run_train(config: Path, nproc: int = 1, *overrides: str, timeout: int = 300,
+              torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run ``qwen3-pretrain train`` as one process or on ``nproc`` ranks (``train_command``)."""
+    return subprocess.run(train_command(config, nproc, *overrides, torchrun=torchrun), capture_output=True,
+                          text=True, timeout=timeout, env=child_env())
 
 
 def step_records(output_path: Path) -> list[dict]:

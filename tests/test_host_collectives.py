@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from qwen3_pretrain.parallel import env
 from tests._device_group import stand_in
-from tests._train_helpers import check_ok, child_env, free_port, losses, make_corpus, write_config
+from tests._train_helpers import check_ok, child_env, losses, make_corpus, ranks_launch, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,8 +30,8 @@ def test_the_stand_in_keeps_each_library_on_its_device_types():
 
 
 def _train_on_device_group(cfg: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(REPO / "tests" / "_device_group.py"), "train", "--config", str(cfg), *overrides]
+    cmd = [*ranks_launch(nproc), sys.executable, str(REPO / "tests" / "_device_group.py"), "train", "--config",
+           str(cfg), *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env(), cwd=REPO)
 
 

@@ -26,7 +26,8 @@ from qwen3_pretrain.models.ops.gated_delta import chunk_gated_delta_rule
 from qwen3_pretrain.models.ops.moe import cpu_grouped_fp32
 from tests._host_syncs import HostSyncCounter, _drop_line
 from qwen3_pretrain.data.synthetic import write_synthetic_dataset
-from tests._train_helpers import TINY_MODEL, check_ok, child_env, free_port, make_corpus, run_train, write_config
+from tests._train_helpers import (TINY_MODEL, check_ok, child_env, free_port, make_corpus, ranks_launch, run_train,
+                                  write_config)
 
 STEP_READ = "to at train/engine.py _read"  # the step's figures, one copy
 MOE = dict(TINY_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
@@ -61,8 +62,7 @@ def _syncs_per_step(tmp_path: Path, corpus: Path, nproc: int, overrides: dict) -
     config = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=10,
                           gradient_accumulation_steps=2, **overrides)
     script = ["-m", "tests._host_syncs", str(config), str(tmp_path)]
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    launch = [sys.executable] if nproc == 1 else ranks_launch(nproc) + [sys.executable]
     check_ok(subprocess.run(launch + script, capture_output=True, text=True, timeout=600, env=child_env(),
                             cwd=Path(__file__).resolve().parents[1]))
     ranks = []

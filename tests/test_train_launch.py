@@ -53,7 +53,7 @@ def test_reference_config_layout_tp4_pp2_on_8_processes(corpus, tmp_path):
                  f"model_overrides={model}", "seq_length=64", "batch_size=2", "total_steps=3", "log_steps=1",
                  "warmup_steps=1", "learning_rate=3e-3", "save_steps=0", "mixed_precision=fp32"]
     proc = run_train(REPO / "examples/pretrain_config.yaml", 8, *overrides, f"output_path={tmp_path / 'out'}",
-                     timeout=400)
+                     timeout=400, torchrun=True)
     check_ok(proc)
     assert "tp 4 pp 2 dp 1" in proc.stdout
     single = run_train(REPO / "examples/pretrain_config.yaml", 1, *overrides, f"output_path={tmp_path / 'one'}",
@@ -190,7 +190,7 @@ def test_bad_input_stops_before_any_heavy_work(name, corpus, tmp_path):
 @pytest.mark.distributed
 def test_bad_input_under_torchrun_stops_every_rank(corpus, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
-    proc = run_train(cfg, 2, "rank_size=4", timeout=120)
+    proc = run_train(cfg, 2, "rank_size=4", timeout=120, torchrun=True)
     text = proc.stderr + proc.stdout
     assert proc.returncode == 1  # torchrun's own status when a worker fails (the worker's is 2)
     # Printed once (rank 0; rank 1 would print later but the launcher stops it first), and named as the root
@@ -236,8 +236,8 @@ def test_stopping_a_torchrun_launch(how, corpus, tmp_path):
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", corpus, out, total_steps=10_000, save_steps=0)
     with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen(train_command(cfg, 2), stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                start_new_session=True)  # its own process group, as a terminal's job
+        proc = subprocess.Popen(train_command(cfg, 2, torchrun=True), stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env(), start_new_session=True)  # its own process group, as a terminal's job
         try:
             wait_for_step(out / "metrics.jsonl", 2, proc, timeout=300)
             if how == "ctrl-c":

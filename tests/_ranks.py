@@ -1,0 +1,64 @@
+"""``python tests/_ranks.py NPROC PORT COMMAND...``: NPROC ranks of COMMAND on this host, each with the
+environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), rank 0 hosting the rendezvous store on PORT. The launcher of the training tests whose point is
+a parallel layout, not the launcher (tests/test_train_launch.py, test_first_hour.py and the elastic restart
+keep torchrun itself).
+
+Why not torchrun: its agent imports torch and runs a rendezvous before it starts a worker, about 2 s of CPU
+per launch, over a hundred launches in the suite. Measured on the 2-core Xeon (shared, load 7-9), a tp 2 run
+of tests/_train_helpers.py's tiny model, 5 steps, 3 runs each alternated: 11.7 s of CPU (median, launcher
+and ranks) under torchrun, 9.5 s this way; two ranks of a bare all-reduce: 12.2 / 11.6 s wall against
+8.6 / 9.3 s. This script imports nothing heavy. It does what torchrun does for a test: the ranks share its stdout and stderr (the
+caller captures them), SIGTERM and SIGINT are passed on to every rank, the first rank that fails has the
+others stopped (a rank left waiting in a collective would hang until its timeout), and the exit status is
+torchrun's: 0 when every rank succeeded, else 1. The ranks stay in the launcher's process group, so
+``os.killpg`` of a launch started with ``start_new_session`` kills it whole, as a machine that dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+# How long a rank may take to end after SIGTERM, once another has failed, before it is killed.
+STOP_GRACE_S = 10.0
+
+
+def main(argv: list[str]) -> int:
+    nproc, port, cmd = int(argv[0]), argv[1], argv[2:]
+    ranks = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        ranks.append(subprocess.Popen(cmd, env=env))
+
+    def forward(signum, _frame):
+        for p in ranks:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        codes = [p.poll() for p in ranks]
+        if all(c == 0 for c in codes):
+            return 0
+        if any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.02)
+    forward(signal.SIGTERM, None)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in ranks:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
