@@ -38,12 +38,12 @@ RUNS = {
     "dp2": (2, ["batch_size=2"]),
     "dp2-replicated": (2, ["batch_size=2", "distributed_optimizer=false"]),
     # expert parallelism: ep 2 over dp 2, over cp 2, over tp 2 (the MoE layers on each tp rank's share of
-    # the sequence); ep 4 over dp 2 x tp 2 and over dp 4
+    # the sequence); ep 4 over dp 2 x tp 2 (ep 4 over dp 4 trains in test_resume_across_expert_parallel_degrees,
+    # held to the one-process run there)
     "ep2": (2, ["batch_size=2", "ep=2"]),
     "ep2-cp2": (2, ["cp=2", "batch_size=4", "ep=2"]),
     "ep2-tp2": (4, ["tp=2", "batch_size=2", "ep=2"]),
     "ep4-tp2": (4, ["tp=2", "batch_size=2", "ep=4"]),
-    "ep4": (4, ["batch_size=1", "ep=4"]),
     "ep2-dp4": (4, ["batch_size=1", "ep=2"]),  # each rank's experts FSDP-sharded over the 2 ranks ep leaves
     "ep2-hsdp": (4, ["batch_size=1", "dp_shard=2", "ep=2"]),  # 2 replicas of 2 shards, ep within a replica
     # dp 2 x pp 2 with two micro-batches per rank: the global micro-batches hold samples (0, 2) and (1, 3),
@@ -109,7 +109,7 @@ def assert_same_moe_training(got: list[dict], want: list[dict], label: str) -> N
 @pytest.mark.parametrize("name,reference", [("dp2", "single"), ("dp2-replicated", "single"), ("tp2", "single"),
                                             ("ep2", "single"), ("ep2-cp2", "single"), ("ep2-tp2", "single"),
                                             ("ep4-tp2", "single"),
-                                            ("ep4", "single"), ("ep2-dp4", "single"), ("ep2-hsdp", "single"), ("ep2-pp2", "dp2-pp2"),
+                                            ("ep2-dp4", "single"), ("ep2-hsdp", "single"), ("ep2-pp2", "dp2-pp2"),
                                             ("ep2-pp2-noaux", "single-noaux"),
                                             ("cp2", "single"), ("pp2", "single-accumulate"),
                                             ("pp2-recompute", "single-accumulate")])
@@ -254,21 +254,20 @@ def test_the_quickstart_moe_example_trains(moe_runs, tmp_path):
 @pytest.mark.distributed
 def test_resume_across_expert_parallel_degrees(moe_runs, tmp_path):
     """ep 2 -> one process -> ep 4: each resume continues as the uninterrupted one-process run does (the
-    experts are saved whole under their names, each rank reads its own)."""
-    total = 6
-    ref, ep2 = tmp_path / "ref", tmp_path / "ep2"
-    check_ok(run_train(moe_runs.config(tmp_path / "r.yaml", ref, total_steps=total), 1, "batch_size=4"))
-    check_ok(run_train(moe_runs.config(tmp_path / "a.yaml", ep2, total_steps=total), 2, "batch_size=2", "ep=2"))
-    want = step_records(ref)
+    experts are saved whole under their names, each rank reads its own). The uninterrupted runs are the
+    module's "single" and "ep2" (4 steps, saved at 2 and 4); the one-process run saves every step, so that
+    ep 4 resumes from its step 3."""
+    total = SETUP["total_steps"]
+    want, ep2 = moe_runs.records("single"), moe_runs.output("ep2")
     assert_same_moe_training(step_records(ep2), want, "ep 2")
     one = tmp_path / "one"
     resume_from(ep2, 2, one)
-    check_ok(run_train(moe_runs.config(tmp_path / "b.yaml", one, total_steps=total), 1, "batch_size=4"))
+    check_ok(run_train(moe_runs.config(tmp_path / "b.yaml", one, save_steps=1), 1, "batch_size=4"))
     assert_same_moe_training(step_records(one), want[2:], "ep 2 -> one process")
     ep4 = tmp_path / "ep4"
-    resume_from(one, 4, ep4)
-    check_ok(run_train(moe_runs.config(tmp_path / "c.yaml", ep4, total_steps=total), 4, "batch_size=1", "ep=4"))
-    assert_same_moe_training(step_records(ep4), want[4:], "one process -> ep 4")
+    resume_from(one, total - 1, ep4)
+    check_ok(run_train(moe_runs.config(tmp_path / "c.yaml", ep4), 4, "batch_size=1", "ep=4"))
+    assert_same_moe_training(step_records(ep4), want[total - 1:], "one process -> ep 4")
 
 
 @pytest.mark.distributed
