@@ -172,6 +172,8 @@ def titan_worker(args: argparse.Namespace) -> None:
     state = Qwen3StateDictAdapter(config, None).from_hf(load_file(str(Path(args.hf) / "model.safetensors")))
     targets = model.state_dict()
     for name, target in targets.items():
+        if name not in state:  # buffers HF has no weights for (MoE's expert bias and token counts): as built
+            continue
         value = state[name].to(target.dtype)
         targets[name] = (distribute_tensor(value, target.device_mesh, target.placements)
                          if isinstance(target, DTensor) else value)
