@@ -5,6 +5,7 @@
     python bench/train_cpu.py --profile bf16                    # where one engine step spends its time
     python bench/train_cpu.py --model moe --variants hf-bf16,bf16,hf-fp32,fp32   # Qwen3-MoE
     python bench/train_cpu.py --model hybrid --variants hf-fp32,fp32,hf-bf16,bf16   # Qwen3.5 (Gated DeltaNet)
+    python bench/train_cpu.py --model moe --variants bf16-grow,bf16 --repeats 2 --warmup 2 --steps 18   # RSS curve
 
 Model: Qwen3 with hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64,
 intermediate 768, the full 151,936 vocabulary, tied embeddings; seq 512, batch
@@ -19,6 +20,12 @@ after every step (warm-up steps included; the largest rank's; in brackets the
 part in transparent huge pages, ``/proc/self/smaps_rollup``): memory that keeps
 growing from step to step shows there. On a shared machine the CPU time
 is the steadier figure: the load average is printed before and after.
+``--repeats N`` runs the list N times, interleaved (A B A B), each run its own row.
+
+``bf16-grow`` is ``bf16`` without the two levers that keep a CPU run's memory
+steady (``cpu_malloc_trim: false``, and the MoE experts' groups unpadded:
+``CPU_GROUPED_MM_ALIGN`` set to 1 in the worker): the before of the
+before/after in bench/README.md.
 
 ``--model moe``: the same model with a mixture of 16 experts of 256, top-4
 (renormalised), in place of every MLP (the active MLP width 1,024 beside the
@@ -80,6 +87,8 @@ VARIANTS = {
     "hf-fp32": ("hf", 1, 2, {"mixed_precision": "fp32"}),
     "bf16": ("engine", 1, 2, {"mixed_precision": "bf16"}),
     "fp32": ("engine", 1, 2, {"mixed_precision": "fp32"}),
+    # bf16 without the steady-memory levers: no heap trim, MoE groups unpadded (see UNBUCKETED)
+    "bf16-grow": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim": False}),
     "bf16-ac": ("engine", 1, 2, {"mixed_precision": "bf16", "activation_checkpointing": "full"}),
     "fp32-ac": ("engine", 1, 2, {"mixed_precision": "fp32", "activation_checkpointing": "full"}),
     "hf-bf16-thp": ("hf", 1, 2, {"mixed_precision": "bf16"}),
@@ -101,6 +110,7 @@ VARIANTS = {
                                          "compile": True}),
 }
 INDEPENDENT = {"dp1-1t-pair"}  # variants whose processes are separate single-process runs
+UNBUCKETED = {"bf16-grow"}  # variants whose CPU expert groups keep their routed row counts (no buckets)
 DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c4096,bf16-c512,dp1-1t,dp1-1t-pair,dp2"
 
 
@@ -109,6 +119,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--repeats", type=int, default=1, help="run the variant list this many times, interleaved")
     parser.add_argument("--data", default=str(REPO / "runs/data/d_convert"),
                         help="converted data folder; built from the bundled dump when absent")
     parser.add_argument("--profile", metavar="VARIANT", help="profile one step of this engine variant instead")
@@ -199,8 +210,11 @@ def engine_config(name: str, data: str, out: str, model: str = "dense"):
 
 
 def engine_step_fn(name: str, data: str, out: str, model: str = "dense"):
+    from qwen3_pretrain.models.ops import moe
     from qwen3_pretrain.train.trainer import Trainer
 
+    if name in UNBUCKETED:
+        moe.CPU_GROUPED_MM_ALIGN = 1  # read when the experts' kernel is chosen, as the model is built
     trainer = Trainer(engine_config(name, data, out, model))
     return lambda: trainer.train_step()["loss"], trainer
 
@@ -302,8 +316,7 @@ def free_port() -> int:
 def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> dict:
     """One variant in its own process(es); the per-rank results merged."""
     _, nproc, threads, _ = VARIANTS[name]
-    out = tmp / name
-    out.mkdir()
+    out = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=tmp))
 
     def worker_script(out_dir: Path) -> list[str]:
         script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out_dir),
@@ -348,7 +361,7 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
     cpu = [sum(r["cpu_s"][i] for r in ranks) for i in range(args.steps)]
     return {"wall_s": statistics.median(ranks[0]["wall_s"]), "cpu_s": statistics.median(cpu),
             "peak_gib": max(r["peak_gib"] for r in ranks), "before_gib": max(r["before_gib"] for r in ranks),
-            "loss": ranks[0]["loss"], "spread": spread(ranks[0]["wall_s"]),
+            "loss": ranks[0]["loss"], "spread": spread(ranks[0]["wall_s"]), "spread_cpu": spread(cpu),
             # the largest rank's resident memory after each step
             "rss_gib": [max(r["rss_gib"][i] for r in ranks) for i in range(len(ranks[0]["rss_gib"]))],
             "thp_gib": [max(r["thp_gib"][i] for r in ranks) for i in range(len(ranks[0]["thp_gib"]))]}
@@ -387,12 +400,17 @@ def print_table(rows: dict[str, dict]) -> None:
         tokens = SEQ * BATCH
         print(f"{name:<11} {r['loss']:>7.3f} {r['wall_s']:>7.2f} {r['spread']:>7.2f} {r['cpu_s']:>6.2f} "
               f"{tokens / r['wall_s']:>9.0f} {tokens / r['cpu_s']:>9.0f} {r['before_gib']:>10.2f} "
-              f"{r['peak_gib']:>9.2f}  {describe(name)}")
+              f"{r['peak_gib']:>9.2f}  {describe(name.split('#')[0])}")
     # Resident memory after each step (warm-up steps included; in huge pages in brackets): a run whose memory
     # plateaus shows the same figure from its third step on.
     for name, r in rows.items():
         curve = " ".join(f"{m:.2f}({h:.2f})" for m, h in zip(r["rss_gib"], r["thp_gib"]))
         print(f"RSS GiB after each step, {name}: {curve}")
+    # Wall-time spread beside CPU-time spread: slow steps that took no more CPU time waited for a core (load),
+    # slow steps that took more did more work (page faults, cache misses, a kernel's slower path).
+    for name, r in rows.items():
+        if "spread_cpu" in r:
+            print(f"p90/p50 of step times, {name}: {r['spread']:.2f} by wall, {r['spread_cpu']:.2f} by CPU time")
     if "dp1-1t" in rows and "dp2" in rows:
         one, two = rows["dp1-1t"], rows["dp2"]
         print(f"DP scaling efficiency dp2 vs 2 x dp1-1t: {one['wall_s'] / (2 * two['wall_s']):.0%} by wall time, "
@@ -401,9 +419,16 @@ def print_table(rows: dict[str, dict]) -> None:
         pair, two = rows["dp1-1t-pair"], rows["dp2"]
         print(f"DP scaling efficiency dp2 vs two dp1-1t runs at once (both cores busy, no communication): "
               f"{pair['wall_s'] / two['wall_s']:.0%} by wall time")
+    runs = {v: [r for n, r in rows.items() if n.split("#")[0] == v] for v in ("bf16", "bf16-grow")}
+    if all(runs.values()):  # the steady-memory levers' cost: medians over the interleaved repeats
+        ratio = {k: statistics.median(r[k] for r in runs["bf16"]) / statistics.median(r[k] for r in runs["bf16-grow"])
+                 for k in ("wall_s", "cpu_s")}
+        print(f"bf16 (steady levers) vs bf16-grow: step time x{ratio['wall_s']:.3f} by wall, "
+              f"x{ratio['cpu_s']:.3f} by CPU time")
     base = rows.get("hf-bf16")
     for name, r in rows.items():
-        if base is not None and VARIANTS[name][0] == "engine" and VARIANTS[name][1:3] == (1, 2):
+        variant = VARIANTS[name.split("#")[0]]
+        if base is not None and variant[0] == "engine" and variant[1:3] == (1, 2):
             print(f"{name} vs hf-bf16: x{base['wall_s'] / r['wall_s']:.2f} tokens/s by wall, "
                   f"x{base['cpu_s'] / r['cpu_s']:.2f} by CPU time, x{r['peak_gib'] / base['peak_gib']:.2f} peak RSS")
 
@@ -414,6 +439,7 @@ def main(argv: list[str]) -> int:
         worker(args)
         return 0
     names = [args.profile] if args.profile else [n.strip() for n in args.variants.split(",") if n.strip()]
+    names = names * max(1, args.repeats)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         print(f"error: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
@@ -422,9 +448,10 @@ def main(argv: list[str]) -> int:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="train_cpu_") as tmp:
         data = ensure_data(args.data, Path(tmp))
-        for name in names:
-            rows[name] = run_variant(name, args, data, Path(tmp))
-            print(f"  {name}: {json.dumps({k: rounded(v) for k, v in rows[name].items()})}", flush=True)
+        for i, name in enumerate(names):
+            label = name if name not in names[:i] else f"{name}#{names[:i].count(name) + 1}"
+            rows[label] = run_variant(name, args, data, Path(tmp))
+            print(f"  {label}: {json.dumps({k: rounded(v) for k, v in rows[label].items()})}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print_table(rows)
     return 0

@@ -79,6 +79,10 @@ class TrainConfig:
         "auto", "On a CPU under mixed_precision bf16: bf16 multiplies bf16 natively; fp32 multiplies fp32 copies of "
                 "the bf16 operands (same products, fp32 accumulation either way; 3-5x faster on x86 CPUs without "
                 "AVX512-BF16 or AMX); auto: fp32 on such CPUs, bf16 elsewhere.")
+    cpu_malloc_trim: bool = field_help(
+        True, "On a CPU run with glibc: after every step the C heap's free pages go back to the OS (malloc_trim), "
+              "so resident memory stops growing where buffer sizes change from step to step (MoE routing). "
+              "Values are unchanged; false keeps the pages (glibc's own behaviour). No effect elsewhere.")
     fp8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] | None = field_help(
         None, "FP8 matmuls (torchao) for the decoder layers' projections whose dimensions are multiples of 16 "
               "(never the LM head, embedding or MoE routers; weights, optimizer state and checkpoints stay in "

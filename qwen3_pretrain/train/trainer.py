@@ -43,6 +43,7 @@ from qwen3_pretrain.plan.memory import predict_memory
 from qwen3_pretrain.train.compile_report import compile_summary
 from qwen3_pretrain.train.config import TrainConfig
 from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
+from qwen3_pretrain.train.host_memory import HostMemory
 from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
                                           device_peak_tflops, format_line, measure_cpu_tflops,
                                           memory_warning, runtime_reserved_gib, step_memory, utilization)
@@ -86,6 +87,9 @@ class Trainer:
             threads_line = env.set_cpu_threads(self.launch.launcher != "none")
             if self.launch.rank == 0:
                 log.info("%s", threads_line)
+        self.host_memory = HostMemory(self.device.type, cfg.cpu_malloc_trim)  # heap pages back after each step
+        if self.device.type == "cpu" and self.launch.rank == 0:
+            log.info("%s", self.host_memory.line())
         self.mesh = self.dims.build_mesh(self.device.type)
         self.is_log_rank = self.dims.is_last_stage_lead(self.launch.rank)
         # Start-up phases that can take minutes (weights read from a HF directory, a checkpoint) are said
@@ -262,6 +266,7 @@ class Trainer:
             self.observer.mark("data")
             result = self.engine.step(batches, lr, flag=self.stop_requested, bad_token=self.loader.bad_token,
                                       mark=self.observer.mark)
+            self.host_memory.after_step()
             seconds = time.perf_counter() - start  # a profile's export at the step's end is not its time
         self.stop_agreed = result.flagged
         self.step += 1
