@@ -41,9 +41,9 @@ RUNS = {
     "tp1->pp2 interleaved": ("pp2 interleaved", ("reference", 2), 5),
     "tp1->dp4 shard2": ("dp4 shard2", ("reference", 2), 5),
     "dp4 shard2->shard4": ("dp4 shard4", ("tp1->dp4 shard2", 5), 0),  # the same ranks, another dp_shard
-    # the same layout again, from a checkpoint the run above wrote on its way
+    # the same layout again, from a checkpoint the run above wrote on its way: tp 2, and pp 2 interleaved (two
+    # stages per rank, so a rank's checkpoint holds several stages' parts; a superset of plain pp 2's one)
     "tp2 again": ("tp2", ("tp1->tp2", 5), 0),
-    "pp2 again": ("pp2", ("tp2->pp2", 5), 0),
     "pp2 interleaved again": ("pp2 interleaved", ("tp1->pp2 interleaved", 5), 0),
 }
 # Relative tolerance of losses, gradient norms and tensors (relative to the tensor's largest value)
@@ -137,7 +137,7 @@ def test_resume_under_another_layout_with_a_vocabulary_tp_does_not_divide(name, 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name, uninterrupted", [("tp2 again", "tp1->tp2"), ("pp2 again", "tp2->pp2"),
+@pytest.mark.parametrize("name, uninterrupted", [("tp2 again", "tp1->tp2"),
                                                   ("pp2 interleaved again", "tp1->pp2 interleaved")])
 def test_resume_in_the_same_layout_is_bit_exact(name, uninterrupted, run, tmp_path):
     """Stopped and resumed in the same layout, a run logs the same loss and gradient norm at every step
