@@ -14,19 +14,23 @@ computed from the breakdown (``reach``): the step it needs, and whether dropping
 communication, host, bubble) gets there or by how much the compute itself must shrink beyond that; for
 pipelines also the bubble at twice the micro-batches and interleaved (v = 2).
 
-    PYTHONPATH=. python bench/planner_figures.py [--only ref8b,bridge] [--jobs 2] [--json out.json]
+    PYTHONPATH=. python bench/planner_figures.py [--only ref8b,bridge] [--jobs 2] [--json out.json] \
+        [--traces DIR [--reprice]]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import pickle
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from qwen3_pretrain.config.loader import load_config
 from qwen3_pretrain.plan.formulas import megatron_bubble_ratio
-from qwen3_pretrain.simulate.run import make_world, simulate_ranks
+from qwen3_pretrain.simulate.run import make_world, roofline_report, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
 
 TARGET_MFU = 0.52  # Megatron-LM's reported MFU for dense GPT models of this size on H100
@@ -95,11 +99,12 @@ def reach_text(r: dict, bubble_alternatives: dict | None = None) -> str:
     if r["verdict"] == "reached":
         text = f"reached: {r['target_step_s']:.3f} s would do"
     elif r["verdict"] == "overheads":
-        text = (f"a {r['target_step_s']:.3f} s step: {r['overheads_cut']:.0%} of the overheads ({parts}) gone; "
+        text = (f"a {r['target_step_s']:.3f} s step: {r['overheads_cut']:.1%} of the overheads ({parts}) gone; "
                 f"compute alone is {r['compute_only_mfu']:.1%}")
     else:
-        text = (f"a {r['target_step_s']:.3f} s step: every overhead gone{f' ({parts})' if parts else ''} and the "
-                f"compute ({r['compute_s']:.3f} s, {r['compute_only_mfu']:.1%} alone) {r['compute_cut']:.0%} faster")
+        gone = f" ({parts})" if parts else ""
+        text = (f"a {r['target_step_s']:.3f} s step: every overhead gone{gone} and the compute ({r['compute_s']:.3f} "
+                f"s, {r['compute_only_mfu']:.1%} MFU alone) {r['compute_cut']:.1%} shorter")
     if bubble_alternatives:
         text += "; bubble " + ", ".join(f"{k} {v:.3f} s" for k, v in bubble_alternatives.items())
     return text
@@ -116,13 +121,27 @@ def bubble_alternatives(world, breakdown: dict) -> dict:
             "interleaved v 2": breakdown["bubble"] * megatron_bubble_ratio(p, m, 2 * v) / base}
 
 
-def run_case(case: Case, jobs: int) -> dict:
+def case_world(case: Case):
     cfg = load_config(TrainConfig, case.config, list(case.overrides))
-    world = make_world(cfg, cfg.rank_size, moe_imbalance=case.moe_imbalance, hardware=case.device,
-                       devices_per_node=case.devices_per_node)
+    return make_world(cfg, cfg.rank_size, moe_imbalance=case.moe_imbalance, hardware=case.device,
+                      devices_per_node=case.devices_per_node)
+
+
+def run_case(case: Case, jobs: int, traces: Path | None = None, reprice: bool = False) -> dict:
+    """Simulate ``case`` (or, with ``reprice``, load its traces from ``traces``) and price it with the current
+    roofline; ``traces``: a folder where each case's simulated ranks are kept (pickled ``RankResult``s)."""
+    world = case_world(case)
     ranks = world.dims.first_rank_of_stages() if case.ranks == "stages" else [int(case.ranks)]
     start = time.perf_counter()
-    results = simulate_ranks(world, ranks, jobs=jobs)
+    kept = traces / f"{case.name}.pickle" if traces else None
+    if reprice:
+        results = [dataclasses.replace(r, roofline=roofline_report(world, r.trace, r.comm_calls))
+                   for r in pickle.loads(kept.read_bytes())]
+    else:
+        results = simulate_ranks(world, ranks, jobs=jobs)
+        if kept:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_bytes(pickle.dumps(results))
     seconds = time.perf_counter() - start
     slowest = max(results, key=lambda r: r.roofline["eager"]["step_s"] + r.roofline["compiled"]["step_s"])
     modes = {}
@@ -173,11 +192,16 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated case names: " + ", ".join(c.name for c in CASES))
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (one process each)")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--traces", type=Path, help="keep each case's simulated ranks (op traces) in this folder")
+    parser.add_argument("--reprice", action="store_true", help="price the traces kept in --traces again (after a "
+                        "change to the pricing, not to the recording) instead of simulating")
     args = parser.parse_args()
+    if args.reprice and not args.traces:
+        parser.error("--reprice needs --traces")
     chosen = [c for c in CASES if not args.only or c.name in args.only.split(",")]
     rows = []
     for case in chosen:
-        rows.append(run_case(case, args.jobs))
+        rows.append(run_case(case, args.jobs, args.traces, args.reprice))
         print(f"{case.name}: {rows[-1]['seconds']} s, eager {rows[-1]['eager']['mfu']:.1%}, compiled "
               f"{rows[-1]['compiled']['mfu']:.1%}", flush=True)
         if args.json:

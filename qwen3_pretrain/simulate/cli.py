@@ -43,8 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--each", action="store_true", help="simulate every chosen rank, not one per pipeline "
                         "stage standing for the others of its stage")
     parser.add_argument("--whole-step", action="store_true", help="simulate every micro-batch of the step; by "
-                        "default a step of more than a + b micro-batches (a = max(2, pp), b = a + 1; not under GPipe or "
-                        "the interleaved schedule) is simulated at a and b and extrapolated, exact where each "
+                        "default a step of more than a + b micro-batches (a = max(2, pp), b = a + 1; not under GPipe "
+                        "or the interleaved schedule) is simulated at a and b and extrapolated, exact where each "
                         "further micro-batch runs the same ops (simulate/microbatches.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
