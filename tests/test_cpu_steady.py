@@ -108,8 +108,8 @@ def test_expert_block_memory_plateaus_under_changing_routing():
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     curve = json.loads(proc.stdout.strip().splitlines()[-1])
-    # Measured on a 2-core Xeon: +6 MiB from the 3rd to the 15th iteration with both levers; +38 MiB with the
-    # buckets alone, +63 MiB with the trim alone, +191 MiB with neither.
+    # Measured on a 2-core Xeon: +6 MiB from the 3rd to the 15th iteration with both levers; +32 MiB with the
+    # buckets alone, +63 MiB with the trim alone, +150 MiB with neither.
     assert curve[-1] - curve[2] < 20, [round(m) for m in curve]
 
 
