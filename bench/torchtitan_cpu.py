@@ -27,6 +27,11 @@ Each side at its own defaults, the shapes and precision aside:
   fp32; ``ChunkedLossWrapper`` of 8 sequence chunks; ``default_adamw``, gradient clipping at 1.0),
   driven by the same steps its trainer runs (forward without the head, chunked loss with per-chunk
   backward, backward, clip, optimizer step), without its data loader, checkpointer and metrics.
+  Two departures, both forced by the CPU: its default attention, FlexAttention, has no backward on a
+  CPU in torch 2.13 (and varlen is CUDA's), so its blocks get torchtitan's own causal SDPA module;
+  and its MoE router's fp32 autocast region is ignored on a CPU (torch's CPU autocast takes no fp32),
+  so its router runs in the bf16 of the gathered weights there. torchtitan 0.3.0's MoE code imports
+  ``triton`` even on a CPU: install it beside torchtitan (``pip install triton``), unused.
 
 The runs alternate (A B B A ...), ``--repeats`` each, every run a fresh process. Per run: peak resident
 memory (``ru_maxrss`` of the worker, the whole process from start-up), median and best wall time of
