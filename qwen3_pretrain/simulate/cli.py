@@ -151,8 +151,9 @@ def roofline_lines(world: World, results: list[RankResult]) -> list[str]:
                          f"{b['attention']:.3f} / {b['elementwise']:.3f} / {b['communication']:.3f} / "
                          f"{b['host']:.3f} / {b['bubble']:.3f})")
     lines.append(f"  figures rest on {hw.name}'s peaks x matmul efficiency {hw.matmul_efficiency} (shape classes "
-                 f"lower), bandwidth x {hw.bandwidth_efficiency}, {hw.launch_latency_us:g} us per eager op; "
-                 "compiled = the fusion model on the eager trace; not measured on a device")
+                 f"lower), fused attention at {hw.attention_efficiency} of the peak, bandwidth x "
+                 f"{hw.bandwidth_efficiency}, {hw.launch_latency_us:g} us per eager op; compiled = the fusion model "
+                 "on the eager trace inside the compiled scope; not measured on a device")
     return lines
 
 
