@@ -22,10 +22,8 @@ growing from step to step shows there. On a shared machine the CPU time
 is the steadier figure: the load average is printed before and after.
 ``--repeats N`` runs the list N times, interleaved (A B A B), each run its own row.
 
-``bf16-grow`` is ``bf16`` without the two levers that keep a CPU run's memory
-steady (``cpu_malloc_trim: false``, and the MoE experts' groups unpadded:
-``CPU_GROUPED_MM_ALIGN`` set to 1 in the worker): the before of the
-before/after in bench/README.md.
+``bf16-grow`` is ``bf16`` without the heap trim after each step
+(``cpu_malloc_trim: false``): the before of the before/after in bench/README.md.
 
 ``--model moe``: the same model with a mixture of 16 experts of 256, top-4
 (renormalised), in place of every MLP (the active MLP width 1,024 beside the
@@ -87,7 +85,7 @@ VARIANTS = {
     "hf-fp32": ("hf", 1, 2, {"mixed_precision": "fp32"}),
     "bf16": ("engine", 1, 2, {"mixed_precision": "bf16"}),
     "fp32": ("engine", 1, 2, {"mixed_precision": "fp32"}),
-    # bf16 without the steady-memory levers: no heap trim, MoE groups unpadded (see UNBUCKETED)
+    # bf16 without the heap trim after each step (train/host_memory.py)
     "bf16-grow": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim": False}),
     "bf16-ac": ("engine", 1, 2, {"mixed_precision": "bf16", "activation_checkpointing": "full"}),
     "fp32-ac": ("engine", 1, 2, {"mixed_precision": "fp32", "activation_checkpointing": "full"}),
@@ -110,7 +108,6 @@ VARIANTS = {
                                          "compile": True}),
 }
 INDEPENDENT = {"dp1-1t-pair"}  # variants whose processes are separate single-process runs
-UNBUCKETED = {"bf16-grow"}  # variants whose CPU expert groups keep their routed row counts (no buckets)
 DEFAULT_VARIANTS = "hf-bf16,bf16,fp32,bf16-ac,bf16-c4096,bf16-c512,dp1-1t,dp1-1t-pair,dp2"
 
 
@@ -210,11 +207,8 @@ def engine_config(name: str, data: str, out: str, model: str = "dense"):
 
 
 def engine_step_fn(name: str, data: str, out: str, model: str = "dense"):
-    from qwen3_pretrain.models.ops import moe
     from qwen3_pretrain.train.trainer import Trainer
 
-    if name in UNBUCKETED:
-        moe.CPU_GROUPED_MM_ALIGN = 1  # read when the experts' kernel is chosen, as the model is built
     trainer = Trainer(engine_config(name, data, out, model))
     return lambda: trainer.train_step()["loss"], trainer
 
@@ -420,10 +414,10 @@ def print_table(rows: dict[str, dict]) -> None:
         print(f"DP scaling efficiency dp2 vs two dp1-1t runs at once (both cores busy, no communication): "
               f"{pair['wall_s'] / two['wall_s']:.0%} by wall time")
     runs = {v: [r for n, r in rows.items() if n.split("#")[0] == v] for v in ("bf16", "bf16-grow")}
-    if all(runs.values()):  # the steady-memory levers' cost: medians over the interleaved repeats
+    if all(runs.values()):  # the heap trim's cost: medians over the interleaved repeats
         ratio = {k: statistics.median(r[k] for r in runs["bf16"]) / statistics.median(r[k] for r in runs["bf16-grow"])
                  for k in ("wall_s", "cpu_s")}
-        print(f"bf16 (steady levers) vs bf16-grow: step time x{ratio['wall_s']:.3f} by wall, "
+        print(f"bf16 (heap trimmed) vs bf16-grow: step time x{ratio['wall_s']:.3f} by wall, "
               f"x{ratio['cpu_s']:.3f} by CPU time")
     base = rows.get("hf-bf16")
     for name, r in rows.items():

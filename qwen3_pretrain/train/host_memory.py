@@ -14,8 +14,9 @@ the same bit for bit (tests/test_cpu_steady.py). Its cost is the trim itself (a 
 free lists) and the page faults of touching those pages again in the next step (bench/README.md,
 "bf16 memory that grows step by step", gives both).
 
-The other half of that growth, memory the CPU's grouped matmul keeps per group shape, is bounded where
-the shapes are made (``CPU_GROUPED_MM_ALIGN`` in models/ops/moe.py).
+The rest of that growth is state the CPU's grouped matmul keeps per group shape (row count), which levels
+off once most row counts have been met; padding the groups to buckets of rows would bound it sooner but
+changed the losses' last bits in training (bench/README.md).
 
 Only on CPU runs (an accelerator's tensors are in its caching allocator; the host heap holds little that
 changes per step) and only where the C library is glibc (``malloc_trim`` found in the process's own

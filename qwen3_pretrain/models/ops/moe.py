@@ -159,8 +159,8 @@ class GroupedMM:
     operands (fp32 too on a CPU) with dimensions that are multiples of 8 (the expert hidden sizes of every Qwen3-MoE are).
     ``align``: each expert's run padded to a multiple of this many rows (``pad_groups``): on CUDA 8 by
     default, the bf16 kernel's alignment (16 or 32 for FP8 later), so no group starts off a 16-byte row
-    boundary (an empty group stays empty; the last expert's run takes the slack up to the padded total); in
-    bf16 on a CPU 32 (``CPU_GROUPED_MM_ALIGN``: few distinct group shapes); 1 elsewhere."""
+    boundary (an empty group stays empty; the last expert's run takes the slack up to the padded total); 1
+    elsewhere (the CPU's kernel takes any runs)."""
 
     name = "grouped_mm"
 
@@ -193,13 +193,6 @@ class _DenseGrad(torch.autograd.Function):
 
 # Rows a bf16 ``torch._grouped_mm`` group is padded to a multiple of on CUDA (16-byte aligned row starts).
 GROUPED_MM_ALIGN = 8
-# On a CPU, bf16 groups padded to a multiple of 32 rows: shapes in buckets. The CPU kernel keeps state for
-# every group shape it meets (per-shape kernels, outside oneDNN's bounded primitive cache: capping that
-# cache does not stop it), and routing brings new row counts at every step, so a run's resident memory grew
-# step after step; in buckets of 32 the shapes seen stop being new within a few steps. The cost is the
-# padding's bound, ``E x 31`` more expert rows; the values are the same bit for bit (zero rows add nothing
-# to any sum). Figures: bench/README.md, "bf16 memory that grows step by step".
-CPU_GROUPED_MM_ALIGN = 32
 
 
 def cpu_flags() -> frozenset[str]:
@@ -233,13 +226,11 @@ def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.line
     the CPU's features, by default this machine's), and only where ``linear`` is the plain one (not the
     fp32-upcasting matmul of a CPU without native bf16); NPUs have their own grouped matmul in torch_npu, not
     used yet. Elsewhere one matmul per expert through ``linear``. ``align``: rows each expert's run is padded
-    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA,
-    ``CPU_GROUPED_MM_ALIGN`` for it in bf16 on a CPU (shape buckets), else 1.
+    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1.
     ``compiled``: the layers run under ``torch.compile``, whose fake-tensor kernel of ``torch._grouped_mm``
     takes bf16 only (torch 2.13: 'Expected inputs of BF16 type'): fp32 experts keep the loop there."""
     if device_type in ("cuda", "cpu") and dtype == torch.bfloat16:
-        return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda"
-                         else CPU_GROUPED_MM_ALIGN)
+        return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda" else 1)
     if (device_type == "cpu" and dtype == torch.float32 and linear is F.linear and not compiled
             and cpu_grouped_fp32(flags)):
         return GroupedMM(align or 1)
