@@ -4,16 +4,13 @@ FSDP, a 1F1B pipeline with tp, MoE with ep; and the figures table's arithmetic (
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 
 from qwen3_pretrain.config.loader import load_config
-from qwen3_pretrain.simulate.roofline import trace as trace_module
 from qwen3_pretrain.simulate.microbatches import extrapolation_counts
 from qwen3_pretrain.simulate.run import make_world, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
@@ -25,26 +22,6 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 TINY_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4,
             "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "vocab_size": 512}
-
-
-@pytest.fixture(autouse=True)
-def stable_storage_keys(monkeypatch):
-    """The fusion model keys storages by address, which the allocator reuses within a region, so its bytes
-    vary by 0.5-4% between two simulations of the same step; here each storage gets an id of its own for
-    its lifetime (torch keeps one Python object per storage), so the comparison is exact."""
-    ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    counter = itertools.count()
-
-    def key(t):
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return id(t)
-        if storage not in ids:
-            ids[storage] = next(counter)
-        return ids[storage]
-
-    monkeypatch.setattr(trace_module, "_storage_key", key)
 
 
 def _both(overrides: list[str], world_size: int, device: str = "h100"):

@@ -68,6 +68,8 @@ is a standalone ``TorchDispatchMode`` that records a real (non-fake) step:
 from __future__ import annotations
 
 import bisect
+import itertools
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -143,11 +145,23 @@ class OpTrace:
                 "outside_compiled_ops": dict(self.outside_ops)}
 
 
+_STORAGE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NEXT_STORAGE_ID = itertools.count()
+
+
 def _storage_key(t: torch.Tensor) -> int:
+    """One id per storage for the storage's lifetime. Not its address: the allocator hands a freed
+    address to the next tensor within the same fused region, which made the fused bytes of two identical
+    steps differ by 0.5-4%. torch keeps one Python object per storage (real and fake), so a weak map from
+    it is stable while the storage lives and forgets it when freed."""
     try:
-        return t.untyped_storage()._cdata
+        storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return id(t)
+    key = _STORAGE_IDS.get(storage)
+    if key is None:
+        key = _STORAGE_IDS[storage] = next(_NEXT_STORAGE_ID)
+    return key
 
 
 def _nbytes(t: torch.Tensor) -> int:
