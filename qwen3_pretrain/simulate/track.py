@@ -86,8 +86,7 @@ class StepMemTracker(MemTracker):
         res = func(*args, **(kwargs or {}))
         if self._propagation.depth:
             return res
-        if self.trace is not None and func.namespace != "prim":
-            # prim ops (``prim.device``: a tensor's device, asked by the pipeline schedule) launch no kernel
+        if self.trace is not None:
             self.trace.record(func, args, kwargs, res)
         if self._in_opt:
             reftype = _MemRefType.OPT

@@ -311,8 +311,8 @@ class TraceRecorder:
 
     def record(self, func, args, kwargs, out) -> None:
         name = func.__name__.split(".")[0]
-        if _is_view(func) or name in _SKIP_NAMES or name.startswith("empty"):
-            return
+        if _is_view(func) or name in _SKIP_NAMES or name.startswith("empty") or func.namespace == "prim":
+            return  # prim ops (``prim.device``, asked by the pipeline schedule) launch no kernel
         phase = self.phase()
         trace = self.trace
         namespace = func.namespace
