@@ -31,6 +31,9 @@ import time
 
 # How long a rank may take to end after SIGTERM, once another has failed, before it is killed.
 STOP_GRACE_S = 10.0
+# How long a rank other than 0 waits for rank 0's rendezvous store to listen (torch's own store timeout is
+# longer; a rank 0 that ends or hangs before listening must not leave the others waiting forever).
+LISTEN_WAIT_S = 300.0
 
 
 def listening(port: int) -> bool:
@@ -58,7 +61,10 @@ def after_listen(argv: list[str]) -> None:
     apply_process_env_defaults()  # as the entry point does before its command imports torch
     import torch  # noqa: F401  (the slow part, while rank 0 does the same)
 
+    deadline = time.monotonic() + LISTEN_WAIT_S
     while not listening(port):
+        if time.monotonic() > deadline:  # rank 0 never opened the store (ended before, or hung)
+            sys.exit(f"rank {os.environ.get('RANK')}: nothing listened on port {port} for {LISTEN_WAIT_S:.0f} s")
         time.sleep(0.005)
     if rest[0] == "-m":
         sys.argv = [rest[1], *rest[2:]]
@@ -89,10 +95,15 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    rank0_done = None
     while True:
         codes = [p.poll() for p in ranks]
         if all(c == 0 for c in codes):
             return 0
+        if codes[0] == 0 and any(c is None for c in codes[1:]) and rank0_done is None:
+            rank0_done = time.monotonic()  # the others still run: fine while they finish, not forever
+        if rank0_done is not None and time.monotonic() - rank0_done > LISTEN_WAIT_S:
+            break
         if any(c not in (None, 0) for c in codes):
             break
         time.sleep(0.02)
