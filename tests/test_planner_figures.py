@@ -89,3 +89,24 @@ def test_moe_with_ep_extrapolates_exactly():
     short = simulate_ranks(world, [0], jobs=2)
     _same(whole, short)
     assert ("ep", "all_to_all", 2) in short[0].comm_calls
+
+
+def test_what_52_percent_needs_is_computed_from_the_breakdown():
+    """bench/planner_figures.py's ``reach`` on hand-made breakdowns: MFU scales as 1 / step, so 40% MFU at
+    a 1.3 s step needs 1.0 s at 52%; overheads go first, then compute."""
+    from planner_figures import reach
+
+    # 1.0 s compute + 0.3 s of overheads at 40%: the step must fall to 1.0 s, i.e. every overhead gone.
+    overheads = {"matmul": 0.6, "attention": 0.3, "elementwise": 0.1, "communication": 0.2, "host": 0.1,
+                 "bubble": 0.0, "step": 1.3}
+    r = reach(overheads, 0.40)
+    assert r["target_step_s"] == pytest.approx(1.0) and r["gap_s"] == pytest.approx(0.3)
+    assert r["verdict"] == "overheads" and r["overheads_cut"] == pytest.approx(1.0)
+    assert set(r["overheads_s"]) == {"communication", "host"}  # a zero bubble is not an overhead to cut
+    assert r["compute_only_mfu"] == pytest.approx(0.52)
+    # compute alone 1.2 s at 26% of a 1.5 s step: 52% needs 0.75 s, compute 37.5% shorter with no overheads.
+    compute = {"matmul": 1.0, "attention": 0.1, "elementwise": 0.1, "communication": 0.1, "host": 0.0,
+               "bubble": 0.2, "step": 1.5}
+    r = reach(compute, 0.26)
+    assert r["verdict"] == "compute" and r["compute_cut"] == pytest.approx(0.375)
+    assert reach(compute, 0.60)["verdict"] == "reached"
