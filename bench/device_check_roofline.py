@@ -22,25 +22,31 @@ import time
 from pathlib import Path
 
 from qwen3_pretrain.config.loader import load_config
-from qwen3_pretrain.hardware import device_by_reported_name, measured_cpu
+from qwen3_pretrain.hardware import device_by_reported_name
 from qwen3_pretrain.simulate.run import make_world, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
 
 
-def cpu_hardware():
+def cpu_hardware(cfg: TrainConfig):
+    """This CPU's device from a short probe (``CpuProbe.hardware``): matmul peaks, the tiny-product class,
+    the run's own causal attention and the autograd chain's per-op host cost. Not calibrated per model as
+    bench/roofline_cpu.py is (no engine-step host cost, no grouped-expert rate): a sanity check of the
+    stage's plumbing on the CPU, the comparison that matters is a device's."""
     from qwen3_pretrain.simulate.probe import measure_cpu
+    from qwen3_pretrain.train.model_source import resolve_model
 
-    probe = measure_cpu(min_seconds=0.01, memory_mib=32)
-    return measured_cpu(probe.tflops("bf16"), probe.tflops("fp32"), probe.bandwidth_gbps, probe.op_latency_us)
+    m = resolve_model(cfg).config
+    attention = (cfg.batch_size, m.num_attention_heads, m.num_key_value_heads, cfg.seq_length, m.head_dim)
+    return measure_cpu(min_seconds=0.01, memory_mib=32, attention=attention).hardware()
 
 
 def predict(config: Path, device_name: str | None) -> dict:
     """The run's step priced eager and compiled (the run's ``compile`` picks which one it is compared with)."""
-    hardware = cpu_hardware() if device_name is None else device_by_reported_name(device_name)
-    if hardware is None:
-        return {"skipped": f"the device table has no entry reported as {device_name!r} (hardware.DEVICES)"}
     # the engine is simulated eager: the compiled price is the fusion model on the same trace
     cfg = load_config(TrainConfig, config, ["compile=false"])
+    hardware = cpu_hardware(cfg) if device_name is None else device_by_reported_name(device_name)
+    if hardware is None:
+        return {"skipped": f"the device table has no entry reported as {device_name!r} (hardware.DEVICES)"}
     start = time.perf_counter()
     result = simulate_ranks(make_world(cfg, 1, hardware=hardware), [0], jobs=1)[0]
     modes = {mode: {"predicted_step_s": e["step_s"], "predicted_mfu": e["mfu"], "breakdown_s": e["breakdown_s"]}
