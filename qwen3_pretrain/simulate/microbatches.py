@@ -25,9 +25,9 @@ once ``m >= p``; but for what the step keeps per micro-batch (a MoE layer's
 routing statistics for the step's balancing figures, bytes), so the peak is
 extrapolated on the same line. The tests (tests/test_planner_figures.py)
 compare the extrapolation with a whole simulated step, trace, bytes and peak:
-equal (with each storage keyed by an id of its own: the fusion model keys them
-by address, which the allocator reuses inside a region, so its bytes vary by
-0.5-4% between two simulations of one step).
+equal (the fusion model keys each storage by an id held for its lifetime, not
+by its address, which the allocator reuses inside a region: repeated simulations
+of one step give the same bytes).
 
 Not extrapolated (the whole step is simulated): GPipe (every micro-batch's
 activations are held before the first backward, so the peak grows with ``m``),
