@@ -64,7 +64,8 @@ def test_reference_config_layout_tp4_pp2_on_8_processes(corpus, tmp_path):
 
 @pytest.mark.distributed
 def test_two_node_torchrun_on_loopback(corpus, one_process, tmp_path):
-    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2, pp=2)
+    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2, pp=2,
+                       peak_tflops=None)  # the MFU probe runs: its log line names the node's share
     port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--master_addr", "127.0.0.1", "--master_port", port]
@@ -84,7 +85,8 @@ def test_mpirun_with_hostfile(corpus, one_process, tmp_path):
     """The reference launch line: mpirun -np N -hostfile hostfile python tools/train.py --config ..."""
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
     cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out", total_steps=2, tp=2, rank_size=2,
-                       master_addr="127.0.0.1", master_port=free_port(), hostfile="./hostfile")
+                       master_addr="127.0.0.1", master_port=free_port(), hostfile="./hostfile",
+                       peak_tflops=None)  # the MFU probe runs: its log line names the node's share
     env = dict(child_env(), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
     cmd = ["mpirun", "-np", "2", "-hostfile", "hostfile", "-x", "PATH", "-x", "OMP_NUM_THREADS",

@@ -54,7 +54,8 @@ class HostMemory:
         return self._trim is not None
 
     def after_step(self) -> None:
-        """Every step's buffers are free here: their pages go back to the OS (a no-op where inactive)."""
+        """Every step's buffers are free here (the trainer calls it as the update ends: its time is the
+        optimizer phase's): their pages go back to the OS (a no-op where inactive)."""
         if self._trim is not None:
             self._trim(0)
             self.trims += 1
