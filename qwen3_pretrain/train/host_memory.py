@@ -45,8 +45,8 @@ class HostMemory:
 
     def __init__(self, device_type: str, enabled: bool, trim: Callable[[int], int] | None = None) -> None:
         self.device_type, self.enabled = device_type, enabled
-        available = trim if trim is not None else _glibc_trim() if device_type == "cpu" and enabled else None
-        self._trim = available if device_type == "cpu" and enabled else None
+        wanted = device_type == "cpu" and enabled
+        self._trim = (trim if trim is not None else _glibc_trim()) if wanted else None
         self.trims = 0  # calls made (tests read it)
 
     @property
