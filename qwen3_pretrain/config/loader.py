@@ -106,6 +106,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         item_tp, container = args
         return container(coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    return _coerce_scalar(value, tp, key)
+
+
+def _coerce_scalar(value: Any, tp: Any, key: str) -> Any:
+    """``coerce`` for the scalar kinds: bool (true/false, yes/no, on/off, 0/1), int (a float or string with an
+    integer value too), float, str (not a mapping or list), Path (``~`` expanded), Any (as is)."""
     if tp is Any:
         return value
     if tp is bool:

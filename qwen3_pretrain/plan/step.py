@@ -418,13 +418,10 @@ def _host_seconds(cfg: Qwen3Config, layout: Layout, hardware: Hardware, shape: S
     return seconds * (4 / 3 if layout.activation_checkpointing == "full" else 1.0)
 
 
-def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: Cluster | None = None) -> StepEstimate:
-    """Step time, tokens/s per device and MFU of ``layout`` on ``hardware`` (see the module docstring)."""
-    check_model_fits_layout(cfg, layout)
-    cluster = cluster or Cluster(1, layout.world_size)
-    links = _links(layout, cluster, hardware)
-    peak = hardware.compute_flops(layout.mixed_precision)
-    speed = peak * hardware.compute_efficiency * layout.tp
+def _matmul_speeds(layout: Layout, hardware: Hardware) -> tuple[float, float, float, float]:
+    """FLOP/s of a tp group at the efficiency: the compute dtype's matmuls, fp32 ones (the delta rule), FP8
+    projections and routed experts under the layout's recipe (1.0 where FP8 is off: no FLOPs run there)."""
+    speed = hardware.compute_flops(layout.mixed_precision) * hardware.compute_efficiency * layout.tp
     fp32_speed = hardware.compute_flops("fp32") * hardware.compute_efficiency * layout.tp
     fp8_speed = expert_speed = 1.0
     if layout.fp8 != "off":
@@ -433,39 +430,55 @@ def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
         experts = FP8.expert_recipe(layout)
         expert_speed = FP8.fp8_peak_tflops(hardware, experts) * 1e12 * hardware.compute_efficiency \
             * FP8.FP8_EFFICIENCY_RATIO[experts] * layout.tp
+    return speed, fp32_speed, fp8_speed, expert_speed
+
+
+def _stage_times(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: Cluster, links: dict,
+                 speeds: tuple[float, float, float, float], shape: StageShape) -> dict:
+    """One pipeline stage's seconds per micro-batch (compute, and each axis's communication not hidden), its
+    bytes per micro-batch per axis, FSDP's per step, and whether its host is slower than its device."""
+    speed, fp32_speed, fp8_speed, expert_speed = speeds
+    bandwidth = hardware.memory_bandwidth_gbps * GB
+    matmul_flops, fp32_flops = _stage_flops_per_microbatch(cfg, layout, shape)
+    skew = _moe_skew_flops_per_microbatch(cfg, layout, shape)
+    fp8_flops, expert_flops = _stage_fp8_flops_per_microbatch(cfg, layout, shape)
+    if expert_flops:  # the heaviest rank's extra expert work runs at the experts' FP8 speed too
+        matmul_flops, expert_flops = matmul_flops + skew, expert_flops + skew
+    else:
+        matmul_flops += skew
+    matmul = (matmul_flops - fp8_flops - expert_flops) / speed + fp32_flops / fp32_speed \
+        + fp8_flops / fp8_speed + expert_flops / expert_speed
+    casts = _fp8_cast_bytes(cfg, layout, shape) / bandwidth
+    device = matmul + casts
+    host = _host_seconds(cfg, layout, hardware, shape)
+    # an accelerator computes while its host issues ahead: a micro-batch takes the longer of the two; a
+    # CPU is its own host and does both
+    compute = device + host if hardware.device_type == "cpu" else max(device, host)
+    tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
+    cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
+    pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
+    ep_bytes, ep_time = _ep_bytes_and_time(cfg, layout, shape, _intra_link(hardware), _inter_link(hardware),
+                                           _ep_on_node(layout, cluster))
+    ep_time *= layout.moe_rank_load  # an all-to-all ends when its heaviest receiver has its pairs
+    dp_bytes, gather, reduce, first, last = _dp_bytes_and_time(cfg, layout, shape, links)
+    return dict(compute=compute, matmul=matmul, casts=casts, tp=tp_time, cp=cp_time, pp=pp_time, ep=ep_time,
+                dp=gather + reduce, dp_exposed=_dp_exposed(layout, shape.stage, compute, gather, reduce, first, last),
+                bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes}, dp_bytes=dp_bytes,
+                shape=shape, host_bound=hardware.device_type != "cpu" and host > device)
+
+
+def predict_step(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: Cluster | None = None) -> StepEstimate:
+    """Step time, tokens/s per device and MFU of ``layout`` on ``hardware`` (see the module docstring)."""
+    check_model_fits_layout(cfg, layout)
+    cluster = cluster or Cluster(1, layout.world_size)
+    links = _links(layout, cluster, hardware)
+    peak = hardware.compute_flops(layout.mixed_precision)
     bandwidth = hardware.memory_bandwidth_gbps * GB
     m, v = layout.num_microbatches, layout.stages_per_rank
-    per_stage = []
-    host_bound = False
-    for shape in stage_shapes(cfg, layout):
-        matmul_flops, fp32_flops = _stage_flops_per_microbatch(cfg, layout, shape)
-        skew = _moe_skew_flops_per_microbatch(cfg, layout, shape)
-        fp8_flops, expert_flops = _stage_fp8_flops_per_microbatch(cfg, layout, shape)
-        if expert_flops:  # the heaviest rank's extra expert work runs at the experts' FP8 speed too
-            matmul_flops, expert_flops = matmul_flops + skew, expert_flops + skew
-        else:
-            matmul_flops += skew
-        matmul = (matmul_flops - fp8_flops - expert_flops) / speed + fp32_flops / fp32_speed \
-            + fp8_flops / fp8_speed + expert_flops / expert_speed
-        casts = _fp8_cast_bytes(cfg, layout, shape) / bandwidth
-        device = matmul + casts
-        host = _host_seconds(cfg, layout, hardware, shape)
-        # an accelerator computes while its host issues ahead: a micro-batch takes the longer of the two; a
-        # CPU is its own host and does both
-        compute = device + host if hardware.device_type == "cpu" else max(device, host)
-        host_bound |= hardware.device_type != "cpu" and host > device
-        tp_bytes, tp_time = _tp_bytes_and_time(cfg, layout, shape, links["tp"])
-        cp_bytes, cp_time = _cp_bytes_and_time(cfg, layout, shape, links["cp"])
-        pp_bytes, pp_time = _pp_bytes_and_time(cfg, layout, shape, links["pp"])
-        ep_bytes, ep_time = _ep_bytes_and_time(cfg, layout, shape, _intra_link(hardware), _inter_link(hardware),
-                                               _ep_on_node(layout, cluster))
-        ep_time *= layout.moe_rank_load  # an all-to-all ends when its heaviest receiver has its pairs
-        dp_bytes, gather, reduce, first, last = _dp_bytes_and_time(cfg, layout, shape, links)
-        per_stage.append(dict(compute=compute, matmul=matmul, casts=casts, tp=tp_time, cp=cp_time, pp=pp_time,
-                              ep=ep_time, dp=gather + reduce,
-                              dp_exposed=_dp_exposed(layout, shape.stage, compute, gather, reduce, first, last),
-                              bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes},
-                              dp_bytes=dp_bytes, shape=shape))
+    speeds = _matmul_speeds(layout, hardware)
+    per_stage = [_stage_times(cfg, layout, hardware, cluster, links, speeds, shape)
+                 for shape in stage_shapes(cfg, layout)]
+    host_bound = any(x["host_bound"] for x in per_stage)
     # The slowest stage paces the pipeline; its numbers describe the step. FSDP's exposed time: the most any
     # stage leaves exposed (the step ends when every stage has reduced).
     slowest = max(per_stage, key=lambda x: x["compute"] + x["tp"] + x["cp"] + x["pp"] + x["ep"])
