@@ -22,8 +22,10 @@ growing from step to step shows there. On a shared machine the CPU time
 is the steadier figure: the load average is printed before and after.
 ``--repeats N`` runs the list N times, interleaved (A B A B), each run its own row.
 
-``bf16-grow`` is ``bf16`` without the heap trim after each step
-(``cpu_malloc_trim: false``): the before of the before/after in bench/README.md.
+``bf16-grow`` is ``bf16`` without the heap trim (``cpu_malloc_trim: false``), ``bf16-trim1`` with it
+after every step (``cpu_malloc_trim_growth: 0``) rather than once memory has grown;
+``bf16-unpadded-*`` are those with a CPU's bf16 expert groups unpadded (no row buckets,
+models/ops/moe.py): the befores of bench/README.md's "bf16 memory that grows step by step".
 
 ``--model moe``: the same model with a mixture of 16 experts of 256, top-4
 (renormalised), in place of every MLP (the active MLP width 1,024 beside the
@@ -79,14 +81,22 @@ HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_he
           "linear_value_head_dim": 64,
           "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
 SEQ, BATCH = 512, 4
+# not a config key: models/ops/moe.py's CPU_BF16_BUCKETS, set in the worker before the model is built
+BUCKETS = "cpu_bf16_buckets"
 # name -> (kind, processes, threads per process, engine config keys)
 VARIANTS = {
     "hf-bf16": ("hf", 1, 2, {"mixed_precision": "bf16"}),
     "hf-fp32": ("hf", 1, 2, {"mixed_precision": "fp32"}),
     "bf16": ("engine", 1, 2, {"mixed_precision": "bf16"}),
     "fp32": ("engine", 1, 2, {"mixed_precision": "fp32"}),
-    # bf16 without the heap trim after each step (train/host_memory.py)
+    # bf16 without the heap trim (train/host_memory.py); with it after every step instead of when memory grew
     "bf16-grow": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim": False}),
+    "bf16-trim1": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim_growth": 0}),
+    # the previous defaults: a CPU's bf16 expert groups unpadded (no row buckets, models/ops/moe.py), the heap
+    # trimmed after every step; and unpadded without any trim
+    "bf16-unpadded-trim1": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim_growth": 0,
+                                             BUCKETS: False}),
+    "bf16-unpadded-grow": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim": False, BUCKETS: False}),
     "bf16-ac": ("engine", 1, 2, {"mixed_precision": "bf16", "activation_checkpointing": "full"}),
     "fp32-ac": ("engine", 1, 2, {"mixed_precision": "fp32", "activation_checkpointing": "full"}),
     "hf-bf16-thp": ("hf", 1, 2, {"mixed_precision": "bf16"}),
@@ -150,21 +160,27 @@ def memory_now_gib() -> tuple[float, float]:
     return kib.get("Rss", 0) / 2**20, kib.get("AnonHugePages", 0) / 2**20
 
 
-def timed_steps(step, warmup: int, steps: int) -> dict:
+def timed_steps(step, warmup: int, steps: int, phases=None) -> dict:
     """Run ``step()`` warmup + steps times; per-step wall and CPU seconds of the timed ones, and after every
-    step (the warm-up ones too) the resident memory and its share in huge pages (``memory_now_gib``)."""
-    walls, cpus, losses, rss, huge = [], [], [], [], []
+    step (the warm-up ones too) the resident memory and its share in huge pages (``memory_now_gib``), the
+    page faults (minor) and the times the process was preempted (involuntary context switches: a core
+    taken by another process) during the step, and ``phases()``'s figures (the engine's phase times)."""
+    walls, cpus, losses, rss, huge, faults, preempted, phase_s = [], [], [], [], [], [], [], []
     for i in range(warmup + steps):
-        wall, cpu = time.perf_counter(), cpu_seconds()
+        wall, cpu, usage = time.perf_counter(), cpu_seconds(), resource.getrusage(resource.RUSAGE_SELF)
         losses.append(step())
+        after = resource.getrusage(resource.RUSAGE_SELF)
         if i >= warmup:
             walls.append(time.perf_counter() - wall)
             cpus.append(cpu_seconds() - cpu)
+        faults.append(after.ru_minflt - usage.ru_minflt)
+        preempted.append(after.ru_nivcsw - usage.ru_nivcsw)
+        phase_s.append(phases() if phases is not None else {})
         now, thp = memory_now_gib()
         rss.append(now)
         huge.append(thp)
     return {"wall_s": walls, "cpu_s": cpus, "loss": losses[-1], "peak_gib": peak_rss_gib(), "rss_gib": rss,
-            "thp_gib": huge}
+            "thp_gib": huge, "faults": faults, "preempted": preempted, "phase_s": phase_s}
 
 
 def spread(values: list[float]) -> float:
@@ -198,6 +214,7 @@ def engine_config(name: str, data: str, out: str, model: str = "dense"):
     from qwen3_pretrain.train.config import TrainConfig
 
     _, nproc, _, keys = VARIANTS[name]
+    keys = {k: v for k, v in keys.items() if k != BUCKETS}
     moe = {"moe_aux_loss": "none"} if model == "moe" else {}
     preset = "qwen3.5-0.8b" if model == "hybrid" else "qwen3-0.6b"
     cfg = {"model_name": preset, "model_overrides": model_keys(model), "data_path": data, "output_path": out,
@@ -207,8 +224,10 @@ def engine_config(name: str, data: str, out: str, model: str = "dense"):
 
 
 def engine_step_fn(name: str, data: str, out: str, model: str = "dense"):
+    from qwen3_pretrain.models.ops import moe
     from qwen3_pretrain.train.trainer import Trainer
 
+    moe.CPU_BF16_BUCKETS = VARIANTS[name][3].get(BUCKETS, True)
     trainer = Trainer(engine_config(name, data, out, model))
     return lambda: trainer.train_step()["loss"], trainer
 
@@ -263,7 +282,12 @@ def worker(args: argparse.Namespace) -> None:
     if args.profile:
         profile(step, warmup)
         warmup = 0
-    result = timed_steps(step, warmup, args.steps)
+    phases = None
+    if trainer is not None:  # the engine's phase marks (host times on a CPU) of the step just run
+        def phases():
+            return {k[5:-2]: round(v, 4) for k, v in trainer.observer.clock.read().items()
+                    if k.startswith("time_") and k[5:-2] in ("data", "forward_backward", "reduce", "optimizer")}
+    result = timed_steps(step, warmup, args.steps, phases)
     result["before_gib"] = before
     if trainer is not None:
         trainer.close()
@@ -358,7 +382,11 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path) -> di
             "loss": ranks[0]["loss"], "spread": spread(ranks[0]["wall_s"]), "spread_cpu": spread(cpu),
             # the largest rank's resident memory after each step
             "rss_gib": [max(r["rss_gib"][i] for r in ranks) for i in range(len(ranks[0]["rss_gib"]))],
-            "thp_gib": [max(r["thp_gib"][i] for r in ranks) for i in range(len(ranks[0]["thp_gib"]))]}
+            "thp_gib": [max(r["thp_gib"][i] for r in ranks) for i in range(len(ranks[0]["thp_gib"]))],
+            # rank 0's timed steps one by one: wall and CPU seconds, and for every step (warm-up included)
+            # page faults, preemptions and the engine's phases
+            "per_step": {"wall_s": ranks[0]["wall_s"], "cpu_s": cpu, "faults": ranks[0].get("faults", []),
+                         "preempted": ranks[0].get("preempted", []), "phase_s": ranks[0].get("phase_s", [])}}
 
 
 def describe(name: str) -> str:
@@ -400,6 +428,17 @@ def print_table(rows: dict[str, dict]) -> None:
     for name, r in rows.items():
         curve = " ".join(f"{m:.2f}({h:.2f})" for m, h in zip(r["rss_gib"], r["thp_gib"]))
         print(f"RSS GiB after each step, {name}: {curve}")
+    # Step by step (timed steps; the warm-up steps' faults and phases left out): what a slow step did more of.
+    for name, r in rows.items():
+        steps = r.get("per_step")
+        if not steps:
+            continue
+        skip = len(steps["faults"]) - len(steps["wall_s"])
+        for i, (wall, cpu) in enumerate(zip(steps["wall_s"], steps["cpu_s"])):
+            phase = steps["phase_s"][skip + i] if steps["phase_s"] else {}
+            parts = " ".join(f"{k}={v:.3f}" for k, v in phase.items())
+            print(f"  {name} step {skip + i + 1}: wall {wall:.3f} s, CPU {cpu:.3f} s, "
+                  f"{steps['faults'][skip + i]} page faults, {steps['preempted'][skip + i]} preemptions; {parts}")
     # Wall-time spread beside CPU-time spread: slow steps that took no more CPU time waited for a core (load),
     # slow steps that took more did more work (page faults, cache misses, a kernel's slower path).
     for name, r in rows.items():
@@ -413,12 +452,18 @@ def print_table(rows: dict[str, dict]) -> None:
         pair, two = rows["dp1-1t-pair"], rows["dp2"]
         print(f"DP scaling efficiency dp2 vs two dp1-1t runs at once (both cores busy, no communication): "
               f"{pair['wall_s'] / two['wall_s']:.0%} by wall time")
-    runs = {v: [r for n, r in rows.items() if n.split("#")[0] == v] for v in ("bf16", "bf16-grow")}
-    if all(runs.values()):  # the heap trim's cost: medians over the interleaved repeats
-        ratio = {k: statistics.median(r[k] for r in runs["bf16"]) / statistics.median(r[k] for r in runs["bf16-grow"])
-                 for k in ("wall_s", "cpu_s")}
-        print(f"bf16 (heap trimmed) vs bf16-grow: step time x{ratio['wall_s']:.3f} by wall, "
-              f"x{ratio['cpu_s']:.3f} by CPU time")
+    # Each variant against bf16-grow (no trim) where both ran: medians over the interleaved repeats' steps.
+    runs: dict[str, list] = {}
+    for n, r in rows.items():
+        runs.setdefault(n.split("#")[0], []).append(r)
+    if "bf16-grow" in runs:
+        def median_of(v: str, k: str) -> float:
+            return statistics.median(x for r in runs[v] for x in r.get("per_step", {}).get(k, [r[k]]))
+        for v in runs:
+            if v != "bf16-grow" and v.startswith("bf16"):
+                print(f"{v} vs bf16-grow: median step x{median_of(v, 'wall_s') / median_of('bf16-grow', 'wall_s'):.3f} "
+                      f"by wall, x{median_of(v, 'cpu_s') / median_of('bf16-grow', 'cpu_s'):.3f} by CPU time "
+                      f"(all timed steps of {len(runs[v])} and {len(runs['bf16-grow'])} runs)")
     base = rows.get("hf-bf16")
     for name, r in rows.items():
         variant = VARIANTS[name.split("#")[0]]
@@ -445,7 +490,8 @@ def main(argv: list[str]) -> int:
         for i, name in enumerate(names):
             label = name if name not in names[:i] else f"{name}#{names[:i].count(name) + 1}"
             rows[label] = run_variant(name, args, data, Path(tmp))
-            print(f"  {label}: {json.dumps({k: rounded(v) for k, v in rows[label].items()})}", flush=True)
+            print(f"  {label}: {json.dumps({k: rounded(v) for k, v in rows[label].items() if k != 'per_step'})}",
+                  flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print_table(rows)
     return 0

@@ -5,7 +5,7 @@ What a step may read on the host: its figures (loss, gradient norm, the stop fla
 held a token id outside the vocabulary, the MoE and MTP figures), in one copy between backward and the optimizer step, which needs the loss and the norm
 to skip a non-finite update and to clip. Beyond that, only what a kernel chosen for the run needs: one matmul
 per expert (the fp32 experts' kernel, ``ExpertLoop``) reads each MoE layer's token counts; the bf16 grouped
-GEMM reads nothing; flash-linear-attention's Gated DeltaNet kernel reads a micro-batch's document offsets
+GEMM reads nothing on an accelerator (on a CPU, where nothing waits, its row buckets read the counts); flash-linear-attention's Gated DeltaNet kernel reads a micro-batch's document offsets
 once (below, with a stand-in kernel: the CPU runs ours, which reads nothing).
 """
 
@@ -41,7 +41,10 @@ RUNS = {
     "dense": (1, {}, {STEP_READ: 1}),
     "dense-dp2": (2, {"batch_size": 1}, {STEP_READ: 1}),
     "dense-pp2": (2, {"pp": 2}, {STEP_READ: 1}),  # the pipeline schedule's loss calls and messages
-    "moe-bf16-grouped-gemm": (1, dict(MOE_SETUP, mixed_precision="bf16"), {STEP_READ: 1}),
+    # on an accelerator the bf16 grouped GEMM reads nothing; on a CPU (here) its row buckets read each layer's
+    # token counts, 4 MoE layers x 2 micro-batches (models/ops/moe.py bucket_rows: the host is the device)
+    "moe-bf16-grouped-gemm": (1, dict(MOE_SETUP, mixed_precision="bf16"),
+                              {STEP_READ: 1, "tolist at models/ops/moe.py bucket_rows": 8}),
     # 4 MoE layers x 2 micro-batches of the expert loop's token counts; none where fp32 experts run grouped
     # (CPUs with AMX, models/ops/moe.py cpu_grouped_fp32)
     "moe-fp32-experts": (1, MOE_SETUP, {STEP_READ: 1} if cpu_grouped_fp32() else

@@ -83,6 +83,17 @@ class TrainConfig:
         True, "On a CPU run with glibc: after every step the C heap's free pages go back to the OS (malloc_trim), "
               "so resident memory stops growing where buffer sizes change from step to step (MoE routing). "
               "Values are unchanged; false keeps the pages (glibc's own behaviour). No effect elsewhere.")
+    cpu_malloc_trim_growth: float = field_help(
+        0.05, "With cpu_malloc_trim: the heap is trimmed after a step whose resident memory exceeds the one after "
+              "the first step since the last trim by more than this fraction of it (and 64 MiB): memory that "
+              "grows is trimmed every few steps, steady memory never (a trim's pages are faulted in again by "
+              "the next step). 0: after every step.")
+    cpu_flush_denormal: bool = field_help(
+        True, "On a CPU run: denormal floats (below 1.2e-38 in fp32) are flushed to zero on every rank's CPU "
+              "threads from start-up (torch.set_flush_denormal: the x86 FTZ/DAZ bits). An x86 core computes a "
+              "denormal in microcode, 10-150x slower: the Gated DeltaNet's fp32 decays of Qwen3.5 / Qwen3-Next "
+              "reach them (bench/README.md 'Denormal floats'). Changes values by under 1e-38; false computes them "
+              "exactly and slowly. No effect on GPUs and NPUs (their kernels take denormals at full speed).")
     fp8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] | None = field_help(
         None, "FP8 matmuls (torchao) for the decoder layers' projections whose dimensions are multiples of 16 "
               "(never the LM head, embedding or MoE routers; weights, optimizer state and checkpoints stay in "
@@ -363,6 +374,9 @@ class TrainConfig:
                     "weight_decay", "min_lr", "clip_grad"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.cpu_malloc_trim_growth < 10:
+            raise ConfigError(f"cpu_malloc_trim_growth must be a fraction in [0, 10) (0.05: trim once resident "
+                              f"memory grew by 5%; 0: after every step), got {self.cpu_malloc_trim_growth}")
         parse_data_path(self.data_path)  # a bad data_path stops here, before anything starts
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
             raise ConfigError(f"lr_decay_steps ({self.lr_decay_steps}) must be above warmup_steps "

@@ -73,6 +73,8 @@ class Trainer:
         self._resolve_run()
         env.set_deterministic(cfg.deterministic)
         self.device = env.pick_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
+        # Before any arithmetic, so that the intra-op threads, started later, copy the setting (parallel/env.py)
+        denormal_line = env.set_cpu_denormals(cfg.cpu_flush_denormal) if self.device.type == "cpu" else None
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         if cfg.allow_tf32 and self.device.type == "cuda":  # before any matmul; the MFU peak follows it
             torch.backends.cuda.matmul.fp32_precision = "tf32"
@@ -87,7 +89,9 @@ class Trainer:
             threads_line = env.set_cpu_threads(self.launch.launcher != "none")
             if self.launch.rank == 0:
                 log.info("%s", threads_line)
-        self.host_memory = HostMemory(self.device.type, cfg.cpu_malloc_trim)  # heap pages back after each step
+                log.info("%s", denormal_line)
+        # the heap's free pages back once resident memory has grown (train/host_memory.py)
+        self.host_memory = HostMemory(self.device.type, cfg.cpu_malloc_trim, growth=cfg.cpu_malloc_trim_growth)
         if self.device.type == "cpu" and self.launch.rank == 0:
             log.info("%s", self.host_memory.line())
         self.mesh = self.dims.build_mesh(self.device.type)

@@ -92,15 +92,21 @@ class PaddedGroups(NamedTuple):
 
 
 def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, align: int,
-               group_rows: int | None = None) -> PaddedGroups:
+               group_rows: int | None = None, sizes: list[int] | None = None) -> PaddedGroups:
     """Each expert's run of ``tokens`` (``counts`` [E] rows each) padded with zero rows to a multiple of
-    ``align``, or to ``group_rows`` rounded up to it. Computed on the device, no host read: the padded
-    total is a bound known from the shapes (``N + E (align - 1)`` rounded up to ``align``; ``E group_rows``
-    for fixed groups) and the last expert's run takes the slack, so every row the kernel reads belongs to
-    a run (``torch._grouped_mm`` leaves rows past the last offset unwritten)."""
+    ``align``, or to ``group_rows`` rounded up to it, or to ``sizes`` [E] (padded lengths known on the
+    host: the CPU's row buckets, ``bucket_rows``; the total is then their sum, no slack). Otherwise computed
+    on the device, no host read: the padded total is a bound known from the shapes (``N + E (align - 1)``
+    rounded up to ``align``; ``E group_rows`` for fixed groups) and the last expert's run takes the slack, so
+    every row the kernel reads belongs to a run (``torch._grouped_mm`` leaves rows past the last offset
+    unwritten)."""
     num_rows, num_experts = tokens.shape[0], counts.numel()
     device = counts.device
-    if group_rows is not None:
+    if sizes is not None:
+        total = sum(sizes)
+        sizes = torch.tensor(sizes, dtype=counts.dtype, device=device)
+        starts = sizes.cumsum(0) - sizes
+    elif group_rows is not None:
         step = -(-max(group_rows, 1) // align) * align
         sizes, total = torch.full_like(counts, step), num_experts * step
         # the padded starts as a product, not a cumsum of ``sizes``: inductor's rewrite of a cumsum of a
@@ -120,9 +126,12 @@ def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
 
 def _padded_call(kernel, tokens, counts, weights, gate, up, down, group_rows=None):
     """An expert kernel's ``__call__``: its ``compute`` on the runs as they are, or on the runs padded
-    (``pad_groups``: to the kernel's ``align``, or to ``group_rows``) with the padding rows' outputs left out."""
-    if kernel.align > 1 or group_rows is not None:
-        padded = pad_groups(tokens, weights, counts, kernel.align, group_rows)
+    (``pad_groups``: to the kernel's ``align``, or to ``group_rows``, or to the CPU's row buckets where the
+    kernel has ``buckets``) with the padding rows' outputs left out."""
+    buckets = getattr(kernel, "buckets", False) and group_rows is None
+    if kernel.align > 1 or group_rows is not None or buckets:
+        sizes = bucket_rows(counts) if buckets else None
+        padded = pad_groups(tokens, weights, counts, kernel.align, group_rows, sizes)
         return kernel.compute(padded.tokens, padded.sizes, padded.weights, gate, up, down).index_select(
             0, padded.rows)
     return kernel.compute(tokens, counts, weights, gate, up, down)
@@ -160,12 +169,14 @@ class GroupedMM:
     ``align``: each expert's run padded to a multiple of this many rows (``pad_groups``): on CUDA 8 by
     default, the bf16 kernel's alignment (16 or 32 for FP8 later), so no group starts off a 16-byte row
     boundary (an empty group stays empty; the last expert's run takes the slack up to the padded total); 1
-    elsewhere (the CPU's kernel takes any runs)."""
+    elsewhere (the CPU's kernel takes any runs). ``buckets``: each run padded to its row bucket
+    (``bucket_rows``, counts read on the host: bf16 on a CPU, where that read costs nothing and the kernel
+    keeps state per row count)."""
 
     name = "grouped_mm"
 
-    def __init__(self, align: int = 1) -> None:
-        self.align = align
+    def __init__(self, align: int = 1, buckets: bool = False) -> None:
+        self.align, self.buckets = align, buckets
 
     __call__ = _padded_call
 
@@ -193,6 +204,30 @@ class _DenseGrad(torch.autograd.Function):
 
 # Rows a bf16 ``torch._grouped_mm`` group is padded to a multiple of on CUDA (16-byte aligned row starts).
 GROUPED_MM_ALIGN = 8
+# On a CPU the bf16 ``torch._grouped_mm`` is one oneDNN matmul per group (``at::mm``), and oneDNN builds a
+# primitive per shape, JIT-compiled AMX/AVX-512 kernels of about 0.6 MB each, kept by two caches: oneDNN's
+# primitive cache and ideep's (torch's oneDNN wrapper) LRU cache, 1,024 entries each. Routing brings new row
+# counts at every step (an expert block of 16 experts met 276 shapes in 20 iterations), so resident memory
+# grew for as long as new counts came: +170 MiB over 20 iterations of one block. Capping both caches
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY; either alone does not hold it) keeps it flat but
+# compiles a kernel again at almost every group (about 1 ms each, 1.8x the block's time). So the row count
+# is rounded up to a bucket of at most 1/16 of it (``bucket_rows``): 16 shapes per doubling of the count,
+# a few dozen in all, met within the first steps; about 3% more expert rows on average, zero rows that
+# add nothing to any value but may change the blocking of the weight gradients' sums (last bits).
+# Figures: bench/README.md, "bf16 memory that grows step by step".
+CPU_BUCKET_MIN = 16
+CPU_BF16_BUCKETS = True  # bench/train_cpu.py's "-unpadded" variants turn it off to measure the difference
+
+
+def bucket_rows(counts: torch.Tensor) -> list[int]:
+    """Each group's row count ``counts`` [E] rounded up to its bucket: a multiple of the largest power of two
+    that is at most 1/16 of it, and at least ``CPU_BUCKET_MIN`` (0 stays 0): 300 -> 304, 513 -> 544, 20 ->
+    32. Read on the host, once per layer (a CPU tensor's values are there already: no wait)."""
+    sizes = []
+    for count in counts.tolist():
+        step = max(CPU_BUCKET_MIN, 1 << max(count.bit_length() - 5, 0))
+        sizes.append(-(-count // step) * step)
+    return sizes
 
 
 def cpu_flags() -> frozenset[str]:
@@ -226,11 +261,15 @@ def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.line
     the CPU's features, by default this machine's), and only where ``linear`` is the plain one (not the
     fp32-upcasting matmul of a CPU without native bf16); NPUs have their own grouped matmul in torch_npu, not
     used yet. Elsewhere one matmul per expert through ``linear``. ``align``: rows each expert's run is padded
-    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1.
+    to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1,
+    and in bf16 on a CPU each run rounded up to its row bucket (``bucket_rows``; not under compile, whose
+    graph would break at the host read: there the runs stay as they are).
     ``compiled``: the layers run under ``torch.compile``, whose fake-tensor kernel of ``torch._grouped_mm``
     takes bf16 only (torch 2.13: 'Expected inputs of BF16 type'): fp32 experts keep the loop there."""
     if device_type in ("cuda", "cpu") and dtype == torch.bfloat16:
-        return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda" else 1)
+        buckets = device_type == "cpu" and align is None and not compiled and CPU_BF16_BUCKETS
+        return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda" else 1,
+                         buckets=buckets)
     if (device_type == "cpu" and dtype == torch.float32 and linear is F.linear and not compiled
             and cpu_grouped_fp32(flags)):
         return GroupedMM(align or 1)
