@@ -23,7 +23,8 @@ is the steadier figure: the load average is printed before and after.
 ``--repeats N`` runs the list N times, interleaved (A B A B), each run its own row.
 
 ``bf16-grow`` is ``bf16`` without the heap trim (``cpu_malloc_trim: false``), ``bf16-trim1`` with it
-after every step (``cpu_malloc_trim_growth: 0``) rather than once memory has grown;
+after every step (``cpu_malloc_trim_growth: 0``, the default), ``bf16-trim5`` once resident memory has
+grown by 5% (``cpu_malloc_trim_growth: 0.05``);
 ``bf16-unpadded-*`` are those with a CPU's bf16 expert groups unpadded (no row buckets,
 models/ops/moe.py): the befores of bench/README.md's "bf16 memory that grows step by step".
 
@@ -92,6 +93,7 @@ VARIANTS = {
     # bf16 without the heap trim (train/host_memory.py); with it after every step instead of when memory grew
     "bf16-grow": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim": False}),
     "bf16-trim1": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim_growth": 0}),
+    "bf16-trim5": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim_growth": 0.05}),
     # the previous defaults: a CPU's bf16 expert groups unpadded (no row buckets, models/ops/moe.py), the heap
     # trimmed after every step; and unpadded without any trim
     "bf16-unpadded-trim1": ("engine", 1, 2, {"mixed_precision": "bf16", "cpu_malloc_trim_growth": 0,

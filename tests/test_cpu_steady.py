@@ -3,8 +3,8 @@ buckets, with values unchanged or no less accurate.
 
 A bf16 MoE run's resident memory grew step after step on a CPU, from glibc's heap (holes left by buffers
 whose sizes follow the routing) and from oneDNN's kernels built per expert-group shape.
-train/host_memory.py trims the heap once the resident memory has grown by ``cpu_malloc_trim_growth``
-since the step after the last trim (after every step with 0); models/ops/moe.py pads a CPU's bf16 groups
+train/host_memory.py trims the heap after every step, or with ``cpu_malloc_trim_growth`` once the resident
+memory has grown by that fraction since the step after the last trim; models/ops/moe.py pads a CPU's bf16 groups
 to row buckets (``bucket_rows``), so few shapes are met. Tested here: the trim's decisions (when memory
 grows, holds, cannot be read), that it runs on CPU runs only, is found where the C library is glibc, says
 so at start-up, and gives a fragmented heap's free pages back (its own process); a training run gives the

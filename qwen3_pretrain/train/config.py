@@ -84,10 +84,10 @@ class TrainConfig:
               "so resident memory stops growing where buffer sizes change from step to step (MoE routing). "
               "Values are unchanged; false keeps the pages (glibc's own behaviour). No effect elsewhere.")
     cpu_malloc_trim_growth: float = field_help(
-        0.05, "With cpu_malloc_trim: the heap is trimmed after a step whose resident memory exceeds the one after "
-              "the first step since the last trim by more than this fraction of it (and 64 MiB): memory that "
-              "grows is trimmed every few steps, steady memory never (a trim's pages are faulted in again by "
-              "the next step). 0: after every step.")
+        0.0, "With cpu_malloc_trim: 0 trims the heap after every step (resident memory flat; about 1% of a step's "
+             "CPU time, the next step faulting the pages in again); a fraction such as 0.05 trims only after a "
+             "step whose resident memory exceeds the one after the first step since the last trim by more than "
+             "it (and 64 MiB): steady memory is never trimmed, growing memory saw-tooths within that margin.")
     cpu_flush_denormal: bool = field_help(
         True, "On a CPU run: denormal floats (below 1.2e-38 in fp32) are flushed to zero on every rank's CPU "
               "threads from start-up (torch.set_flush_denormal: the x86 FTZ/DAZ bits). An x86 core computes a "
@@ -375,8 +375,8 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.cpu_malloc_trim_growth < 10:
-            raise ConfigError(f"cpu_malloc_trim_growth must be a fraction in [0, 10) (0.05: trim once resident "
-                              f"memory grew by 5%; 0: after every step), got {self.cpu_malloc_trim_growth}")
+            raise ConfigError(f"cpu_malloc_trim_growth must be 0 (trim after every step) or a fraction below 10 "
+                              f"(0.05: once resident memory grew by 5%), got {self.cpu_malloc_trim_growth}")
         parse_data_path(self.data_path)  # a bad data_path stops here, before anything starts
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
             raise ConfigError(f"lr_decay_steps ({self.lr_decay_steps}) must be above warmup_steps "
