@@ -10,17 +10,19 @@ layer), bf16 mixed precision. Modes: eager and compiled (``compile: true``, the 
 ``1p`` (one process, one thread), ``tp2`` and ``dp2`` (2 gloo processes, 1 thread each, the same global
 batch). Each variant runs in fresh processes; per rank:
 
-1. warm-up steps (compilation), then ``--steps`` timed steps: the measured step time is their median;
-2. ``simulate.probe.measure_cpu`` at the rank's thread count (both ranks at once under tp2 / dp2, so each
+1. warm-up steps (compilation), then one step recorded by the roofline's op recorder (``StepRecorder``:
+   ``simulate.roofline.RecordingMode`` with the step's collectives counted per mesh axis and the expert
+   layers' group sizes as routing gave them; a compiled step recorded with dynamo off, its compiled modules
+   marked as the compiled scope) and one untimed step;
+2. ``--steps`` timed steps: the measured step time is their median; after each,
+   ``simulate.probe.measure_cpu`` at the rank's thread count (both ranks at once under tp2 / dp2, so each
    sees the memory bandwidth it shares): matmul TFLOP/s per dtype and shape class (square, skinny, tiny, the
-   model's projections and its vocabulary head, the expert layer's grouped products), causal SDPA,
-   streaming bandwidth;
+   model's projections and its vocabulary head, the expert layer's grouped products at the recorded group
+   sizes), causal SDPA, streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB);
 3. one step under ``torch.profiler``: self CPU time per op, summed by category (matmul, attention,
    elementwise, communication, other);
-4. one step recorded by the roofline's op recorder (``StepRecorder``: ``simulate.roofline.RecordingMode``
-   with the step's collectives counted per mesh axis; a compiled step recorded with dynamo off, its compiled
-   modules marked as the compiled scope, and priced with the roofline's fusion model) and priced on
-   ``CpuProbe.hardware``: the predicted step time and its breakdown.
+4. the recorded step priced on ``CpuProbe.hardware`` (the probes' medians; compiled with the roofline's
+   fusion model): the predicted step time and its breakdown.
 
 The host cost per op comes from a calibration run before the variant (``--tiny``): the same model, mode and
 layout at tiny shapes (hidden 64, vocabulary 512, seq 64), where the arithmetic is negligible: its median step
@@ -207,6 +209,10 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out, f"rank{rank}.json").write_text(json.dumps(host_calibration(trainer, step, mode, args)))
         trainer.close()
         return
+    # The step's trace first: the probe times the expert kernel at the group sizes its routing gave; then one
+    # untimed step (what recording with dynamo off might have invalidated recompiles there).
+    recorder = record_step(trainer, step, mode == "compiled")
+    step()
     # Steps and probes interleaved, so that both see the same spread of the machine's load; the medians of each.
     walls, probes = [], []
     for _ in range(args.steps):
@@ -214,12 +220,12 @@ def worker(args: argparse.Namespace) -> None:
         step()
         walls.append(time.perf_counter() - start)
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
-                                  **probe_kernels(model, layout)))
+                                  group_counts=recorder.group_counts, **probe_kernels(model, layout)))
     probe = median_probe(probes)
     host = json.loads(args.host_us)
     probe = dataclasses.replace(probe, engine_op_us=host["eager_us"], engine_compiled_us=host.get("compiled_us"))
     profiled = profiled_categories(step)
-    predicted = predict_step(trainer, step, probe, mode == "compiled")
+    predicted = predict_step(recorder, probe, mode == "compiled")
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted}
@@ -259,6 +265,8 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
     return dataclasses.replace(
         first, matmul_tflops={k: med(lambda p: p.matmul_tflops[k]) for k in first.matmul_tflops},
         memory_gbps={k: med(lambda p: p.memory_gbps[k]) for k in first.memory_gbps},
+        bandwidth_by_size={k: [med(lambda p: p.bandwidth_by_size[k][i]) for i in range(len(v))]
+                           for k, v in first.bandwidth_by_size.items()},
         op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
         load_average=med(lambda p: p.load_average))
 
@@ -266,7 +274,8 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
 def probe_json(probe: CpuProbe) -> dict:
     return {"cpu": probe.cpu, "threads": probe.threads, "load": probe.load_average,
             "matmul_tflops": {f"{d} {s}": v for (d, s), v in probe.matmul_tflops.items()},
-            "memory_gbps": probe.memory_gbps, "op_latency_us": probe.op_latency_us,
+            "memory_gbps": probe.memory_gbps, "bandwidth_by_size": probe.bandwidth_by_size,
+            "curve_mib": probe.curve_mib, "op_latency_us": probe.op_latency_us,
             "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
             "engine_compiled_us": probe.engine_compiled_us}
 
@@ -297,11 +306,20 @@ class StepRecorder(RecordingMode):
             if torch.distributed.is_initialized():
                 groups.setdefault(torch.distributed.group.WORLD.group_name, "world")
         self.comm = CommCounter(groups)
+        self.group_counts: list[list[int]] = []  # each grouped matmul's rows per group, as routing gave them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
             return NotImplemented
         self.comm.count(func, args)
+        if func is torch.ops.aten._grouped_mm.default:
+            offs = (kwargs or {}).get("offs", args[2] if len(args) > 2 else None)
+            a = args[0]
+            if offs is not None and a.dim() == 2 and args[1].dim() == 3 and len(self.group_counts) < 8:
+                ends = [0] + offs.tolist()  # rows split into groups (forward, input gradient): the first 8 distinct
+                counts = [e - s for s, e in zip(ends, ends[1:])]
+                if counts not in self.group_counts:
+                    self.group_counts.append(counts)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def comm_calls(self) -> dict:
@@ -323,12 +341,11 @@ def record_step(trainer, step, compiled: bool) -> StepRecorder:
     return recorder
 
 
-def predict_step(trainer, step, probe: CpuProbe, compiled: bool) -> dict:
-    """Record one real step (``record_step``) and price it on ``probe.hardware``: {"step_s", seconds per
-    category, the trace's op counts, the device's figures}."""
+def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dict:
+    """A recorded real step (``record_step``) priced on ``probe.hardware``: {"step_s", seconds per category,
+    the trace's op counts, the device's figures}."""
     from qwen3_pretrain.simulate.roofline import price
 
-    recorder = record_step(trainer, step, compiled)
     hw = probe.hardware(recorder.trace)
     breakdown = price(recorder.trace, hw, compiled, recorder.comm_calls())
     trace = recorder.trace
@@ -340,7 +357,8 @@ def predict_step(trainer, step, probe: CpuProbe, compiled: bool) -> dict:
             "device": {"bf16_tflops": hw.peak_tflops, "fp32_tflops": hw.fp32_peak_tflops,
                        "attention_efficiency": hw.attention_efficiency,
                        "classes": [hw.matmul_shape_classes, hw.fp32_shape_classes],
-                       "grouped_share": hw.grouped_matmul_share, "launch_us": hw.launch_latency_us,
+                       "grouped_share": hw.grouped_matmul_share, "bandwidth_curve": hw.bandwidth_curve,
+                       "launch_us": hw.launch_latency_us,
                        "compiled_launch_us": hw.compiled_launch_us}}
 
 

@@ -18,6 +18,7 @@ count; predicted there for Qwen3-8B with MLP recompute); see docs/planner.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -155,6 +156,13 @@ class Hardware:
     fp32_shape_classes: tuple[tuple[int, float], ...] = ()  # fp32 matmuls' where they differ (a CPU's do)
     # a grouped matmul's (torch._grouped_mm) share of what a plain matmul of one group's shape reaches
     grouped_matmul_share: float = 1.0
+    # (bytes one kernel moves, GB/s it reaches) by ascending size: a memory-bound kernel is priced at the rate
+    # of its own size, interpolated in log size between two points and held beyond the ends (a CPU streams a
+    # working set its caches hold 1.5-3x faster than one from memory). The rates are achieved ones
+    # (``bandwidth_efficiency`` does not apply). Empty: every kernel at ``memory_bandwidth_gbps`` x
+    # ``bandwidth_efficiency``, what the accelerators in the table use (one HBM figure: no L2 figure is
+    # sourced for them)
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -170,6 +178,19 @@ class Hardware:
         if d == "tf32":
             return self.tf32_peak_tflops or self.fp32_peak_tflops
         return self.fp32_peak_tflops
+
+    def bandwidth_at(self, nbytes: float) -> float:
+        """Bytes per second a memory-bound kernel that moves ``nbytes`` reaches (``bandwidth_curve``)."""
+        curve = self.bandwidth_curve
+        if not curve:
+            return self.memory_bandwidth_gbps * GB * self.bandwidth_efficiency
+        if nbytes <= curve[0][0]:
+            return curve[0][1] * GB
+        for (s0, r0), (s1, r1) in zip(curve, curve[1:]):
+            if nbytes <= s1:
+                f = math.log(nbytes / s0) / math.log(s1 / s0)
+                return (r0 + f * (r1 - r0)) * GB
+        return curve[-1][1] * GB
 
     def shape_classes(self, dtype: str = "bfloat16") -> tuple[tuple[int, float], ...]:
         """The roofline's matmul shape classes on this device for ``dtype`` matmuls (``MATMUL_SHAPE_CLASSES``
@@ -393,7 +414,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  name: str = "cpu-measured", source: str = "", *, attention_tflops: float | None = None,
                  shape_classes: tuple[tuple[int, float], ...] = (),
                  fp32_shape_classes: tuple[tuple[int, float], ...] = (), grouped_matmul_share: float = 1.0,
-                 compiled_launch_us: float | None = None, intra_node_gbps: float | None = None) -> Hardware:
+                 compiled_launch_us: float | None = None, intra_node_gbps: float | None = None,
+                 bandwidth_curve: tuple[tuple[float, float], ...] = ()) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -401,7 +423,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     (``simulate.probe.CpuProbe.hardware`` fills it from a probe). Optional: the fused attention kernel's
     measured rate (TFLOP/s on the roofline's FLOP count; ``attention_efficiency`` is it over the bf16 peak),
     shape classes (shares of the peaks, bf16 and fp32), a grouped matmul's share of a plain one of a group's
-    shape, a compiled kernel's launch cost (default: the eager op's) and the link between two processes."""
+    shape, a compiled kernel's launch cost (default: the eager op's), the link between two processes and the
+    bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -412,7 +435,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         compiled_launch_us=compiled_launch_us or launch_latency_us,
         attention_efficiency=(attention_tflops / bf16_tflops) if attention_tflops else 1.0,
         matmul_shape_classes=shape_classes or ((1, 1.0),), fp32_shape_classes=fp32_shape_classes,
-        grouped_matmul_share=grouped_matmul_share,
+        grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve),
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         source=source or f"measured on this CPU: bf16 {bf16_tflops:.3g} TFLOP/s, fp32 {fp32_tflops:.3g} TFLOP/s, "
                          f"{memory_bandwidth_gbps:.3g} GB/s, {launch_latency_us:.3g} us per op")

@@ -286,3 +286,49 @@ def test_matmuls_written_into_buffers_count_as_matmuls():
     assert dict(rec.trace.matmuls) == {("forward", "float32", 32, 8, 16, 1): 3, ("forward", "float32", 64, 8, 16, 1): 2}
     assert rec.trace.matmul_flops() == 3 * 2 * 32 * 8 * 16 + 2 * 2 * 64 * 8 * 16
     assert rec.trace.memory["forward"].ops == 0  # no memory-bound bytes for them
+
+
+def test_memory_bound_bytes_are_kept_by_kernel_size_and_priced_on_a_bandwidth_curve():
+    """A CPU streams a cache-sized working set faster than a memory-sized one: each op (eager) or fused region
+    (compiled) is priced at the rate of its own size on the device's curve, worked out by hand here."""
+    from qwen3_pretrain.simulate.roofline.trace import bucket_bytes, size_bucket
+
+    assert (size_bucket(1), size_bucket(2), size_bucket(3), size_bucket(4), size_bucket(5)) == (0, 1, 2, 2, 3)
+    assert bucket_bytes(22) == pytest.approx(2**21.5)
+    small, large = meta(256, 512, dtype=torch.float32), meta(2048, 2048, dtype=torch.float32)
+    with RecordingMode() as rec:
+        small + small  # 3 x 0.5 MiB = 1.5 MiB moved: bucket 21, (1, 2] MiB
+        large * 2.0  # 2 x 16 MiB = 32 MiB: bucket 25
+    mem = rec.trace.memory["forward"]
+    s, l_ = 3 * 256 * 512 * 4, 2 * 2048 * 2048 * 4
+    # compiled, no matmul splits them: one fused region of both, which reads ``small`` once (33 MiB, bucket 26)
+    assert dict(mem.sizes) == {("eager", 21): s, ("eager", 25): l_, ("fused", 26): s - 256 * 512 * 4 + l_}
+    # the curve: 40 GB/s up to 1 MiB, 10 GB/s from 16 MiB, linear in log size between
+    MiB = 2**20
+    hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((1 * MiB, 40.0), (16 * MiB, 10.0)))
+    assert hw.bandwidth_at(0.5 * MiB) == pytest.approx(40e9) and hw.bandwidth_at(64 * MiB) == pytest.approx(10e9)
+    assert hw.bandwidth_at(4 * MiB) == pytest.approx(25e9)  # log2 4 / log2 16 = half way
+    rate_small = 40 + (10 - 40) * 0.5 / 4  # bucket 21 priced at 2^20.5 bytes: half an octave above 1 MiB
+    expected = s / (rate_small * 1e9) + l_ / 10e9  # bucket 25 (2^24.5 bytes) beyond the last point
+    assert price(rec.trace, hw).elementwise == pytest.approx(expected)
+    # without a curve every byte at the one figure (5 GB/s, efficiency 1 on a measured CPU), as before
+    flat = measured_cpu(1.0, 1.0, 5.0, 1.0)
+    assert price(rec.trace, flat).elementwise == pytest.approx((s + l_) / 5e9)
+    # an accelerator keeps its one HBM figure: no curve in the table
+    assert H100.bandwidth_curve == () and H100.bandwidth_at(1) == pytest.approx(BW)
+
+
+def test_fused_regions_are_sized_by_their_own_bytes():
+    """Under compile a region's bytes (what it reads from outside and writes out) go to the bucket of that
+    total, not of its ops one by one; the ops outside the compiled scope keep their own sizes."""
+    w, x0 = meta(1024, 1024), meta(1024, 1024)
+    with RecordingMode() as rec:
+        x = x0 @ w
+        z = x * torch.sigmoid(x) * x  # reads x (2 MiB), writes z (2 MiB): one region of 4 MiB
+        z @ w
+    mem = rec.trace.memory["forward"]
+    size = 1024 * 1024 * 2
+    assert mem.sizes[("fused", 22)] == 2 * size  # 4 MiB: bucket 22 holds (2, 4] MiB
+    assert sum(v for (how, _), v in mem.sizes.items() if how == "eager") == mem.eager_bytes
+    hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((2**22, 20.0),))  # one point: held everywhere
+    assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(2 * size / 20e9)

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def probe() -> CpuProbe:
     return measure_cpu(shapes=[(256, 64, 128)], threads=1, square=256, skinny=(512, 64, 64), min_seconds=0.005,
-                       memory_mib=16, grouped=[(256, 4, 64, 64)], attention=(1, 4, 2, 128, 32))
+                       memory_mib=16, grouped=[(256, 4, 64, 64)], group_counts=[[100, 50, 0, 110], [64, 64, 64]],
+                       attention=(1, 4, 2, 128, 32), curve_mib=(0.25, 1.0))
 
 
 def test_probe_figures_are_positive_and_plausible(probe):
@@ -37,7 +38,9 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert probe.bandwidth_gbps == probe.memory_gbps["add_fp32"]
     assert 0.05 < probe.op_latency_us < 10_000
     assert 0.05 < probe.autograd_op_latency_us < 100_000
-    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 1
+    assert set(probe.bandwidth_by_size) == {"copy", "add_bf16", "mul_fp32", "cast"} and probe.curve_mib == (0.25, 1.0)
+    assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
+    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 4 + 1
 
 
 def test_probe_restores_the_thread_count():
@@ -126,3 +129,38 @@ def test_probe_device_classes_grouped_attention_and_host():
     assert b.host == pytest.approx(0)  # no op recorded: host counts recorded ops
     # without the training step's own figure the autograd chain's stands in
     assert _probe({}).hardware().launch_latency_us == 2.0
+
+
+def test_probe_device_bandwidth_curve_is_the_median_kind_per_size():
+    """``CpuProbe.hardware``'s curve: per working set, the median of the kernels' rates, at that many bytes."""
+    curve = {"copy": [30.0, 8.0], "add_bf16": [10.0, 6.0], "mul_fp32": [40.0, 7.0], "cast": [20.0, 3.0]}
+    hw = _probe({}, bandwidth_by_size=curve, curve_mib=(0.5, 128.0)).hardware()
+    assert hw.bandwidth_curve == ((0.5 * 2**20, 25.0), (128 * 2**20, 6.5))
+    assert hw.memory_bandwidth_gbps == 20.0  # the streaming add stays the flat figure (matmuls' memory bound)
+    assert _probe({}).hardware().bandwidth_curve == ()  # unmeasured: no curve, every op at the flat figure
+
+
+def test_grouped_probe_times_routing_group_sizes():
+    """The expert kernel timed at uneven group sizes (a routing's, padding included: the operands grow to
+    the largest sum) and at equal groups without them; both positive. That uneven groups are slower on a
+    CPU is a speed figure: bench/roofline_cpu.py measures it."""
+    from qwen3_pretrain.simulate.probe import grouped_tflops
+
+    assert grouped_tflops(128, 4, 32, 32, min_seconds=0.002) > 0
+    assert grouped_tflops(128, 4, 32, 32, min_seconds=0.002, counts=[[10, 100, 0, 50], [40, 40, 40, 40]]) > 0
+    assert grouped_tflops(64, 2, 32, 32, min_seconds=0.002, counts=[[8, 56]], dtype=torch.float32) > 0
+
+
+def test_bench_recorder_keeps_the_routings_group_sizes():
+    """The bench's recorder reads each grouped matmul's offsets on a real step (the forward and input
+    gradient's row split), the distinct ones, for the probe."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from roofline_cpu import StepRecorder
+
+    x, w = torch.randn(12, 16, dtype=torch.bfloat16), torch.randn(3, 8, 16, dtype=torch.bfloat16)
+    with StepRecorder() as recorder:
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([2, 9, 12], dtype=torch.int32))
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([2, 9, 12], dtype=torch.int32))
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([0, 4, 12], dtype=torch.int32))
+    assert recorder.group_counts == [[2, 7, 3], [0, 4, 8]]
+    assert sum(recorder.trace.matmuls.values()) == 3

@@ -57,6 +57,10 @@ class CpuProbe:
     # per compiled kernel, compiled; None: unmeasured (the autograd chain's and the tiny op's figures stand in)
     engine_op_us: float | None = None
     engine_compiled_us: float | None = None
+    # ``bandwidth_curve``'s figures: {kind: GB/s at each of ``curve_mib``'s working sets}; empty: unmeasured
+    # (every memory-bound op at ``bandwidth_gbps``)
+    bandwidth_by_size: dict[str, list[float]] = field(default_factory=dict)
+    curve_mib: tuple[float, ...] = ()
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -78,7 +82,8 @@ class CpuProbe:
           apply);
         * a grouped matmul at the probe's expert-layer rate over the bf16 peak (torch runs it on a CPU as a
           loop of per-group products); fused attention at the probe's SDPA rate;
-        * memory bandwidth: the streaming fp32 add (reads two, writes one);
+        * memory bandwidth: the streaming fp32 add (reads two, writes one); by working-set size where the
+          probe measured ``bandwidth_curve`` (``curve_points``: each op priced at its own size's rate);
         * host per eager op: ``engine_op_us`` (the training step's own), else the autograd chain's; per
           compiled kernel ``engine_compiled_us``, else one bare op's dispatch;
         * the link between two processes (gloo): a ring step copies each byte out of and into a socket
@@ -97,7 +102,8 @@ class CpuProbe:
             fp32_shape_classes=classes["fp32"],
             grouped_matmul_share=min(grouped) / peaks["bf16"] if grouped else 1.0,
             compiled_launch_us=self.engine_compiled_us or self.op_latency_us,
-            intra_node_gbps=self.memory_gbps["copy"] / 2)
+            intra_node_gbps=self.memory_gbps["copy"] / 2,
+            bandwidth_curve=curve_points(self.bandwidth_by_size, self.curve_mib) if self.bandwidth_by_size else ())
 
     def trace_rate(self, trace, dtype: str) -> float:
         """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
@@ -121,6 +127,8 @@ class CpuProbe:
         lines += [f"matmul {dtype} {shape}: {value:.3f} TFLOP/s" for (dtype, shape), value in
                   sorted(self.matmul_tflops.items())]
         lines += [f"memory {name}: {value:.1f} GB/s" for name, value in self.memory_gbps.items()]
+        lines += [f"memory {kind} at " + ", ".join(f"{mib:g}" for mib in self.curve_mib) + " MiB: "
+                  + ", ".join(f"{v:.1f}" for v in rates) + " GB/s" for kind, rates in self.bandwidth_by_size.items()]
         lines.append(f"tiny op: {self.op_latency_us:.1f} us, under autograd (forward and backward, per op): "
                      f"{self.autograd_op_latency_us:.1f} us")
         if self.engine_op_us is not None:
@@ -191,21 +199,32 @@ def host_us_per_op(step: Callable[[], object], ops: int, repeats: int = 3) -> fl
     return statistics.median(walls) / max(ops, 1) * 1e6
 
 
-def grouped_tflops(rows: int, experts: int, k: int, n: int, min_seconds: float = 0.02) -> float:
+def grouped_tflops(rows: int, experts: int, k: int, n: int, min_seconds: float = 0.02,
+                   counts: Iterable[Iterable[int]] = (), dtype: torch.dtype = torch.bfloat16) -> float:
     """TFLOP/s of an expert layer's three grouped products (forward, input and weight gradients) together:
-    ``rows`` tokens in ``experts`` equal groups through [experts, n, k] weights, as models/ops/moe.py calls
-    ``torch._grouped_mm`` (bf16 only: its only dtype on every device)."""
-    dtype = torch.bfloat16
+    ``rows`` tokens through [experts, n, k] weights, as models/ops/moe.py calls ``torch._grouped_mm`` (bf16;
+    fp32 on CPUs where the engine runs it grouped). ``counts``: per-group row counts as routing gave them
+    (one list per expert layer call; the operands grow to the largest sum, padding included), timed one
+    after the other; without them, ``experts`` equal groups of ``rows``.
+
+    On a CPU the kernel is a loop of one matmul per group, and routing's uneven groups (on the bench's tiny
+    MoE 192 to 928 rows where equal ones would be 512) run at about half the rate of equal groups (0.3 against
+    0.65 TFLOP/s measured on a 2-core AMX Xeon: the oneDNN kernels of small and odd row counts), so the
+    figure the roofline prices an expert layer at is the uneven one."""
+    runs = [torch.tensor(list(c), dtype=torch.int64) for c in counts] or [torch.full((experts,), rows // experts)]
+    rows = max(rows, *(int(c.sum()) for c in runs))
     x, g = torch.randn(rows, k, dtype=dtype), torch.randn(rows, n, dtype=dtype)
     w = torch.randn(experts, n, k, dtype=dtype)
-    offsets = (torch.arange(1, experts + 1) * (rows // experts)).to(torch.int32)
+    offsets = [c.cumsum(0).to(torch.int32) for c in runs]
+    flops = 3 * 2 * k * n * sum(int(c.sum()) for c in runs)
 
     def fwd_bwd() -> None:
-        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-        torch._grouped_mm(g, w, offs=offsets)
-        torch._grouped_mm(g.t(), x, offs=offsets)
+        for offs in offsets:
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            torch._grouped_mm(g, w, offs=offs)
+            torch._grouped_mm(g.t(), x, offs=offs)
 
-    return 3 * 2 * rows * k * n / seconds_per_call(fwd_bwd, min_seconds) / 1e12
+    return flops / seconds_per_call(fwd_bwd, min_seconds) / 1e12
 
 
 def attention_tflops(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
@@ -241,6 +260,44 @@ def memory_gbps(min_seconds: float = 0.05, mib: int = 128) -> dict[str, float]:
     }
 
 
+# the working-set sizes of ``bandwidth_curve``, MiB: two inside a core's L2, one across it, two from memory
+CURVE_MIB = (0.5, 2.0, 8.0, 32.0, 128.0)
+
+
+def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float = 0.02) -> dict[str, list[float]]:
+    """GB/s (bytes read + written per second) of the memory-bound kernels a training step runs most, each at
+    working sets of ``sizes_mib`` MiB (the bytes one call moves): an fp32 copy, a bf16 add, an fp32 multiply
+    and an fp32 -> bf16 cast. A repeated call finds what the previous one left in the caches, as a step's
+    kernel finds what the kernel before it wrote: a few MiB stream from L2 / L3, hundreds from memory.
+    {kind: [GB/s per size]}; ``curve_points`` makes the device's curve of it."""
+    out: dict[str, list[float]] = {"copy": [], "add_bf16": [], "mul_fp32": [], "cast": []}
+    for mib in sizes_mib:
+        nbytes = mib * 2**20
+        n32 = max(1, int(nbytes / 8))  # copy and cast move 4 + 4 or 4 + 2 bytes an element: numel from the copy's
+        src, dst = torch.ones(n32), torch.empty(n32)
+        n16 = max(1, int(nbytes / 6))  # a + b -> out in bf16: 6 bytes an element
+        a16, b16, o16 = torch.ones(n16, dtype=torch.bfloat16), torch.ones(n16, dtype=torch.bfloat16), \
+            torch.empty(n16, dtype=torch.bfloat16)
+        m32 = max(1, int(nbytes / 12))  # a * b -> out in fp32
+        a32, b32, o32 = torch.ones(m32), torch.ones(m32), torch.empty(m32)
+        c16 = torch.empty(n32, dtype=torch.bfloat16)
+        for kind, moved, fn in (
+                ("copy", 8 * n32, lambda: dst.copy_(src)),
+                ("add_bf16", 6 * n16, lambda: torch.add(a16, b16, out=o16)),
+                ("mul_fp32", 12 * m32, lambda: torch.mul(a32, b32, out=o32)),
+                ("cast", 6 * n32, lambda: c16.copy_(src))):
+            out[kind].append(moved / seconds_per_call(fn, min_seconds) / 1e9)
+    return out
+
+
+def curve_points(curve: dict[str, list[float]], sizes_mib: Iterable[float] = CURVE_MIB) -> tuple[tuple[float, float], ...]:
+    """``Hardware.bandwidth_curve`` from ``bandwidth_curve``'s figures: (bytes, GB/s) per size, the median
+    of the kinds at that size (a step mixes them; on the 2-core AMX Xeon they spread up to 4x at 0.5 MiB, the
+    bf16 add slowest: it converts through fp32, and 1.5-2x at 128 MiB)."""
+    sizes = list(sizes_mib)
+    return tuple((mib * 2**20, statistics.median(rates[i] for rates in curve.values())) for i, mib in enumerate(sizes))
+
+
 def op_latency_us(calls: int = 2000) -> float:
     """Microseconds per tiny eager op (dispatch, allocation of its output): the floor of an op's host time."""
     a, b = torch.ones(8), torch.ones(8)
@@ -262,18 +319,22 @@ def autograd_op_latency_us(length: int = 32) -> float:
 
 
 def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None = None,
-                grouped: Iterable[tuple[int, int, int, int]] = (),
+                grouped: Iterable[tuple[int, int, int, int]] = (), group_counts: Iterable[Iterable[int]] = (),
                 attention: tuple[int, int, int, int, int] | None = None,
                 square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256), tiny: tuple[int, int] = (32, 64),
-                min_seconds: float = 0.02, memory_mib: int = 128) -> CpuProbe:
+                min_seconds: float = 0.02, memory_mib: int = 128,
+                curve_mib: Iterable[float] = CURVE_MIB) -> CpuProbe:
     """Measure this CPU at ``threads`` intra-op threads (default: torch's current setting).
 
     ``shapes``: (tokens, in, out) of linear layers whose forward and backward products are timed together,
     recorded as shape class ``"tokens x in x out"``; ``grouped``: (rows, experts, in, out) of expert layers,
-    timed as ``grouped_tflops`` and recorded as bf16 shape class ``"grouped rows x experts x in x out"``;
+    timed as ``grouped_tflops`` and recorded as bf16 shape class ``"grouped rows x experts x in x out"``, at
+    ``group_counts`` (per-group row counts as the model's routing gave them: those of ``experts`` groups are
+    timed; equal groups where none has);
     ``attention``: (batch, heads, kv heads, seq, head_dim) of causal SDPA, bf16 shape class ``"attention"``;
-    ``tiny``: (batch, side) of the ``"tiny"`` class's batched products.
-    About 2-4 s on 2 idle cores with the defaults.
+    ``tiny``: (batch, side) of the ``"tiny"`` class's batched products; ``curve_mib``: the working sets of
+    ``bandwidth_curve`` (empty: not measured).
+    About 4-6 s on 2 idle cores with the defaults.
     Measure at the thread count the priced work runs at: with more threads than the cores free at the
     moment, every parallel region waits for a descheduled thread, a cost per op that grows with the load.
     """
@@ -288,13 +349,19 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
             tflops[(name, "tiny")] = tiny_tflops(*tiny, dtype, min_seconds)
             for tokens, k, n in shapes:
                 tflops[(name, f"{tokens}x{k}x{n}")] = linear_tflops(tokens, k, n, dtype, min_seconds)
+        group_counts = [list(c) for c in group_counts]
         for rows, experts, k, n in grouped:
-            tflops[("bf16", f"grouped {rows}x{experts}x{k}x{n}")] = grouped_tflops(rows, experts, k, n, min_seconds)
+            counts = [c for c in group_counts if len(c) == experts]
+            tflops[("bf16", f"grouped {rows}x{experts}x{k}x{n}")] = grouped_tflops(rows, experts, k, n, min_seconds,
+                                                                                 counts)
         if attention:
             tflops[("bf16", "attention")] = attention_tflops(*attention, min_seconds=min_seconds)
+        curve_mib = tuple(curve_mib)
         return CpuProbe(cpu=cpu_name(), threads=torch.get_num_threads(), matmul_tflops=tflops,
                         memory_gbps=memory_gbps(min_seconds, memory_mib), op_latency_us=op_latency_us(),
                         autograd_op_latency_us=autograd_op_latency_us(),
-                        load_average=os.getloadavg()[0])
+                        load_average=os.getloadavg()[0],
+                        bandwidth_by_size=bandwidth_curve(curve_mib, min_seconds) if curve_mib else {},
+                        curve_mib=curve_mib)
     finally:
         torch.set_num_threads(before)

@@ -16,6 +16,9 @@
 * **memory-bound ops**: bytes at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``; eager one op at a
   time; compiled, the fused regions inside the compiled scope (the decoder layers ``compile: true``
   compiles, ``trace.py``) and the ops outside it (embedding, loss, optimizer, FSDP's copies) one at a time.
+  Where the device has a ``bandwidth_curve`` (a CPU's, measured by ``simulate.probe``: its caches stream a
+  few MiB 1.5-3x faster than memory), each op's or fused region's bytes at the rate of its own size
+  (``memory_seconds``); the accelerators keep one HBM figure.
 * **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
   or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
@@ -36,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 from qwen3_pretrain.hardware import GB, MATMUL_SHAPE_CLASSES, Hardware
 from qwen3_pretrain.plan.formulas import collective_seconds, megatron_bubble_ratio
-from qwen3_pretrain.simulate.roofline.trace import OpTrace
+from qwen3_pretrain.simulate.roofline.trace import OpTrace, bucket_bytes
 
 # smallest matmul side -> share of the large-GEMM efficiency on an accelerator (hardware.py has the figures)
 SHAPE_CLASSES = MATMUL_SHAPE_CLASSES
@@ -114,6 +117,25 @@ def _attention_seconds(trace: OpTrace, hw: Hardware) -> float:
     return total
 
 
+def memory_seconds(trace: OpTrace, hw: Hardware, compiled: bool = False) -> float:
+    """Seconds of the memory-bound ops: eager each op's bytes, compiled the fused regions' and the ops'
+    outside the compiled scope. On a device with a ``bandwidth_curve`` each kernel's bytes at the rate of
+    its size (the trace's size buckets); bytes a trace has no sizes for, and every byte on a device without
+    a curve, at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
+    flat = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    kinds = ("fused", "outside") if compiled else ("eager",)
+    seconds = 0.0
+    for m in trace.memory.values():
+        moved = m.fused_bytes + m.outside_bytes if compiled else m.eager_bytes
+        if hw.bandwidth_curve:
+            for (kind, bucket), nbytes in m.sizes.items():
+                if kind in kinds:
+                    seconds += nbytes / hw.bandwidth_at(bucket_bytes(bucket))
+                    moved -= nbytes
+        seconds += max(0.0, moved) / flat
+    return seconds
+
+
 def comm_seconds(comm: dict, hw: Hardware, intra: dict[str, bool] | None = None) -> dict[str, tuple[float, float]]:
     """Seconds per axis of ``comm`` ({(axis, kind, n): (whole-buffer bytes, calls)}): (total, first + last
     call of the kind, for dp's overlap). ``intra``: axis -> whether its groups stay inside a node (default
@@ -138,9 +160,7 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     {(axis, kind, group size): (whole-buffer bytes, calls)} per step (``track.CommCounter.calls_by_size``);
     ``intra``: which axes stay inside a node; ``pp``, ``microbatches``, ``virtual``: the pipeline."""
     out = Breakdown(matmul=_matmul_seconds(trace, hardware), attention=_attention_seconds(trace, hardware))
-    bandwidth = hardware.memory_bandwidth_gbps * GB * hardware.bandwidth_efficiency
-    moved = sum((m.fused_bytes + m.outside_bytes if compiled else m.eager_bytes) for m in trace.memory.values())
-    out.elementwise = moved / bandwidth
+    out.elementwise = memory_seconds(trace, hardware, compiled)
     compute = out.compute
     exposed = 0.0
     for axis, (total, edge) in comm_seconds(comm or {}, hardware, intra).items():

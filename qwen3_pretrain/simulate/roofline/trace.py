@@ -19,7 +19,10 @@ needs, summed on the fly:
 * **memory-bound ops** (everything else that launches a kernel: elementwise,
   copies, casts, reductions, norms, the optimizer's foreach ops): per phase the
   bytes read and written one op at a time (eager), and as compile would fuse
-  them (below), with the op and fused-region counts the host term needs;
+  them (below), with the op and fused-region counts the host term needs, and
+  the same bytes by the size of the kernel that moves them (a power-of-two
+  bucket per op or fused region: a CPU streams a cache-sized working set
+  faster than a memory-sized one);
 * **collectives** are not kept here: ``track.CommCounter`` counts them.
 
 Views and other metadata-only ops (their results alias an input), ``empty``
@@ -121,6 +124,10 @@ class MemoryOps:
     ops: int = 0
     regions: int = 0
     outside_bytes: float = 0.0  # ops outside the compiled scope, one at a time (in ``eager_bytes`` too)
+    # the same bytes by how many one kernel moves: (how, size bucket) -> bytes, ``how`` "eager" (every op),
+    # "fused" (each fused region's total) or "outside"; bucket ``size_bucket``: a device whose bandwidth
+    # depends on the working set (a CPU's caches, ``Hardware.bandwidth_curve``) prices each at its own rate
+    sizes: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -141,8 +148,19 @@ class OpTrace:
     def to_json(self) -> dict:
         return {"matmul_calls": sum(self.matmuls.values()), "matmul_tflop": round(self.matmul_flops() / 1e12, 3),
                 "attention_calls": sum(self.attention.values()),
-                "memory_ops": {p: vars(m) for p, m in self.memory.items()}, "host_ops": dict(self.host_ops),
+                "memory_ops": {p: {k: v for k, v in vars(m).items() if k != "sizes"} for p, m in self.memory.items()},
+                "host_ops": dict(self.host_ops),
                 "outside_compiled_ops": dict(self.outside_ops)}
+
+
+def size_bucket(nbytes: float) -> int:
+    """The bucket of a kernel that moves ``nbytes``: ``b`` holds (2^(b-1), 2^b] bytes (``bucket_bytes``)."""
+    return max(0, (int(nbytes) - 1).bit_length())
+
+
+def bucket_bytes(bucket: int) -> float:
+    """The size a bucket's kernels are priced at: the geometric middle of its range, 2^(b - 1/2) bytes."""
+    return 2.0 ** (bucket - 0.5)
 
 
 _STORAGE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -304,7 +322,9 @@ class TraceRecorder:
     def close_region(self) -> None:
         if self._region_writes or self._region_reads:
             mem = self.trace.memory[self._region_phase]
-            mem.fused_bytes += sum(self._region_reads.values()) + sum(self._region_writes.values())
+            moved = sum(self._region_reads.values()) + sum(self._region_writes.values())
+            mem.fused_bytes += moved
+            mem.sizes[("fused", size_bucket(moved))] += moved
             mem.regions += 1
             self._region_reads.clear()
             self._region_writes.clear()
@@ -346,9 +366,12 @@ class TraceRecorder:
         mem.ops += 1
         moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         mem.eager_bytes += moved
+        bucket = size_bucket(moved)
+        mem.sizes[("eager", bucket)] += moved
         if not inside:  # eager under compile too: ends the open fused region
             self.close_region()
             mem.outside_bytes += moved
+            mem.sizes[("outside", bucket)] += moved
             return
         if phase != self._region_phase:
             self.close_region()
