@@ -85,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation)")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (151936: Qwen3's)")
     parser.add_argument("--json", help="also write every variant's per-rank results to this file")
+    parser.add_argument("--denormals", choices=("flush", "keep"), default="flush",
+                        help="denormal floats flushed to zero in every worker (the engine's default on a CPU, "
+                             "cpu_flush_denormal) or computed as such (10-150x slower on x86)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host-us", help=argparse.SUPPRESS)
@@ -196,9 +199,14 @@ def worker(args: argparse.Namespace) -> None:
     model, mode, layout = args.worker.split("-")
     nproc, threads, _ = LAYOUTS[layout]
     torch.set_num_threads(threads)
+    # the engine sets it at start-up from cpu_flush_denormal; set here too, before any kernel, so that the
+    # bench's choice holds whatever the config's default
+    torch.set_flush_denormal(args.denormals == "flush")
     rank = int(os.environ.get("RANK", 0))
-    trainer = Trainer(variant_config(model, mode, layout, args.data, str(Path(args.out) / "run"), args.vocab,
-                                     args.tiny))
+    cfg = variant_config(model, mode, layout, args.data, str(Path(args.out) / "run"), args.vocab, args.tiny)
+    if hasattr(cfg, "cpu_flush_denormal"):
+        cfg = dataclasses.replace(cfg, cpu_flush_denormal=args.denormals == "flush")
+    trainer = Trainer(cfg)
 
     def step() -> float:
         return trainer.train_step()["loss"]
@@ -358,6 +366,7 @@ def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dic
                        "attention_efficiency": hw.attention_efficiency,
                        "classes": [hw.matmul_shape_classes, hw.fp32_shape_classes],
                        "grouped_share": hw.grouped_matmul_share, "bandwidth_curve": hw.bandwidth_curve,
+                       "cache_bytes": hw.cache_bytes,
                        "launch_us": hw.launch_latency_us,
                        "compiled_launch_us": hw.compiled_launch_us}}
 
@@ -386,7 +395,7 @@ def run_variant(name: str, args: argparse.Namespace, data: str, tmp: Path, host:
     out.mkdir()
     script = [str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out),
               "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocab", str(args.vocab),
-              "--host-us", json.dumps(host or {})] + (["--tiny"] if tiny else [])
+              "--host-us", json.dumps(host or {}), "--denormals", args.denormals] + (["--tiny"] if tiny else [])
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
         str(free_port())]

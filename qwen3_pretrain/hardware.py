@@ -163,6 +163,10 @@ class Hardware:
     # ``bandwidth_efficiency``, what the accelerators in the table use (one HBM figure: no L2 figure is
     # sourced for them)
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
+    # bytes of traffic within which a tensor touched by one kernel is still in the caches for the next: a read
+    # of it is priced on ``bandwidth_curve`` at the kernel's size, an older one at the curve's streaming end
+    # (0: every read on the curve). A CPU's from its curve (``simulate.probe.curve_points``)
+    cache_bytes: float = 0.0
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -415,7 +419,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  shape_classes: tuple[tuple[int, float], ...] = (),
                  fp32_shape_classes: tuple[tuple[int, float], ...] = (), grouped_matmul_share: float = 1.0,
                  compiled_launch_us: float | None = None, intra_node_gbps: float | None = None,
-                 bandwidth_curve: tuple[tuple[float, float], ...] = ()) -> Hardware:
+                 bandwidth_curve: tuple[tuple[float, float], ...] = (), cache_bytes: float = 0.0) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -424,7 +428,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     measured rate (TFLOP/s on the roofline's FLOP count; ``attention_efficiency`` is it over the bf16 peak),
     shape classes (shares of the peaks, bf16 and fp32), a grouped matmul's share of a plain one of a group's
     shape, a compiled kernel's launch cost (default: the eager op's), the link between two processes and the
-    bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes)."""
+    bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes) with the
+    traffic its caches hold (``cache_bytes``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -435,7 +440,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         compiled_launch_us=compiled_launch_us or launch_latency_us,
         attention_efficiency=(attention_tflops / bf16_tflops) if attention_tflops else 1.0,
         matmul_shape_classes=shape_classes or ((1, 1.0),), fp32_shape_classes=fp32_shape_classes,
-        grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve),
+        grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         source=source or f"measured on this CPU: bf16 {bf16_tflops:.3g} TFLOP/s, fp32 {fp32_tflops:.3g} TFLOP/s, "
                          f"{memory_bandwidth_gbps:.3g} GB/s, {launch_latency_us:.3g} us per op")

@@ -291,7 +291,7 @@ def test_matmuls_written_into_buffers_count_as_matmuls():
 def test_memory_bound_bytes_are_kept_by_kernel_size_and_priced_on_a_bandwidth_curve():
     """A CPU streams a cache-sized working set faster than a memory-sized one: each op (eager) or fused region
     (compiled) is priced at the rate of its own size on the device's curve, worked out by hand here."""
-    from qwen3_pretrain.simulate.roofline.trace import bucket_bytes, size_bucket
+    from qwen3_pretrain.simulate.roofline.trace import NEVER, bucket_bytes, size_bucket
 
     assert (size_bucket(1), size_bucket(2), size_bucket(3), size_bucket(4), size_bucket(5)) == (0, 1, 2, 2, 3)
     assert bucket_bytes(22) == pytest.approx(2**21.5)
@@ -301,8 +301,13 @@ def test_memory_bound_bytes_are_kept_by_kernel_size_and_priced_on_a_bandwidth_cu
         large * 2.0  # 2 x 16 MiB = 32 MiB: bucket 25
     mem = rec.trace.memory["forward"]
     s, l_ = 3 * 256 * 512 * 4, 2 * 2048 * 2048 * 4
-    # compiled, no matmul splits them: one fused region of both, which reads ``small`` once (33 MiB, bucket 26)
-    assert dict(mem.sizes) == {("eager", 21): s, ("eager", 25): l_, ("fused", 26): s - 256 * 512 * 4 + l_}
+    # (how, size bucket, reuse bucket): the inputs were touched by no recorded kernel before (NEVER), the
+    # writes go to the caches (0); compiled, no matmul splits them: one fused region of both, which reads
+    # ``small`` once (33 MiB, bucket 26)
+    half, sixteen = 256 * 512 * 4, 2048 * 2048 * 4
+    assert dict(mem.sizes) == {("eager", 21, NEVER): 2 * half, ("eager", 21, 0): half,
+                               ("eager", 25, NEVER): sixteen, ("eager", 25, 0): sixteen,
+                               ("fused", 26, NEVER): half + sixteen, ("fused", 26, 0): half + sixteen}
     # the curve: 40 GB/s up to 1 MiB, 10 GB/s from 16 MiB, linear in log size between
     MiB = 2**20
     hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((1 * MiB, 40.0), (16 * MiB, 10.0)))
@@ -310,7 +315,7 @@ def test_memory_bound_bytes_are_kept_by_kernel_size_and_priced_on_a_bandwidth_cu
     assert hw.bandwidth_at(4 * MiB) == pytest.approx(25e9)  # log2 4 / log2 16 = half way
     rate_small = 40 + (10 - 40) * 0.5 / 4  # bucket 21 priced at 2^20.5 bytes: half an octave above 1 MiB
     expected = s / (rate_small * 1e9) + l_ / 10e9  # bucket 25 (2^24.5 bytes) beyond the last point
-    assert price(rec.trace, hw).elementwise == pytest.approx(expected)
+    assert price(rec.trace, hw).elementwise == pytest.approx(expected)  # no cache size: every byte on the curve
     # without a curve every byte at the one figure (5 GB/s, efficiency 1 on a measured CPU), as before
     flat = measured_cpu(1.0, 1.0, 5.0, 1.0)
     assert price(rec.trace, flat).elementwise == pytest.approx((s + l_) / 5e9)
@@ -328,7 +333,34 @@ def test_fused_regions_are_sized_by_their_own_bytes():
         z @ w
     mem = rec.trace.memory["forward"]
     size = 1024 * 1024 * 2
-    assert mem.sizes[("fused", 22)] == 2 * size  # 4 MiB: bucket 22 holds (2, 4] MiB
-    assert sum(v for (how, _), v in mem.sizes.items() if how == "eager") == mem.eager_bytes
+    # 4 MiB: bucket 22 holds (2, 4] MiB; x was written by the matmul just before (reuse: its own 2 MiB)
+    assert mem.sizes[("fused", 22, 21)] == size and mem.sizes[("fused", 22, 0)] == size
+    assert sum(v for (how, _, _), v in mem.sizes.items() if how == "eager") == mem.eager_bytes
     hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((2**22, 20.0),))  # one point: held everywhere
     assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(2 * size / 20e9)
+
+
+def test_reads_stream_from_memory_once_the_traffic_since_their_last_touch_outgrows_the_caches():
+    """The reuse distance of a read (bytes any recorded kernel touched since the tensor's last touch, plus its
+    own) against the device's ``cache_bytes``: within it the read is priced on the curve at the op's size,
+    beyond it at the streaming end; writes on the curve. Worked out by hand."""
+    from qwen3_pretrain.simulate.roofline.trace import NEVER
+
+    MiB = 2**20
+    x, big = meta(MiB // 4, dtype=torch.float32), meta(4 * MiB, dtype=torch.float32)  # 1 MiB, 16 MiB
+    with RecordingMode() as rec:
+        y = x + 1  # reads x (never touched), writes y
+        y * 2  # reads y right after: distance 1 MiB (its own bytes), bucket 20
+        big.neg()  # 16 MiB read, 16 MiB written
+        y * 3  # y again: 1 (the product) + 32 (neg) + 1 (itself) MiB since, bucket 26
+    sizes = rec.trace.memory["forward"].sizes
+    assert sizes[("eager", 21, 20)] == MiB and sizes[("eager", 21, 26)] == MiB and sizes[("eager", 21, NEVER)] == MiB
+    hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((MiB, 40.0), (64 * MiB, 10.0)), cache_bytes=8 * MiB)
+    at_2mib = (40 - 30 * 0.5 / 6) * 1e9  # ops moving 2 MiB (bucket 21, priced at 2^20.5 bytes)
+    at_32mib = (40 - 30 * 4.5 / 6) * 1e9  # the neg's 32 MiB (bucket 25, 2^24.5 bytes)
+    streaming = 10e9
+    expected = (MiB / streaming + MiB / at_2mib  # x + 1: x from memory, y written
+                + 2 * MiB / at_2mib  # y * 2: y from the caches, the product written
+                + 16 * MiB / streaming + 16 * MiB / at_32mib  # neg
+                + MiB / streaming + MiB / at_2mib)  # y * 3: y from memory again
+    assert price(rec.trace, hw).elementwise == pytest.approx(expected)

@@ -136,6 +136,11 @@ def test_probe_device_bandwidth_curve_is_the_median_kind_per_size():
     curve = {"copy": [30.0, 8.0], "add_bf16": [10.0, 6.0], "mul_fp32": [40.0, 7.0], "cast": [20.0, 3.0]}
     hw = _probe({}, bandwidth_by_size=curve, curve_mib=(0.5, 128.0)).hardware()
     assert hw.bandwidth_curve == ((0.5 * 2**20, 25.0), (128 * 2**20, 6.5))
+    assert hw.cache_bytes == 0.5 * 2**20  # the largest size 1.5x faster than the streaming end
+    from qwen3_pretrain.simulate.probe import cache_bytes
+
+    assert cache_bytes(((1, 30.0), (2, 20.0), (4, 15.0), (8, 14.0), (16, 10.0))) == 4
+    assert cache_bytes(((1, 12.0), (16, 10.0))) == 0 and cache_bytes(((1, 30.0),)) == 0
     assert hw.memory_bandwidth_gbps == 20.0  # the streaming add stays the flat figure (matmuls' memory bound)
     assert _probe({}).hardware().bandwidth_curve == ()  # unmeasured: no curve, every op at the flat figure
 

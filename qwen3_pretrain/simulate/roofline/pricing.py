@@ -17,8 +17,10 @@
   time; compiled, the fused regions inside the compiled scope (the decoder layers ``compile: true``
   compiles, ``trace.py``) and the ops outside it (embedding, loss, optimizer, FSDP's copies) one at a time.
   Where the device has a ``bandwidth_curve`` (a CPU's, measured by ``simulate.probe``: its caches stream a
-  few MiB 1.5-3x faster than memory), each op's or fused region's bytes at the rate of its own size
-  (``memory_seconds``); the accelerators keep one HBM figure.
+  few MiB 1.5-3x faster than memory, when they are in its caches), each op's or fused region's bytes at
+  the rate of its own size where its caches hold them: its writes, and its reads of tensors some kernel
+  touched within the device's ``cache_bytes`` of traffic before (the trace's reuse distances); its other
+  reads at the streaming rate (``memory_seconds``). The accelerators keep one HBM figure.
 * **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
   or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
@@ -35,6 +37,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from qwen3_pretrain.hardware import GB, MATMUL_SHAPE_CLASSES, Hardware
@@ -119,18 +122,22 @@ def _attention_seconds(trace: OpTrace, hw: Hardware) -> float:
 
 def memory_seconds(trace: OpTrace, hw: Hardware, compiled: bool = False) -> float:
     """Seconds of the memory-bound ops: eager each op's bytes, compiled the fused regions' and the ops'
-    outside the compiled scope. On a device with a ``bandwidth_curve`` each kernel's bytes at the rate of
-    its size (the trace's size buckets); bytes a trace has no sizes for, and every byte on a device without
-    a curve, at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
+    outside the compiled scope. On a device with a ``bandwidth_curve``, each kernel's bytes that its caches
+    hold at the rate of its size (the trace's size buckets): its writes, and the reads of tensors touched
+    within ``cache_bytes`` of traffic (the trace's reuse buckets; every read where ``cache_bytes`` is 0); its
+    other reads stream from memory, at the curve's largest size. Bytes a trace has no sizes for, and every
+    byte on a device without a curve, at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
     flat = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
     kinds = ("fused", "outside") if compiled else ("eager",)
     seconds = 0.0
     for m in trace.memory.values():
         moved = m.fused_bytes + m.outside_bytes if compiled else m.eager_bytes
         if hw.bandwidth_curve:
-            for (kind, bucket), nbytes in m.sizes.items():
+            streaming = hw.bandwidth_at(math.inf)
+            for (kind, bucket, reuse), nbytes in m.sizes.items():
                 if kind in kinds:
-                    seconds += nbytes / hw.bandwidth_at(bucket_bytes(bucket))
+                    cached = not hw.cache_bytes or bucket_bytes(reuse) <= hw.cache_bytes
+                    seconds += nbytes / (hw.bandwidth_at(bucket_bytes(bucket)) if cached else streaming)
                     moved -= nbytes
         seconds += max(0.0, moved) / flat
     return seconds

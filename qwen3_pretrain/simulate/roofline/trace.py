@@ -158,6 +158,9 @@ def size_bucket(nbytes: float) -> int:
     return max(0, (int(nbytes) - 1).bit_length())
 
 
+NEVER = 127  # the reuse bucket of a read no recorded kernel's touch precedes
+
+
 def bucket_bytes(bucket: int) -> float:
     """The size a bucket's kernels are priced at: the geometric middle of its range, 2^(b - 1/2) bytes."""
     return 2.0 ** (bucket - 0.5)
@@ -235,6 +238,9 @@ class TraceRecorder:
         self.in_optimizer = False
         self.scope = scope  # "layers", None or "modules" (module docstring, "Compiled scope")
         self._region_reads: dict[int, int] = {}  # storage -> bytes, read from outside the open region
+        self._region_reuse: dict[int, int] = {}  # storage -> its reuse bucket at the region's first read of it
+        self._clock = 0  # bytes every recorded kernel has touched so far (reads and writes)
+        self._last: dict[int, int] = {}  # storage -> ``_clock`` after its last touch
         self._region_writes: dict[int, int] = {}  # storage -> bytes, produced in the open region
         self._region_phase = "forward"
         self._hooks: list = []
@@ -310,6 +316,8 @@ class TraceRecorder:
     def reset(self) -> None:
         self.close_region()
         self.trace = OpTrace()
+        self._clock = 0
+        self._last = {}
         self._scope_ranges = []
 
     def phase(self) -> str:
@@ -322,11 +330,16 @@ class TraceRecorder:
     def close_region(self) -> None:
         if self._region_writes or self._region_reads:
             mem = self.trace.memory[self._region_phase]
-            moved = sum(self._region_reads.values()) + sum(self._region_writes.values())
+            written = sum(self._region_writes.values())
+            moved = sum(self._region_reads.values()) + written
             mem.fused_bytes += moved
-            mem.sizes[("fused", size_bucket(moved))] += moved
+            bucket = size_bucket(moved)
+            for key, nbytes in self._region_reads.items():
+                mem.sizes[("fused", bucket, self._region_reuse[key])] += nbytes
+            mem.sizes[("fused", bucket, 0)] += written
             mem.regions += 1
             self._region_reads.clear()
+            self._region_reuse.clear()
             self._region_writes.clear()
 
     def record(self, func, args, kwargs, out) -> None:
@@ -344,17 +357,6 @@ class TraceRecorder:
         inside = self.in_compiled_scope()
         if not inside:
             trace.outside_ops[phase] += 1
-        if func in _MATMULS or func in _GROUPED or func in _SCALED:
-            self.close_region()
-            self._matmul(func, args, out, phase)
-            trace.outside_kernels += not inside
-            return
-        attention = _ATTENTION.get(func)
-        if attention is not None:
-            self.close_region()
-            self._attention(attention, func, args, kwargs or {}, phase)
-            trace.outside_kernels += not inside
-            return
         ins = _tensors(args, [])
         if kwargs:
             _tensors(list(kwargs.values()), ins)
@@ -362,16 +364,34 @@ class TraceRecorder:
         for i in _written_arguments(func):  # in-place and out= ops (foreach, fused AdamW) write these
             if i < len(args):
                 _tensors(args[i], outs)
+        if func in _MATMULS or func in _GROUPED or func in _SCALED:
+            self.close_region()
+            self._matmul(func, args, out, phase)
+            trace.outside_kernels += not inside
+            self._touch(ins + outs)
+            return
+        attention = _ATTENTION.get(func)
+        if attention is not None:
+            self.close_region()
+            self._attention(attention, func, args, kwargs or {}, phase)
+            trace.outside_kernels += not inside
+            self._touch(ins + outs)
+            return
         mem = trace.memory[phase]
         mem.ops += 1
         moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         mem.eager_bytes += moved
         bucket = size_bucket(moved)
-        mem.sizes[("eager", bucket)] += moved
+        reuse = [(t, self._reuse(t)) for t in ins]  # before this op touches them
+        in_reuse = {_storage_key(t): r for t, r in reuse}
+        for how in ("eager",) if inside else ("eager", "outside"):
+            for t, r in reuse:
+                mem.sizes[(how, bucket, r)] += _nbytes(t)
+            mem.sizes[(how, bucket, 0)] += moved - sum(_nbytes(t) for t in ins)
+        self._touch(ins + outs)
         if not inside:  # eager under compile too: ends the open fused region
             self.close_region()
             mem.outside_bytes += moved
-            mem.sizes[("outside", bucket)] += moved
             return
         if phase != self._region_phase:
             self.close_region()
@@ -385,8 +405,21 @@ class TraceRecorder:
                     writes[key] = 0  # produced and consumed inside the region: never written out
             elif key not in reads:
                 reads[key] = _nbytes(t)
+                self._region_reuse[key] = in_reuse[key]
         for key, t in zip(out_keys, outs):
             writes[key] = max(writes.get(key, 0), _nbytes(t))
+
+    def _reuse(self, t: torch.Tensor) -> int:
+        """The reuse bucket of reading ``t`` now: ``size_bucket`` of the bytes touched since its storage's
+        last touch plus its own (0 for none between: an in-place op's output read again), ``NEVER`` where
+        no recorded kernel touched it (a parameter or a tensor from before the recording)."""
+        last = self._last.get(_storage_key(t))
+        return NEVER if last is None else size_bucket(self._clock - last + _nbytes(t))
+
+    def _touch(self, tensors: list) -> None:
+        for t in tensors:
+            self._clock += _nbytes(t)
+            self._last[_storage_key(t)] = self._clock
 
     def _matmul(self, func, args, out, phase: str) -> None:
         if func in _ADDED:
