@@ -208,8 +208,13 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    # On one rank the sum is the rank's own gradient, and FSDP's default already copies it unscaled; a
+    # divide factor set there makes it divide into a temporary the size of the unit's fp32 gradient
+    # (torch 2.13's one-rank path), beside the reduce input and output: the embedding's at the end of
+    # backward, the step's peak in single-process training (bench/plan_validate.py).
+    summed = dp_mesh.size() > 1 or (experts_mesh is not None and experts_mesh.size() > 1)
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if summed and isinstance(module, FSDPModule):
             # Gradients summed over the dp and cp ranks, not averaged: the loss carries the one scale,
             # 1 / the global batch's tokens (train/engine.py). Plain sums, which every library has.
             module.set_gradient_divide_factor(1.0)
