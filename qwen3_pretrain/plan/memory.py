@@ -227,7 +227,10 @@ def _moments(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> dict[str, d
     takes its all-gather input, output and the unsharded copy. A unit's
     gradient appears in the compute dtype and, when the weights are sharded,
     an fp32 reduce-scatter input; with one shard the reduced gradient is that
-    buffer itself (measured: ``bench/plan_validate.py``). Under pipeline
+    buffer's size again (FSDP copies it out; the weight and the compute-dtype
+    gradient freed by then hold the same bytes; no divide factor is set on one
+    rank, whose division made a third copy: ``parallel/parallelize.py``;
+    measured: ``bench/plan_validate.py``). Under pipeline
     parallelism a unit stays gathered after its backward (the schedule sets
     ``reshard_after_backward=False``) but not after its forward.
     """
