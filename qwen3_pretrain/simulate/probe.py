@@ -294,7 +294,8 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
     return out
 
 
-def curve_points(curve: dict[str, list[float]], sizes_mib: Iterable[float] = CURVE_MIB) -> tuple[tuple[float, float], ...]:
+def curve_points(curve: dict[str, list[float]],
+                 sizes_mib: Iterable[float] = CURVE_MIB) -> tuple[tuple[float, float], ...]:
     """``Hardware.bandwidth_curve`` from ``bandwidth_curve``'s figures: (bytes, GB/s) per size, the median
     of the kinds at that size (a step mixes them; on the 2-core AMX Xeon they spread up to 4x at 0.5 MiB, the
     bf16 add slowest: it converts through fp32, and 1.5-2x at 128 MiB)."""
