@@ -85,3 +85,29 @@ def test_chosen_fp32_kernel_is_not_slower_on_this_cpu():
     # the best of each: preemption by other processes only ever adds time
     mine, theirs = min(times[chosen.name]), min(times[other.name])
     assert mine <= 1.5 * theirs, f"chosen {chosen.name} {mine:.4f} s vs {other.name} {theirs:.4f} s: {times}"
+
+
+def test_row_buckets_only_where_the_group_shapes_reach_onednn():
+    """Expert groups are padded to row buckets (a host read of the counts) in bf16 eager on a CPU only: not on
+    CUDA, where the read would wait for the device, not under compile, not for the fp32 kernels."""
+    assert experts_kernel("cpu", torch.bfloat16).buckets
+    assert not getattr(experts_kernel("cpu", torch.bfloat16, compiled=True), "buckets", False)
+    assert not getattr(experts_kernel("cuda", torch.bfloat16), "buckets", False)
+    assert not getattr(experts_kernel("cpu", torch.bfloat16, align=8), "buckets", False)
+    amx = frozenset({"avx512f", "amx_bf16", "amx_tile"})
+    assert not getattr(experts_kernel("cpu", torch.float32, flags=amx), "buckets", False)
+
+
+def test_grouped_kernel_without_buckets_reads_nothing_on_the_host(monkeypatch):
+    """CUDA's configuration of the bf16 grouped kernel (groups aligned to 8 rows, no buckets) must not read the
+    token counts on the host: there that read would stall the step on the device."""
+    inputs = _inputs(torch.bfloat16)
+    kernel = GroupedMM(align=8)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("host read of a tensor in the grouped expert kernel")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    out, grads = _step(kernel, inputs)
+    assert out.shape == (N, H) and all(g is not None for g in grads)

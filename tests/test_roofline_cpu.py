@@ -8,7 +8,6 @@ sorting torch.profiler's events into the categories the prediction has.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,8 +63,8 @@ def test_timer_counts_the_work_of_a_call():
     assert linear_tflops(64, 64, 64, torch.float32, 0.002) > 0
 
 
-def test_profiler_categories_of_the_bench():
-    sys.path.insert(0, str(REPO / "bench"))
+def test_profiler_categories_of_the_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     from roofline_cpu import CATEGORIES, op_category, profiled_categories
 
     assert op_category("aten::mm") == "matmul"
@@ -81,11 +80,11 @@ def test_profiler_categories_of_the_bench():
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
 
 
-def test_bench_recorder_counts_matmuls_into_buffers_and_the_probe_device_prices_them():
+def test_bench_recorder_counts_matmuls_into_buffers_and_the_probe_device_prices_them(monkeypatch):
     """The fused loss writes its head's matmuls into buffers (mm.out, addmm_): the bench's recorder (the
     roofline's, with collectives counted) takes them as matmuls, and the probe's device prices them at the
     rate the probe measured for their sizes."""
-    sys.path.insert(0, str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     from roofline_cpu import StepRecorder
 
     from qwen3_pretrain.simulate.roofline import price
@@ -156,10 +155,10 @@ def test_grouped_probe_times_routing_group_sizes():
     assert grouped_tflops(64, 2, 32, 32, min_seconds=0.002, counts=[[8, 56]], dtype=torch.float32) > 0
 
 
-def test_bench_recorder_keeps_the_routings_group_sizes():
+def test_bench_recorder_keeps_the_routings_group_sizes(monkeypatch):
     """The bench's recorder reads each grouped matmul's offsets on a real step (the forward and input
     gradient's row split), the distinct ones, for the probe."""
-    sys.path.insert(0, str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     from roofline_cpu import StepRecorder
 
     x, w = torch.randn(12, 16, dtype=torch.bfloat16), torch.randn(3, 8, 16, dtype=torch.bfloat16)

@@ -183,15 +183,28 @@ def set_cpu_denormals(flush: bool) -> str:
     An x86 core computes an operation with a denormal operand or result (|x| below 1.2e-38 in fp32) in
     microcode, tens to hundreds of times slower than the same operation on normal numbers; GPUs and NPUs
     have no such penalty. With ``flush`` the SSE control register's flush-to-zero and denormals-are-zero
-    bits are set (``torch.set_flush_denormal``): a denormal reads and is written as 0, a change below 1e-38
-    in absolute terms, which no sum of normal fp32 numbers keeps anyway. The register is per thread and a
+    bits are set (``torch.set_flush_denormal``): every op reads a denormal operand as 0 and writes a
+    denormal result as 0 (a later product can move by more than 1e-38: 1.5e-39 x 1e30 gives 0, not 1.5e-9;
+    the hybrid's training losses were bitwise equal flushed or not, bench/README.md). The register is per thread and a
     thread copies its creator's, so the bits reach torch's intra-op (OpenMP) pool only where it starts after
     this call, as it does in a training process (it starts at the first parallel kernel); the line says
     when a pool started before keeps denormals on some threads. Every rank calls it with the same value, so
-    every layout computes alike."""
+    every layout computes alike. The two halves apart: ``flush_cpu_denormals`` (before the first parallel
+    kernel) and ``cpu_denormals_line`` (its check runs a parallel kernel: after the run's thread count is set,
+    so that it checks the pool the run uses)."""
+    return cpu_denormals_line(flush, flush_cpu_denormals(flush))
+
+
+def flush_cpu_denormals(flush: bool) -> bool:
+    """Sets flush-to-zero on this thread where ``flush`` (``set_cpu_denormals``); whether it is set."""
+    return flush and torch.set_flush_denormal(True)
+
+
+def cpu_denormals_line(flush: bool, flushed: bool) -> str:
+    """What holds after ``flush_cpu_denormals(flush)`` returned ``flushed``, checked on every intra-op thread."""
     if not flush:
         return "CPU denormals: computed as such (cpu_flush_denormal: false)"
-    if not torch.set_flush_denormal(True):
+    if not flushed:
         return "CPU denormals: computed as such (this CPU has no flush-to-zero mode torch can set)"
     if not _denormals_flushed_on_every_thread():
         return ("CPU denormals: flushed to zero on this thread only; the intra-op threads started before "

@@ -200,9 +200,11 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         # embedding's forward to its backward, the end of the step, and both gradients meet there.
         fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free and not tied_head)
     mtp_layers = model.mtp.layers.values() if model.mtp is not None else ()
+    experts_units = set()  # sharded over experts_mesh, not dp_mesh
     for unit in (*model.layers.values(), *mtp_layers):  # the multi-token-prediction layer's as the others
         if experts_mesh is not None and isinstance(unit.mlp, MoE):
             fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=free)
+            experts_units.add(unit.mlp.experts)
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free)
     if model.lm_head is not None and not tied_head:
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
@@ -211,10 +213,11 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
     # On one rank the sum is the rank's own gradient, and FSDP's default already copies it unscaled; a
     # divide factor set there makes it divide into a temporary the size of the unit's fp32 gradient
     # (torch 2.13's one-rank path), beside the reduce input and output: the embedding's at the end of
-    # backward, the step's peak in single-process training (bench/plan_validate.py).
-    summed = dp_mesh.size() > 1 or (experts_mesh is not None and experts_mesh.size() > 1)
+    # backward, the step's peak in single-process training (bench/plan_validate.py). Decided per unit: with
+    # ep = dp x cp the experts' mesh has one rank while the rest's has several.
     for module in model.modules():
-        if summed and isinstance(module, FSDPModule):
+        mesh = experts_mesh if module in experts_units else dp_mesh
+        if isinstance(module, FSDPModule) and mesh.size() > 1:
             # Gradients summed over the dp and cp ranks, not averaged: the loss carries the one scale,
             # 1 / the global batch's tokens (train/engine.py). Plain sums, which every library has.
             module.set_gradient_divide_factor(1.0)

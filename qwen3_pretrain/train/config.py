@@ -92,8 +92,9 @@ class TrainConfig:
         True, "On a CPU run: denormal floats (below 1.2e-38 in fp32) are flushed to zero on every rank's CPU "
               "threads from start-up (torch.set_flush_denormal: the x86 FTZ/DAZ bits). An x86 core computes a "
               "denormal in microcode, 10-150x slower: the Gated DeltaNet's fp32 decays of Qwen3.5 / Qwen3-Next "
-              "reach them (bench/README.md 'Denormal floats'). Changes values by under 1e-38; false computes them "
-              "exactly and slowly. No effect on GPUs and NPUs (their kernels take denormals at full speed).")
+              "reach them (bench/README.md 'Denormal floats'). Each op reads and writes a denormal as 0 (the "
+              "hybrid's losses measured bitwise equal); false computes them exactly and slowly. No effect on "
+              "GPUs and NPUs (their kernels take denormals at full speed).")
     fp8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] | None = field_help(
         None, "FP8 matmuls (torchao) for the decoder layers' projections whose dimensions are multiples of 16 "
               "(never the LM head, embedding or MoE routers; weights, optimizer state and checkpoints stay in "

@@ -74,7 +74,7 @@ class Trainer:
         env.set_deterministic(cfg.deterministic)
         self.device = env.pick_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
         # Before any arithmetic, so that the intra-op threads, started later, copy the setting (parallel/env.py)
-        denormal_line = env.set_cpu_denormals(cfg.cpu_flush_denormal) if self.device.type == "cpu" else None
+        flushed = env.flush_cpu_denormals(cfg.cpu_flush_denormal) if self.device.type == "cpu" else False
         self.fp32_matmul = use_fp32_matmul(self.device, cfg.mixed_precision, cfg.cpu_bf16_matmul)
         if cfg.allow_tf32 and self.device.type == "cuda":  # before any matmul; the MFU peak follows it
             torch.backends.cuda.matmul.fp32_precision = "tf32"
@@ -87,6 +87,7 @@ class Trainer:
         # share is found by a collective that an accelerator's start-up has no need for.
         if self.device.type == "cpu":
             threads_line = env.set_cpu_threads(self.launch.launcher != "none")
+            denormal_line = env.cpu_denormals_line(cfg.cpu_flush_denormal, flushed)  # checks the run's pool
             if self.launch.rank == 0:
                 log.info("%s", threads_line)
                 log.info("%s", denormal_line)
