@@ -338,3 +338,14 @@ def test_simulates_json_is_fitted_at_the_plans_own_layout(tmp_path, capsys):
                       "--micro-batch-size", "2", "--activation-checkpointing", "full", "--compile", "--roofline",
                       str(path)]) == 0
     assert "compute at 0.45 of the 989" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--devices-per-node", "--seq-length", "--global-batch-size", "--top"])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_counts_must_be_positive_whole_numbers(flag, value, capsys):
+    """``--nodes 0`` used to plan for one node without a word: a count below 1 is refused, naming the flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--model", "qwen3-8b", "--device", "h100", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be a positive whole number, got {value!r}" in err and "Traceback" not in err

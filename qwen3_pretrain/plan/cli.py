@@ -52,6 +52,17 @@ CONFIG_KEYS: dict[str, Any] = {
 }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``--nodes 0`` is refused, not read as the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser("plan", description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("model and training config")
@@ -66,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cluster_arguments(cl: argparse._ArgumentGroup) -> None:
-    cl.add_argument("--nodes", type=int, help="number of nodes (default 1)")
-    cl.add_argument("--devices-per-node", type=int, help="devices per node (default: the config's rank_size, or 8)")
+    cl.add_argument("--nodes", type=positive_int, help="number of nodes (default 1)")
+    cl.add_argument("--devices-per-node", type=positive_int, help="devices per node (default: the config's rank_size, or 8)")
     cl.add_argument("--device", default="h100", help=f"device kind: {', '.join(DEVICES)}")
     cl.add_argument("--device-memory-gib", type=float, help="override the device's memory")
     cl.add_argument("--peak-tflops", type=float, help="override the dense bf16 peak")
@@ -82,8 +93,8 @@ def _cluster_arguments(cl: argparse._ArgumentGroup) -> None:
 
 def _degree_arguments(lay: argparse._ArgumentGroup) -> None:
     """The layout's degrees and memory trades: each fixed when given, searched otherwise."""
-    lay.add_argument("--seq-length", type=int, help="tokens per sample (default: config, else 4096)")
-    lay.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: micro-batch x dp "
+    lay.add_argument("--seq-length", type=positive_int, help="tokens per sample (default: config, else 4096)")
+    lay.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step (default: micro-batch x dp "
                                                            "x gradient accumulation of each layout)")
     for name in ("tp", "pp", "dp", "micro-batch-size", "gradient-accumulation-steps"):
         lay.add_argument(f"--{name}", type=int)
@@ -146,7 +157,7 @@ def _ranking_arguments(p: argparse.ArgumentParser) -> None:
                                        "train it")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON list, best first")
-    out.add_argument("--top", type=int, default=10, help="rows to show")
+    out.add_argument("--top", type=positive_int, default=10, help="rows to show")
 
 
 # --- inputs -------------------------------------------------------------------------
