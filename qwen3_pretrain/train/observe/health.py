@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from qwen3_pretrain.train.host_memory import resident_bytes
+
 # key -> (log-line label, unit, which rank is the worst: "max" or "min")
 FIELDS = {
     "util_pct": ("util", "%", "min"),
@@ -57,18 +59,10 @@ class CpuHealth:
         record = {}
         if wall > 0:
             record["cpu_util_pct"] = 100.0 * cpu / wall / self.cores
-        rss = _rss_bytes()
+        rss = resident_bytes()  # now (ru_maxrss is the peak, already in the record as memory_gib)
         if rss is not None:
             record["rss_gib"] = rss / 2**30
         return record
-
-
-def _rss_bytes() -> int | None:
-    try:  # Linux: resident pages now (ru_maxrss is the peak, already in the record as memory_gib)
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class NvmlHealth:
