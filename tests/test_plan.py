@@ -16,7 +16,7 @@ from qwen3_pretrain.cli import run_command
 from qwen3_pretrain.errors import UserError
 from qwen3_pretrain.hardware import get_device
 from qwen3_pretrain.models.ops.gated_delta import CHUNK_SIZE
-from qwen3_pretrain.models.ops.moe import ExpertLoop, GroupedMM
+from qwen3_pretrain.models.ops.moe import GROUPED_MM_ALIGN, ExpertLoop, GroupedMM
 from qwen3_pretrain.models.ops.precision import Fp32Linear, fp32_attention
 from qwen3_pretrain.models.qwen3.config import Qwen3Config, get_preset
 from qwen3_pretrain.models.qwen3.model import Qwen3Model
@@ -160,7 +160,9 @@ def test_moe_layer_formula_matches_what_autograd_saves(dtype, kernel, norm):
     want = F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 0, t=1, dtype_bytes=d) + moe
     counts = (4 * 8 if kernel == "grouped_mm" else 0) / seq  # the grouped kernel's int32 offsets
     assert measured == want + counts
-    layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", device_type="cpu")
+    # unpadded groups, as this kernel computes them: a compiled layer's (eager bf16 on a CPU pads them to row
+    # buckets, which the planner adds: tests/test_plan_moe_padding.py)
+    layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", device_type="cpu", compile=True)
     assert saved_bytes_per_token(cfg, layout, "none", SPARSE) == want
     # MLP recompute keeps only the block's input: what it drops is the whole MoE term.
     assert recomputed_bytes_per_token(cfg, layout, "mlp", SPARSE) == moe
@@ -175,13 +177,15 @@ def test_moe_recompute_drops_what_the_planner_says():
     seq = 128
 
     def kept_per_token(mode: str) -> float:
-        block = Qwen3Model(cfg, ModelOptions(recompute=mode, experts=GroupedMM())).to(torch.bfloat16).layers["1"].mlp
+        # CUDA's grouped kernel as the engine builds it (groups padded to 8 rows: plan/layers.py counts them)
+        experts = GroupedMM(align=GROUPED_MM_ALIGN)
+        block = Qwen3Model(cfg, ModelOptions(recompute=mode, experts=experts)).to(torch.bfloat16).layers["1"].mlp
         x = torch.randn(1, seq, 256, dtype=torch.bfloat16, requires_grad=True)
         with MemoryTracker() as mem:
             out = block(x)
             return (mem.current_bytes - out.untyped_storage().nbytes()) / seq
 
-    layout = Layout(mixed_precision="bf16", activation_checkpointing="mlp", device_type="cuda")
+    layout = Layout(mixed_precision="bf16", activation_checkpointing="mlp", device_type="cuda", seq_length=seq)
     want = recomputed_bytes_per_token(cfg, layout, "mlp", SPARSE)
     assert kept_per_token("none") - kept_per_token("mlp") == pytest.approx(want, abs=4 * 8 / seq)
 

@@ -143,14 +143,70 @@ def moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
     # what it keeps per pair that arrives (the pair's hidden state, weight and index, its experts' gate, up
     # and weighted product) scales with it; the router's and the sort's per-token bytes do not.
     saved += (layout.moe_rank_load - 1) * received_bytes_per_token(cfg, layout)
+    saved += moe_padding_bytes_per_token(cfg, layout)
     # per token of the rank's share of the sequence: a tp rank routes 1/tp of it when ep borrows tp
     return saved / (layout.tp if layout.moe_tokens_split_by_tp else 1)
 
 
+# How models/ops/moe.py and moe_fp8.py pad the experts' groups (restated here: the planner imports no torch;
+# tests/test_plan_moe_padding.py holds them equal): CUDA's bf16 grouped kernel to a multiple of 8 rows, the
+# FP8 ones to 16 (rowwise) or 32 (MXFP8); a CPU's bf16 grouped kernel, eager, to a row bucket of at most 1/16
+# of the group and at least this many rows.
+GROUPED_MM_ALIGN, FP8_ROWWISE_ALIGN, FP8_MXFP8_ALIGN = 8, 16, 32
+CPU_BUCKET_MIN = 16
+
+
+def moe_group_align(layout: Layout) -> int:
+    """Rows each expert's group is padded to a multiple of (1: none): CUDA's grouped kernels' alignment."""
+    if layout.fp8_experts:
+        return FP8_MXFP8_ALIGN if layout.fp8 == "mxfp8" else FP8_ROWWISE_ALIGN
+    return GROUPED_MM_ALIGN if layout.device_type == "cuda" and layout.attention_dtype == "bfloat16" else 1
+
+
+def moe_cpu_buckets(layout: Layout) -> bool:
+    """Whether the experts' groups are padded to row buckets (``models/ops/moe.py``: ``bucket_rows``): bf16
+    grouped experts on a CPU, eager (a compiled layer keeps its groups as they are), unless padded to the
+    capacity (fixed groups already)."""
+    return (layout.device_type == "cpu" and layout.attention_dtype == "bfloat16" and not layout.compile
+            and not layout.fp8_experts and not layout.moe_pad_to_capacity)
+
+
 def moe_groups_padded(layout: Layout) -> bool:
     """Whether the experts compute on groups padded with zero rows (``models/ops/moe.py``: ``pad_groups``):
-    CUDA's grouped kernel (bf16) pads them to its alignment, pad-to-capacity to the capacity."""
-    return layout.moe_pad_to_capacity or (layout.device_type == "cuda" and layout.attention_dtype == "bfloat16")
+    CUDA's grouped kernels pad them to their alignment, a CPU's bf16 one to row buckets, pad-to-capacity to
+    the capacity."""
+    return layout.moe_pad_to_capacity or moe_group_align(layout) > 1 or moe_cpu_buckets(layout)
+
+
+def moe_padded_rows_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """Rows the heaviest expert rank's experts compute per token its MoE layers route (``Layout.moe_tokens``):
+    its ``k x load`` pairs, or ``k x`` the capacity factor padded to the capacity, plus the padding of its
+    ``E / ep`` groups: CUDA's bound ``E (align - 1)`` per micro-batch (``pad_groups`` pads to it, the last
+    group taking the slack); a CPU's row buckets half a bucket per group on average (the bucket of a group
+    of ``c`` rows is ``max(16, 2^(bits(c) - 5))`` rows: 3% of the rows at 1,024 a group)."""
+    k, tokens, groups = cfg.num_experts_per_tok, layout.moe_tokens, cfg.num_experts / layout.ep
+    rows = k * (layout.moe_capacity_factor if layout.moe_pad_to_capacity else layout.moe_rank_load)
+    if moe_cpu_buckets(layout):
+        bucket = max(CPU_BUCKET_MIN, 2 ** max(int(rows * tokens / groups).bit_length() - 5, 0))
+        return rows + groups * (bucket - 1) / 2 / tokens
+    return rows + groups * (moe_group_align(layout) - 1) / tokens
+
+
+def moe_padding_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
+    """What padding the experts' groups (``moe_groups_padded``) adds to a MoE block's saved bytes per token
+    routed. The padded groups are a copy (``pad_groups``: zeros with the pairs ``index_copy``-ed in), and
+    autograd's ``index_copy`` keeps its source for backward: the unpadded pairs' hidden states and weights
+    stay beside the padded ones, with the int64 index of each pair's padded row (``k x load`` pairs:
+    ``d h + d + 8`` each). The padding rows are kept as the pairs' rows are: the row, its weight, and the
+    experts' gate, up and weighted product (``d h + d + 3 d I`` each). Measured with saved-tensor hooks on
+    one block (h 512, 16 experts of 256, top-4, 4,096 tokens, bf16): 14,876 B per token on a CPU's buckets,
+    14,666 at CUDA's alignment of 8, 10,460 unpadded; tests/test_plan_moe_padding.py."""
+    if not moe_groups_padded(layout):
+        return 0.0
+    d, h, k = layout.dtype_bytes, cfg.hidden_size, cfg.num_experts_per_tok
+    pairs = k * layout.moe_rank_load
+    padding = moe_padded_rows_per_token(cfg, layout) - pairs
+    return pairs * (d * h + d + 8) + padding * (d * h + d + 3 * d * cfg.moe_intermediate_size)
 
 
 def received_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
@@ -189,9 +245,13 @@ def backward_gradient_bytes_per_token(cfg: Qwen3Config, layout: Layout, kind: La
     d, h = layout.dtype_bytes, cfg.hidden_size
     if kind.sparse:
         grads = F.qwen3_backward_working_bytes_per_token(h, cfg.num_experts_per_tok * cfg.moe_intermediate_size, 1, d)
-        if moe_groups_padded(layout):  # the padded rows' gradient beside the unpadded rows' (models/ops/moe.py)
-            grads += d * h * cfg.num_experts_per_tok
-        grads *= layout.moe_rank_load / (layout.tp if layout.moe_tokens_split_by_tp else 1)
+        grads *= layout.moe_rank_load
+        # the padded rows' gradient beside the unpadded rows' (models/ops/moe.py), as the simulation of CUDA's
+        # grouped kernel holds it; a CPU step's peak with row buckets does not show it (bench/plan_validate.py's
+        # MoE bf16 cases: within 0.1% without it, 2% over with it)
+        if moe_groups_padded(layout) and not moe_cpu_buckets(layout):
+            grads += d * h * moe_padded_rows_per_token(cfg, layout)
+        grads /= layout.tp if layout.moe_tokens_split_by_tp else 1
     else:
         grads = F.qwen3_backward_working_bytes_per_token(h, cfg.intermediate_size, layout.tp, d)
     if kind.linear:
