@@ -52,6 +52,7 @@ from qwen3_pretrain.simulate.attention import KernelRecord, simulated_kernels
 from qwen3_pretrain.simulate.experts import play_experts
 from qwen3_pretrain.simulate.microbatches import (config_with_microbatches, extrapolate_comm_bytes,
                                                 extrapolate_comm_calls, extrapolate_trace, extrapolation_counts)
+from qwen3_pretrain.simulate.optimizer import play_optimizer
 from qwen3_pretrain.simulate.roofline import OpTrace, TraceRecorder, price, throughput
 from qwen3_pretrain.simulate.track import CommCounter, ScalarReads, StepMemTracker
 from qwen3_pretrain.train.config import TrainConfig
@@ -168,6 +169,7 @@ def simulate_rank(world: World, rank: int, steps: int = 1) -> RankResult:
         tracker = StepMemTracker(comm, recorder)
         with fake:
             batches = _synthetic_batches(cfg, engine.uses_positions)
+        play_optimizer(engine, world.layout.optimizer_impl)  # the target's AdamW kernel, not the CPU's
         _create_optimizer_state(engine, fake)
         tracker.track_external(*engine.parts, *engine.optimizers)
         recorder.install()
