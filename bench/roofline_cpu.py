@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ from train_cpu import BATCH, HYBRID, MODEL, MOE, SEQ, free_port  # noqa: E402
 from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
 from qwen3_pretrain.simulate.probe import CpuProbe, cpu_name, measure_cpu  # noqa: E402
 from qwen3_pretrain.simulate.roofline import RecordingMode  # noqa: E402
+from qwen3_pretrain.simulate.track import _KINDS as _COMM_KINDS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"dense": {}, "moe": MOE, "hybrid": HYBRID}
@@ -130,12 +132,16 @@ def profiled_categories(step) -> dict[str, float]:
         step()
         wall = time.perf_counter() - start
     seconds = dict.fromkeys(CATEGORIES, 0.0)
+    ops = {}
     for event in prof.key_averages():
         seconds[op_category(event.key)] += event.self_cpu_time_total / 1e6
+        if event.self_cpu_time_total > 0:
+            ops[event.key] = (event.self_cpu_time_total / 1e6, event.count)
     # "other" is the step's time outside every op: Python, the autograd engine, hooks, the profiler's own
     # events (its self times do not count the Python between two ops)
     seconds["other"] = max(0.0, wall - sum(seconds[c] for c in CATEGORIES if c != "other"))
     seconds["wall"] = wall
+    seconds["ops"] = ops  # self seconds and calls per event name
     return seconds
 
 
@@ -230,14 +236,35 @@ def worker(args: argparse.Namespace) -> None:
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   group_counts=recorder.group_counts, **probe_kernels(model, layout)))
     probe = median_probe(probes)
+    link = measure_link(recorder)
+    if link:
+        probe = dataclasses.replace(probe, link_gbps=link["gbps"], link_latency_us=link["latency_us"])
     host = json.loads(args.host_us)
     probe = dataclasses.replace(probe, engine_op_us=host["eager_us"], engine_compiled_us=host.get("compiled_us"))
     profiled = profiled_categories(step)
     predicted = predict_step(recorder, probe, mode == "compiled")
+    predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
-              "probe": probe_json(probe), "predicted": predicted}
+              "probe": probe_json(probe), "predicted": predicted, "link": link}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def measure_link(recorder: StepRecorder) -> dict | None:
+    """The link of a multi-process variant, measured on the group that carried most of the step's bytes, for
+    its most frequent kind at its average message in the dtype it moved (``probe.link_figures``; every rank
+    calls this at once): {"axis", "kind", "bytes", "gbps", "latency_us"}; None for one process."""
+    from qwen3_pretrain.simulate.probe import link_figures
+
+    calls = {k: v for k, v in recorder.comm_calls().items()
+             if k[1] in ("all_reduce", "all_gather", "reduce_scatter") and v[1] and k[2] > 1}
+    if not calls or not torch.distributed.is_initialized():
+        return None
+    (axis, kind, _), (nbytes, count) = max(calls.items(), key=lambda kv: (kv[1][0], kv[0]))
+    message = int(nbytes / count)
+    dtype = recorder.comm_dtypes.get(kind, torch.bfloat16)
+    gbps, latency = link_figures(recorder.group_of(axis), kind, message, dtype)
+    return {"axis": axis, "kind": kind, "bytes": message, "dtype": str(dtype), "gbps": gbps, "latency_us": latency}
 
 
 def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict:
@@ -285,7 +312,8 @@ def probe_json(probe: CpuProbe) -> dict:
             "memory_gbps": probe.memory_gbps, "bandwidth_by_size": probe.bandwidth_by_size,
             "curve_mib": probe.curve_mib, "op_latency_us": probe.op_latency_us,
             "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
-            "engine_compiled_us": probe.engine_compiled_us}
+            "engine_compiled_us": probe.engine_compiled_us, "link_gbps": probe.link_gbps,
+            "link_latency_us": probe.link_latency_us}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
@@ -315,11 +343,23 @@ class StepRecorder(RecordingMode):
                 groups.setdefault(torch.distributed.group.WORLD.group_name, "world")
         self.comm = CommCounter(groups)
         self.group_counts: list[list[int]] = []  # each grouped matmul's rows per group, as routing gave them
+        # the memory-bound bytes by op name (the trace's size keys of each op's bytes), for the per-op view
+        self.by_op: dict[str, Counter] = {}
+        self._op = ""
+        for mem in self.trace.memory.values():
+            mem.sizes = _TeeCounter(self)
+        self.op_calls: Counter = Counter()
+        self.comm_dtypes: dict[str, torch.dtype] = {}  # collective kind -> the dtype it moved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
             return NotImplemented
         self.comm.count(func, args)
+        kind = _COMM_KINDS.get(func)
+        if kind is not None and isinstance(args[kind[1] or 0], torch.Tensor):
+            self.comm_dtypes[kind[0]] = args[kind[1] or 0].dtype
+        self._op = func.__name__.split(".")[0]
+        self.op_calls[self._op] += 1
         if func is torch.ops.aten._grouped_mm.default:
             offs = (kwargs or {}).get("offs", args[2] if len(args) > 2 else None)
             a = args[0]
@@ -330,22 +370,54 @@ class StepRecorder(RecordingMode):
                     self.group_counts.append(counts)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def group_of(self, axis: str):
+        """The process group the step's collectives on ``axis`` ran over."""
+        name = next(g for g, a in self.comm.axis_of_group.items() if a == axis)
+        return torch.distributed.distributed_c10d._resolve_process_group(name)
+
     def comm_calls(self) -> dict:
         """{(axis, kind, group size): (whole-buffer bytes, calls)}: what ``price`` takes."""
         return {key: tuple(value) for key, value in self.comm.calls_by_size.items()}
+
+
+class _TeeCounter(Counter):
+    """A trace's ``MemoryOps.sizes`` that also adds each op's bytes to its recorder's ``by_op`` (the op being
+    recorded: ``StepRecorder._op``)."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __setitem__(self, key, value) -> None:
+        delta = value - self.get(key, 0)
+        self.recorder.by_op.setdefault(self.recorder._op, Counter())[key] += delta
+        super().__setitem__(key, value)
+
+
+def per_op_view(recorder: StepRecorder, hw, profiled_ops: dict) -> dict:
+    """Per memory-bound op name (eager): its calls, bytes and priced seconds on ``hw``, beside the profiler's
+    self seconds and calls of ``aten::<name>`` (what the elementwise category sums)."""
+    from qwen3_pretrain.simulate.roofline.pricing import sizes_seconds
+
+    out = {}
+    for name, sizes in recorder.by_op.items():
+        seconds, nbytes = sizes_seconds(sizes, hw, ("eager",)) if hw.bandwidth_curve else (0.0, 0.0)
+        classes = sorted({k[3] for k in sizes if len(k) > 3 and k[0] == "eager"})
+        prof = profiled_ops.get(f"aten::{name}", (0.0, 0))
+        out[name] = {"calls": recorder.op_calls[name], "bytes": nbytes, "priced_s": seconds, "classes": classes,
+                     "profiled_s": prof[0], "profiled_calls": prof[1]}
+    return out
 
 
 def record_step(trainer, step, compiled: bool) -> StepRecorder:
     """One real step recorded (eager ops: a compiled step's kernels are not aten ops, so dynamo is off while
     recording and the compiled modules are marked as the compiled scope)."""
     recorder = StepRecorder(trainer)
-    if compiled:
-        torch._dynamo.config.disable = True  # record the ops the compiled graphs stand for
-    try:
-        with recorder:
-            step()
-    finally:
-        torch._dynamo.config.disable = False
+    # record the ops the compiled graphs stand for. The compiler's stance, not ``torch._dynamo.config.disable``:
+    # a step with that flag set and cleared again left the compiled modules eager for good (torch 2.13: every
+    # later step dispatched the layers' aten ops, no compiled region)
+    with torch.compiler.set_stance("force_eager" if compiled else "default"), recorder:
+        step()
     return recorder
 
 

@@ -167,6 +167,11 @@ class Hardware:
     # of it is priced on ``bandwidth_curve`` at the kernel's size, an older one at the curve's streaming end
     # (0: every read on the curve). A CPU's from its curve (``simulate.probe.curve_points``)
     cache_bytes: float = 0.0
+    # ((op class, curve), ...): the bandwidth curves of memory-bound ops that stream slower or faster per byte
+    # than ``bandwidth_curve``'s (a CPU's bf16 arithmetic converts through fp32, its index, gather and scatter
+    # ops move rows one at a time; ``simulate.roofline.trace.op_class`` names the classes); an op of a class
+    # with no curve here is priced on ``bandwidth_curve``. Empty on the accelerators (no sourced figure)
+    class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -183,9 +188,11 @@ class Hardware:
             return self.tf32_peak_tflops or self.fp32_peak_tflops
         return self.fp32_peak_tflops
 
-    def bandwidth_at(self, nbytes: float) -> float:
-        """Bytes per second a memory-bound kernel that moves ``nbytes`` reaches (``bandwidth_curve``)."""
-        curve = self.bandwidth_curve
+    def bandwidth_at(self, nbytes: float, op_class: str | None = None) -> float:
+        """Bytes per second a memory-bound kernel that moves ``nbytes`` reaches (``bandwidth_curve``, or the
+        curve of its ``op_class`` in ``class_curves`` where it has one)."""
+        curve = next((c for name, c in self.class_curves if name == op_class), self.bandwidth_curve) \
+            if op_class is not None else self.bandwidth_curve
         if not curve:
             return self.memory_bandwidth_gbps * GB * self.bandwidth_efficiency
         if nbytes <= curve[0][0]:
@@ -419,7 +426,9 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  shape_classes: tuple[tuple[int, float], ...] = (),
                  fp32_shape_classes: tuple[tuple[int, float], ...] = (), grouped_matmul_share: float = 1.0,
                  compiled_launch_us: float | None = None, intra_node_gbps: float | None = None,
-                 bandwidth_curve: tuple[tuple[float, float], ...] = (), cache_bytes: float = 0.0) -> Hardware:
+                 intra_node_latency_us: float | None = None,
+                 bandwidth_curve: tuple[tuple[float, float], ...] = (), cache_bytes: float = 0.0,
+                 class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -427,9 +436,11 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     (``simulate.probe.CpuProbe.hardware`` fills it from a probe). Optional: the fused attention kernel's
     measured rate (TFLOP/s on the roofline's FLOP count; ``attention_efficiency`` is it over the bf16 peak),
     shape classes (shares of the peaks, bf16 and fp32), a grouped matmul's share of a plain one of a group's
-    shape, a compiled kernel's launch cost (default: the eager op's), the link between two processes and the
+    shape, a compiled kernel's launch cost (default: the eager op's), the link between two processes (bus
+    bandwidth and latency) and the
     bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes) with the
-    traffic its caches hold (``cache_bytes``)."""
+    traffic its caches hold (``cache_bytes``), and per op class where its ops stream at other rates
+    (``class_curves``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -441,6 +452,9 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         attention_efficiency=(attention_tflops / bf16_tflops) if attention_tflops else 1.0,
         matmul_shape_classes=shape_classes or ((1, 1.0),), fp32_shape_classes=fp32_shape_classes,
         grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
+        class_curves=tuple((k, tuple(c)) for k, c in class_curves),
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
+        intra_node_latency_us=DEVICES["cpu"].intra_node_latency_us if intra_node_latency_us is None
+        else intra_node_latency_us,
         source=source or f"measured on this CPU: bf16 {bf16_tflops:.3g} TFLOP/s, fp32 {fp32_tflops:.3g} TFLOP/s, "
                          f"{memory_bandwidth_gbps:.3g} GB/s, {launch_latency_us:.3g} us per op")

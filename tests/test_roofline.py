@@ -305,9 +305,9 @@ def test_memory_bound_bytes_are_kept_by_kernel_size_and_priced_on_a_bandwidth_cu
     # writes go to the caches (0); compiled, no matmul splits them: one fused region of both, which reads
     # ``small`` once (33 MiB, bucket 26)
     half, sixteen = 256 * 512 * 4, 2048 * 2048 * 4
-    assert dict(mem.sizes) == {("eager", 21, NEVER): 2 * half, ("eager", 21, 0): half,
-                               ("eager", 25, NEVER): sixteen, ("eager", 25, 0): sixteen,
-                               ("fused", 26, NEVER): half + sixteen, ("fused", 26, 0): half + sixteen}
+    assert dict(mem.sizes) == {("eager", 21, NEVER, "fp32"): 2 * half, ("eager", 21, 0, "fp32"): half,
+                               ("eager", 25, NEVER, "fp32"): sixteen, ("eager", 25, 0, "fp32"): sixteen,
+                               ("fused", 26, NEVER, "fused"): half + sixteen, ("fused", 26, 0, "fused"): half + sixteen}
     # the curve: 40 GB/s up to 1 MiB, 10 GB/s from 16 MiB, linear in log size between
     MiB = 2**20
     hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((1 * MiB, 40.0), (16 * MiB, 10.0)))
@@ -334,8 +334,8 @@ def test_fused_regions_are_sized_by_their_own_bytes():
     mem = rec.trace.memory["forward"]
     size = 1024 * 1024 * 2
     # 4 MiB: bucket 22 holds (2, 4] MiB; x was written by the matmul just before (reuse: its own 2 MiB)
-    assert mem.sizes[("fused", 22, 21)] == size and mem.sizes[("fused", 22, 0)] == size
-    assert sum(v for (how, _, _), v in mem.sizes.items() if how == "eager") == mem.eager_bytes
+    assert mem.sizes[("fused", 22, 21, "fused")] == size and mem.sizes[("fused", 22, 0, "fused")] == size
+    assert sum(v for (how, *_), v in mem.sizes.items() if how == "eager") == mem.eager_bytes
     hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((2**22, 20.0),))  # one point: held everywhere
     assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(2 * size / 20e9)
 
@@ -354,7 +354,8 @@ def test_reads_stream_from_memory_once_the_traffic_since_their_last_touch_outgro
         big.neg()  # 16 MiB read, 16 MiB written
         y * 3  # y again: 1 (the product) + 32 (neg) + 1 (itself) MiB since, bucket 26
     sizes = rec.trace.memory["forward"].sizes
-    assert sizes[("eager", 21, 20)] == MiB and sizes[("eager", 21, 26)] == MiB and sizes[("eager", 21, NEVER)] == MiB
+    assert (sizes[("eager", 21, 20, "fp32")], sizes[("eager", 21, 26, "fp32")], sizes[("eager", 21, NEVER, "fp32")]) \
+        == (MiB, MiB, MiB)
     hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((MiB, 40.0), (64 * MiB, 10.0)), cache_bytes=8 * MiB)
     at_2mib = (40 - 30 * 0.5 / 6) * 1e9  # ops moving 2 MiB (bucket 21, priced at 2^20.5 bytes)
     at_32mib = (40 - 30 * 4.5 / 6) * 1e9  # the neg's 32 MiB (bucket 25, 2^24.5 bytes)
@@ -364,3 +365,65 @@ def test_reads_stream_from_memory_once_the_traffic_since_their_last_touch_outgro
                 + 16 * MiB / streaming + 16 * MiB / at_32mib  # neg
                 + MiB / streaming + MiB / at_2mib)  # y * 3: y from memory again
     assert price(rec.trace, hw).elementwise == pytest.approx(expected)
+
+
+def test_memory_bound_ops_are_classed_by_what_they_do_and_dtype():
+    """``op_class``: routing's gathers and sorts are ``index``; copies ``copy`` or, into another dtype,
+    ``cast``; arithmetic with a bf16 operand ``bf16``; the rest ``fp32``. The class is kept with the bytes."""
+    x16, x32, idx = meta(64, 32), meta(64, 32, dtype=torch.float32), torch.empty(64, dtype=torch.int64, device="meta")
+    sq16 = meta(32, 32)
+    with RecordingMode() as rec:
+        x16.index_select(0, idx)
+        x32.sort(dim=-1)
+        x16 + x16
+        torch.nn.functional.silu(x16)
+        x32 * x32
+        x32.mul_(2.0)
+        x32.to(torch.bfloat16)
+        x16.clone()
+        x16.t().contiguous()
+        torch.ops.aten.silu_backward(sq16, sq16.t())
+        x32.t() * x32.t()
+        torch.nn.functional.conv1d(meta(1, 8, 16), meta(8, 1, 4), groups=8)
+    classes = {}
+    for (how, _, _, cls), nbytes in rec.trace.memory["forward"].sizes.items():
+        if how == "eager":
+            classes[cls] = classes.get(cls, 0) + nbytes
+    half, full = 64 * 32 * 2, 64 * 32 * 4
+    assert classes == {"index": (2 * half + 64 * 8) + (2 * full + 64 * 32 * 8),  # sort writes int64 indices too
+                       "bf16": 3 * half, "bf16_math": 2 * half, "fp32": 3 * full, "inplace": 2 * full,
+                       "cast": full + half, "copy": 2 * half, "strided": 2 * half + 3 * full,
+                       "strided_math": 3 * 32 * 32 * 2, "conv": (8 * 16 + 8 * 4 + 8 * 13) * 2}
+
+
+def test_gathers_and_scatters_move_the_elements_they_index_not_the_whole_tensor():
+    """The loss's gather of the target logits reads one element per index from a [tokens, vocab] tensor, and
+    its backward's scatter add writes as many: priced by those bytes (and the index), not the vocabulary's."""
+    tokens, vocab = 64, 4096
+    logits, target = meta(tokens, vocab, dtype=torch.float32), torch.empty(tokens, 1, dtype=torch.int64, device="meta")
+    grad, ones = meta(tokens, vocab, dtype=torch.float32), meta(tokens, 1, dtype=torch.float32)
+    with RecordingMode() as rec:
+        logits.gather(1, target)
+        grad.scatter_add_(1, target, ones)
+    mem = rec.trace.memory["forward"]
+    gather = tokens * 4 + tokens * 8 + tokens * 4  # the indexed logits, the index, the output
+    scatter = tokens * 4 + tokens * 8 + tokens * 4 + tokens * 4  # grad's indexed elements read, index, src, written
+    assert mem.eager_bytes == gather + scatter
+
+
+def test_each_op_class_is_priced_on_its_own_curve_where_the_device_has_one():
+    """``Hardware.class_curves``: an op of a class with its own curve streams at that curve's rate, the others
+    (and compiled regions) at ``bandwidth_curve``'s; accelerators have none. Worked out by hand."""
+    MiB = 2**20
+    a16, a32 = meta(MiB // 2), meta(MiB // 4, dtype=torch.float32)  # 1 MiB each
+    with RecordingMode() as rec:
+        a16 + a16  # bf16: 3 MiB moved
+        a32 * a32  # fp32: 3 MiB moved
+    flat_curve = ((MiB, 30.0),)  # one point: held at every size
+    hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=flat_curve, class_curves=(("bf16", ((MiB, 10.0),)),))
+    assert hw.bandwidth_at(MiB, "bf16") == pytest.approx(10e9) and hw.bandwidth_at(MiB, "fp32") == pytest.approx(30e9)
+    assert hw.bandwidth_at(MiB) == pytest.approx(30e9)
+    assert price(rec.trace, hw).elementwise == pytest.approx(3 * MiB / 10e9 + 3 * MiB / 30e9)
+    # compiled: one fused region (each input read once: 2 MiB, both outputs written: 2 MiB) on the one curve
+    assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(4 * MiB / 30e9)
+    assert H100.class_curves == () and H100.bandwidth_at(MiB, "bf16") == pytest.approx(BW)

@@ -37,9 +37,11 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert probe.bandwidth_gbps == probe.memory_gbps["add_fp32"]
     assert 0.05 < probe.op_latency_us < 10_000
     assert 0.05 < probe.autograd_op_latency_us < 100_000
-    assert set(probe.bandwidth_by_size) == {"copy", "add_bf16", "mul_fp32", "cast"} and probe.curve_mib == (0.25, 1.0)
+    assert set(probe.bandwidth_by_size) == {"copy", "add_bf16", "mul_fp32", "cast", "index", "mul_inplace",
+                                            "silu_bf16", "strided", "strided_silu_bf16", "conv_bf16"}
+    assert probe.curve_mib == (0.25, 1.0)
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
-    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 4 + 1
+    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 10 + 1
 
 
 def test_probe_restores_the_thread_count():
@@ -76,7 +78,8 @@ def test_profiler_categories_of_the_bench(monkeypatch):
     assert op_category("Optimizer.step#AdamW.step") == "other"
     x, w = torch.randn(64, 64), torch.randn(64, 64)
     seconds = profiled_categories(lambda: (x @ w).relu().sum())
-    assert set(seconds) == {*CATEGORIES, "wall"}
+    assert set(seconds) == {*CATEGORIES, "wall", "ops"}
+    assert seconds["ops"]["aten::mm"][1] == 1  # per event name: self seconds and calls
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
 
 
@@ -144,6 +147,23 @@ def test_probe_device_bandwidth_curve_is_the_median_kind_per_size():
     assert _probe({}).hardware().bandwidth_curve == ()  # unmeasured: no curve, every op at the flat figure
 
 
+def test_probe_device_has_a_curve_per_op_class_and_the_index_kind_stays_out_of_the_median():
+    """Each op class on the curve of the kind that times it (fp32 arithmetic: the multiply, bf16: the bf16
+    add, copies, casts, index: the row gather); the one curve (compiled regions) stays the median of the four
+    streaming kinds, the gather aside."""
+    curve = {"copy": [30.0, 8.0], "add_bf16": [10.0, 6.0], "mul_fp32": [40.0, 7.0], "cast": [20.0, 3.0],
+             "index": [2.0, 1.0]}
+    hw = _probe({}, bandwidth_by_size=curve, curve_mib=(0.5, 128.0)).hardware()
+    assert hw.bandwidth_curve == ((0.5 * 2**20, 25.0), (128 * 2**20, 6.5))
+    MiB = 2**20
+    assert dict(hw.class_curves) == {"fp32": ((0.5 * MiB, 40.0), (128 * MiB, 7.0)),
+                                     "bf16": ((0.5 * MiB, 10.0), (128 * MiB, 6.0)),
+                                     "copy": ((0.5 * MiB, 30.0), (128 * MiB, 8.0)),
+                                     "cast": ((0.5 * MiB, 20.0), (128 * MiB, 3.0)),
+                                     "index": ((0.5 * MiB, 2.0), (128 * MiB, 1.0))}
+    assert hw.bandwidth_at(128 * MiB, "index") == pytest.approx(1e9)
+
+
 def test_grouped_probe_times_routing_group_sizes():
     """The expert kernel timed at uneven group sizes (a routing's, padding included: the operands grow to
     the largest sum) and at equal groups without them; both positive. That uneven groups are slower on a
@@ -168,3 +188,19 @@ def test_bench_recorder_keeps_the_routings_group_sizes(monkeypatch):
         torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([0, 4, 12], dtype=torch.int32))
     assert recorder.group_counts == [[2, 7, 3], [0, 4, 8]]
     assert sum(recorder.trace.matmuls.values()) == 3
+
+
+def test_probe_device_takes_the_measured_link_and_prices_a_collective_with_it():
+    """A multi-process run's link measured on its own group (``link_figures``: bus bandwidth and latency)
+    becomes the device's intra-node link; a step's all-reduces priced with the planner's ring model on it,
+    worked out by hand; unmeasured, half the copy bandwidth and the table's latency."""
+    from qwen3_pretrain.simulate.roofline import OpTrace, price
+
+    hw = _probe({}, link_gbps=2.0, link_latency_us=80.0).hardware()
+    assert (hw.intra_node_gbps, hw.intra_node_latency_us) == (2.0, 80.0)
+    comm = {("tp", "all_reduce", 2): (10 * 2**20, 10)}  # ten all-reduces of 1 MiB over 2 ranks
+    # per call: bytes x 2 (n - 1) / n / bus bandwidth + latency
+    expected = 10 * (2**20 * 1.0 / 2e9 + 80e-6)
+    assert price(OpTrace(), hw, comm=comm).communication == pytest.approx(expected)
+    unmeasured = _probe({}).hardware()
+    assert (unmeasured.intra_node_gbps, unmeasured.intra_node_latency_us) == (5.0, 50.0)

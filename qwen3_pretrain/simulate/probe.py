@@ -61,6 +61,10 @@ class CpuProbe:
     # (every memory-bound op at ``bandwidth_gbps``)
     bandwidth_by_size: dict[str, list[float]] = field(default_factory=dict)
     curve_mib: tuple[float, ...] = ()
+    # the link between the processes of a multi-process run (``link_figures`` on its own group, at its own
+    # message size): bus bandwidth GB/s and latency us; None: unmeasured (half the copy bandwidth, no latency)
+    link_gbps: float | None = None
+    link_latency_us: float | None = None
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -87,8 +91,9 @@ class CpuProbe:
           the caches hold its data, within ``cache_bytes`` of traffic, else at the streaming rate);
         * host per eager op: ``engine_op_us`` (the training step's own), else the autograd chain's; per
           compiled kernel ``engine_compiled_us``, else one bare op's dispatch;
-        * the link between two processes (gloo): a ring step copies each byte out of and into a socket
-          buffer, half the copy bandwidth (not measured: the probe has no second process)."""
+        * the link between two processes (gloo): measured on their own group at the step's message size
+          where the caller did (``link_figures``: ``link_gbps``, ``link_latency_us``), else a ring step
+          copying each byte out of and into a socket buffer, half the copy bandwidth."""
         from qwen3_pretrain.hardware import measured_cpu
 
         peaks = {d: self.trace_rate(trace, d) for d in DTYPES}
@@ -96,6 +101,8 @@ class CpuProbe:
                    if (d, "tiny") in self.matmul_tflops else () for d in DTYPES}
         grouped = [v for (_, c), v in self.matmul_tflops.items() if c.startswith("grouped")]
         curve = curve_points(self.bandwidth_by_size, self.curve_mib) if self.bandwidth_by_size else ()
+        class_curves = tuple((cls, curve_points(self.bandwidth_by_size, self.curve_mib, (kind,)))
+                             for cls, kind in CLASS_KINDS.items() if kind in self.bandwidth_by_size)
         return measured_cpu(
             peaks["bf16"], peaks["fp32"], self.bandwidth_gbps, self.engine_op_us or self.autograd_op_latency_us,
             name=name, source=f"measured by simulate.probe: {self.cpu}, {self.threads} thread(s), load "
@@ -104,8 +111,9 @@ class CpuProbe:
             fp32_shape_classes=classes["fp32"],
             grouped_matmul_share=min(grouped) / peaks["bf16"] if grouped else 1.0,
             compiled_launch_us=self.engine_compiled_us or self.op_latency_us,
-            intra_node_gbps=self.memory_gbps["copy"] / 2,
-            bandwidth_curve=curve, cache_bytes=cache_bytes(curve))
+            intra_node_gbps=self.link_gbps or self.memory_gbps["copy"] / 2,
+            intra_node_latency_us=self.link_latency_us,
+            bandwidth_curve=curve, cache_bytes=cache_bytes(curve), class_curves=class_curves)
 
     def trace_rate(self, trace, dtype: str) -> float:
         """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
@@ -271,10 +279,16 @@ CURVE_MIB = (0.5, 2.0, 8.0, 32.0, 128.0)
 def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float = 0.02) -> dict[str, list[float]]:
     """GB/s (bytes read + written per second) of the memory-bound kernels a training step runs most, each at
     working sets of ``sizes_mib`` MiB (the bytes one call moves): an fp32 copy, a bf16 add, an fp32 multiply
-    and an fp32 -> bf16 cast. A repeated call finds what the previous one left in the caches, as a step's
-    kernel finds what the kernel before it wrote: a few MiB stream from L2 / L3, hundreds from memory.
-    {kind: [GB/s per size]}; ``curve_points`` makes the device's curve of it."""
-    out: dict[str, list[float]] = {"copy": [], "add_bf16": [], "mul_fp32": [], "cast": []}
+    and an fp32 -> bf16 cast (their median is the device's one curve), and one kernel per op class of the
+    roofline's trace that streams at its own rate (``CLASS_KINDS``): a gather of bf16 rows in a random order
+    (routing's), an fp32 multiply in place (the optimizer's), a bf16 SiLU (transcendental functions), an
+    fp32 multiply and a bf16 SiLU backward of views whose last dim is strided (non-contiguous operands:
+    scalar loops, 1 GB/s for the SiLU on the 2-core AMX Xeon) and the hybrid's depthwise bf16 convolution
+    of a transposed input (about 1 GB/s there, 2-4x slower than of a contiguous one). A repeated call finds what the previous one left in the caches, as a
+    step's kernel finds what the kernel before it wrote: a few MiB stream from L2 / L3, hundreds from memory.
+    {kind: [GB/s per size]}; ``curve_points`` makes the device's curves of it."""
+    out: dict[str, list[float]] = {k: [] for k in ("copy", "add_bf16", "mul_fp32", "cast", "index", "mul_inplace",
+                                                   "silu_bf16", "strided", "strided_silu_bf16", "conv_bf16")}
     for mib in sizes_mib:
         nbytes = mib * 2**20
         n32 = max(1, int(nbytes / 8))  # copy and cast move 4 + 4 or 4 + 2 bytes an element: numel from the copy's
@@ -285,22 +299,55 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
         m32 = max(1, int(nbytes / 12))  # a * b -> out in fp32
         a32, b32, o32 = torch.ones(m32), torch.ones(m32), torch.empty(m32)
         c16 = torch.empty(n32, dtype=torch.bfloat16)
+        # routing's row moves: bf16 rows of 256 (512 bytes) gathered in a random order, each row read and
+        # written once, and its int64 index read
+        rows = max(1, int(nbytes / (2 * 512 + 8)))
+        r16, idx = torch.ones(rows, 256, dtype=torch.bfloat16), torch.randperm(rows)
+        g16 = torch.empty(rows, 256, dtype=torch.bfloat16)
+        # arithmetic on a view whose last dim is strided: 64 x 64 blocks transposed (the contiguous layout's
+        # vector loops do not apply; a transpose of outer dims vectorizes and streams as fast as contiguous)
+        blocks = max(1, m32 // 4096)
+        t32, u32, d32 = torch.ones(blocks, 64, 64), torch.ones(blocks, 64, 64), torch.empty(blocks, 64, 64)
+        t16, grad16 = torch.ones(blocks, 64, 64, dtype=torch.bfloat16), torch.ones(blocks, 64, 64, dtype=torch.bfloat16)
+        # the hybrid's short convolution: depthwise, kernel 4, causal padding, bf16, its input [batch 4, time,
+        # channels 512] viewed as [batch, channels, time] (as the model calls it)
+        steps = max(4, int(nbytes / (2 * 2 * 4 * 512)))
+        conv_x = torch.ones(4, steps, 512, dtype=torch.bfloat16).transpose(1, 2)
+        conv_w = torch.ones(512, 1, 4, dtype=torch.bfloat16)
         for kind, moved, fn in (
                 ("copy", 8 * n32, lambda: dst.copy_(src)),
                 ("add_bf16", 6 * n16, lambda: torch.add(a16, b16, out=o16)),
                 ("mul_fp32", 12 * m32, lambda: torch.mul(a32, b32, out=o32)),
-                ("cast", 6 * n32, lambda: c16.copy_(src))):
+                ("cast", 6 * n32, lambda: c16.copy_(src)),
+                ("index", rows * (2 * 512 + 8), lambda: torch.index_select(r16, 0, idx, out=g16)),
+                ("mul_inplace", 12 * m32, lambda: a32.mul_(b32)),
+                ("silu_bf16", 4 * n16, lambda: torch.ops.aten.silu.out(a16, out=o16)),
+                ("strided", 12 * t32.numel(), lambda: torch.mul(t32.transpose(1, 2), u32, out=d32)),
+                ("strided_silu_bf16", 6 * t16.numel(), lambda: torch.ops.aten.silu_backward(grad16, t16.transpose(1, 2))),
+                ("conv_bf16", 2 * 2 * conv_x.numel(),
+                 lambda: torch.nn.functional.conv1d(conv_x, conv_w, padding=3, groups=512))):
             out[kind].append(moved / seconds_per_call(fn, min_seconds) / 1e9)
     return out
 
 
-def curve_points(curve: dict[str, list[float]],
-                 sizes_mib: Iterable[float] = CURVE_MIB) -> tuple[tuple[float, float], ...]:
+# the roofline's op classes (``simulate.roofline.trace.op_class``) -> the ``bandwidth_curve`` kind that times
+# one of them; a fused region (compiled) keeps the median curve
+CLASS_KINDS = {"fp32": "mul_fp32", "bf16": "add_bf16", "copy": "copy", "cast": "cast", "index": "index",
+               "inplace": "mul_inplace", "bf16_math": "silu_bf16", "strided": "strided", "strided_math": "strided_silu_bf16",
+               "conv": "conv_bf16"}
+# the kinds whose median per size is the device's one curve (a compiled region's, and any op class without
+# its own): the others time classes of their own, not a step's typical kernel
+MEDIAN_KINDS = ("copy", "add_bf16", "mul_fp32", "cast")
+
+
+def curve_points(curve: dict[str, list[float]], sizes_mib: Iterable[float] = CURVE_MIB,
+                 kinds: Iterable[str] = MEDIAN_KINDS) -> tuple[tuple[float, float], ...]:
     """``Hardware.bandwidth_curve`` from ``bandwidth_curve``'s figures: (bytes, GB/s) per size, the median
     of the kinds at that size (a step mixes them; on the 2-core AMX Xeon they spread up to 4x at 0.5 MiB, the
     bf16 add slowest: it converts through fp32, and 1.5-2x at 128 MiB)."""
     sizes = list(sizes_mib)
-    return tuple((mib * 2**20, statistics.median(rates[i] for rates in curve.values())) for i, mib in enumerate(sizes))
+    rates = [curve[k] for k in kinds if k in curve]
+    return tuple((mib * 2**20, statistics.median(r[i] for r in rates)) for i, mib in enumerate(sizes))
 
 
 def cache_bytes(points: tuple[tuple[float, float], ...]) -> float:
@@ -382,3 +429,44 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                         curve_mib=curve_mib)
     finally:
         torch.set_num_threads(before)
+
+
+def collective_seconds_measured(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloat16,
+                                iters: int = 10) -> float:
+    """Seconds per call of one collective of ``kind`` ("all_reduce", "all_gather", "reduce_scatter") on a whole
+    buffer of ``nbytes`` in ``dtype`` over ``group`` (every rank of it calls this at once), the slowest rank's
+    median over ``iters`` calls, each call closed by a barrier so that a rank's late start is not timed as the
+    transfer (what ``commbench`` measures for the planner, here at a step's own message sizes and dtype)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    numel = max(n, nbytes // torch.empty(0, dtype=dtype).element_size() // n * n)
+    full, shard = torch.ones(numel, dtype=dtype), torch.ones(numel // n, dtype=dtype)
+    run = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+           "all_gather": lambda: dist.all_gather_single(full, shard, group=group),
+           "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=group)}[kind]
+    run()
+    samples = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest)
+
+
+def link_figures(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloat16,
+                 iters: int = 10) -> tuple[float, float]:
+    """(bus bandwidth GB/s, latency us) of ``group``'s link, fitted to the planner's model (``plan.formulas.
+    collective_seconds``: bytes x the kind's bus factor / bandwidth + latency) from two timed sizes: 4 KiB
+    (the latency) and ``nbytes`` (a step's message). On gloo both are the host's: loopback TCP, and the
+    reduction computed on the CPU in ``dtype``."""
+    from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
+
+    small = collective_seconds_measured(group, kind, 4096, dtype, iters)
+    large = collective_seconds_measured(group, kind, nbytes, dtype, iters)
+    n = group.size()
+    transfer = max(large - small, large / 2)  # a message no slower than the small one: half its time as transfer
+    return nbytes * bus_bandwidth_factor(kind, n) / transfer / 1e9, small * 1e6

@@ -20,7 +20,11 @@
   few MiB 1.5-3x faster than memory, when they are in its caches), each op's or fused region's bytes at
   the rate of its own size where its caches hold them: its writes, and its reads of tensors some kernel
   touched within the device's ``cache_bytes`` of traffic before (the trace's reuse distances); its other
-  reads at the streaming rate (``memory_seconds``). The accelerators keep one HBM figure.
+  reads at the streaming rate (``memory_seconds``). Each eager op also carries its class (``trace.op_class``:
+  index, conv, strided, cast, copy, bf16 math, bf16, in-place, fp32), priced on that class's own curve
+  where the device has one (``Hardware.class_curves``, a CPU's from its probe: per byte a bf16 SiLU streams
+  3-4x slower than an fp32 multiply, a SiLU backward on a transposed view 20x); a fused region stays on the
+  one curve. The accelerators keep one HBM figure and no class curves.
 * **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
   or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
@@ -122,25 +126,39 @@ def _attention_seconds(trace: OpTrace, hw: Hardware) -> float:
 
 def memory_seconds(trace: OpTrace, hw: Hardware, compiled: bool = False) -> float:
     """Seconds of the memory-bound ops: eager each op's bytes, compiled the fused regions' and the ops'
-    outside the compiled scope. On a device with a ``bandwidth_curve``, each kernel's bytes that its caches
-    hold at the rate of its size (the trace's size buckets): its writes, and the reads of tensors touched
-    within ``cache_bytes`` of traffic (the trace's reuse buckets; every read where ``cache_bytes`` is 0); its
-    other reads stream from memory, at the curve's largest size. Bytes a trace has no sizes for, and every
-    byte on a device without a curve, at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
+    outside the compiled scope. On a device with a ``bandwidth_curve``, the bytes the trace has sizes for
+    at ``sizes_seconds``; bytes a trace has no sizes for, and every byte on a device without a curve, at
+    ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
     flat = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
     kinds = ("fused", "outside") if compiled else ("eager",)
     seconds = 0.0
     for m in trace.memory.values():
         moved = m.fused_bytes + m.outside_bytes if compiled else m.eager_bytes
         if hw.bandwidth_curve:
-            streaming = hw.bandwidth_at(math.inf)
-            for (kind, bucket, reuse), nbytes in m.sizes.items():
-                if kind in kinds:
-                    cached = not hw.cache_bytes or bucket_bytes(reuse) <= hw.cache_bytes
-                    seconds += nbytes / (hw.bandwidth_at(bucket_bytes(bucket)) if cached else streaming)
-                    moved -= nbytes
+            priced, nbytes = sizes_seconds(m.sizes, hw, kinds)
+            seconds += priced
+            moved -= nbytes
         seconds += max(0.0, moved) / flat
     return seconds
+
+
+def sizes_seconds(sizes: dict, hw: Hardware, kinds: tuple[str, ...] = ("eager",)) -> tuple[float, float]:
+    """(seconds, bytes) of the entries of a ``MemoryOps.sizes`` whose ``how`` is one of ``kinds``, on a device
+    with a ``bandwidth_curve``: each kernel's bytes that its caches hold at the rate of its size (the size
+    bucket) on the curve of its op class (``Hardware.bandwidth_at``): its writes, and the reads of tensors
+    touched within ``cache_bytes`` of traffic (the reuse bucket; every read where ``cache_bytes`` is 0);
+    its other reads stream from memory, at the class's curve's largest size."""
+    seconds = moved = 0.0
+    for key, nbytes in sizes.items():
+        how, bucket, reuse = key[:3]
+        if how not in kinds:
+            continue
+        op_class = key[3] if len(key) > 3 else None
+        cached = not hw.cache_bytes or bucket_bytes(reuse) <= hw.cache_bytes
+        rate = hw.bandwidth_at(bucket_bytes(bucket) if cached else math.inf, op_class)
+        seconds += nbytes / rate
+        moved += nbytes
+    return seconds, moved
 
 
 def comm_seconds(comm: dict, hw: Hardware, intra: dict[str, bool] | None = None) -> dict[str, tuple[float, float]]:

@@ -112,7 +112,8 @@ def _attention_ops() -> dict:
 
 
 _ATTENTION = _attention_ops()
-_SKIP_NAMES = ("empty", "wait_tensor", "_local_scalar_dense", "set_", "resize_", "record_stream")
+# launch nothing: ``_unsafe_view`` is a view whose schema does not say so (reshape's after a copy)
+_SKIP_NAMES = ("empty", "wait_tensor", "_local_scalar_dense", "set_", "resize_", "record_stream", "_unsafe_view")
 
 
 @dataclass
@@ -124,9 +125,11 @@ class MemoryOps:
     ops: int = 0
     regions: int = 0
     outside_bytes: float = 0.0  # ops outside the compiled scope, one at a time (in ``eager_bytes`` too)
-    # the same bytes by how many one kernel moves: (how, size bucket) -> bytes, ``how`` "eager" (every op),
-    # "fused" (each fused region's total) or "outside"; bucket ``size_bucket``: a device whose bandwidth
-    # depends on the working set (a CPU's caches, ``Hardware.bandwidth_curve``) prices each at its own rate
+    # the same bytes by how many one kernel moves: (how, size bucket, reuse bucket, op class) -> bytes,
+    # ``how`` "eager" (every op), "fused" (each fused region's total) or "outside"; size bucket
+    # ``size_bucket``: a device whose bandwidth depends on the working set (a CPU's caches,
+    # ``Hardware.bandwidth_curve``) prices each at its own rate; reuse bucket: the traffic since the read
+    # tensor's last touch (0 for writes); op class ``op_class`` (``FUSED`` for a fused region)
     sizes: Counter = field(default_factory=Counter)
 
 
@@ -160,6 +163,69 @@ def size_bucket(nbytes: float) -> int:
 
 NEVER = 127  # the reuse bucket of a read no recorded kernel's touch precedes
 
+# Op classes of the memory-bound ops (``op_class``), each with its own bandwidth curve where a device has one
+# (``Hardware.class_curves``): a CPU streams them at different rates per byte
+INDEX, CAST, COPY, STRIDED, STRIDED_MATH, CONV, INPLACE, BF16, BF16_MATH, FP32 = (
+    "index", "cast", "copy", "strided", "strided_math", "conv", "inplace", "bf16", "bf16_math", "fp32")
+# convolutions (the hybrid's short causal conv, depthwise): not a matmul in the trace, priced by their bytes
+_CONV_OPS = frozenset(("convolution", "convolution_backward", "_convolution", "mkldnn_convolution",
+                       "_conv_depthwise2d", "conv1d", "slow_conv_dilated2d"))
+FUSED = "fused"  # a compiled region's kernels (inductor computes in fp32 registers whatever it loads)
+_INDEX_OPS = frozenset((
+    "index", "index_select", "index_add", "index_add_", "index_put", "index_put_", "_index_put_impl_", "index_copy",
+    "index_copy_", "index_fill", "index_fill_", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
+    "scatter_reduce", "scatter_reduce_", "sort", "argsort", "topk", "embedding", "embedding_dense_backward",
+    "masked_select", "masked_scatter", "masked_scatter_", "nonzero", "cumsum", "searchsorted", "bincount",
+    "histc", "_unique2", "unique_consecutive", "repeat_interleave", "take", "put_", "_embedding_bag"))
+_COPY_OPS = frozenset(("copy_", "_to_copy", "clone", "cat", "stack", "_foreach_copy_", "fill_", "zero_", "zeros_like",
+                       "full", "zeros", "ones", "constant_pad_nd", "split_with_sizes_copy", "_copy_from_and_resize"))
+# transcendental functions and softmax: a vectorized polynomial per element, several times an add's work
+_MATH_OPS = frozenset((
+    "exp", "exp_", "silu", "silu_", "silu_backward", "sigmoid", "sigmoid_", "sigmoid_backward", "tanh", "tanh_",
+    "tanh_backward", "log", "log_", "softplus", "softplus_backward", "gelu", "gelu_backward", "erf", "_softmax",
+    "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "logsumexp", "log1p", "expm1"))
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def op_class(name: str, ins: list, outs: list) -> str:
+    """The class of a memory-bound op for its bandwidth: ``index`` (gathers, scatters, sorts, routing's row
+    moves: one row or element at a time), ``conv`` (a convolution, forward or backward), ``strided_math`` (a
+    transcendental function or softmax of bf16 or fp16 reading a non-contiguous tensor: one element at a
+    time, no vector code), ``strided`` (any other op reading a non-contiguous tensor of more than one element: a transpose's
+    ``contiguous``, arithmetic on a transposed view), ``cast`` (a copy into another dtype), ``copy`` (a
+    copy, fill or concatenation in one dtype), ``bf16_math`` (a transcendental function or softmax of a bf16
+    or fp16 tensor), ``bf16`` (other arithmetic with a bf16 or fp16 operand: a CPU converts it through fp32
+    and back), ``inplace`` (fp32 arithmetic that writes its first operand: each cache line read is written
+    back without a second fetch; the optimizer's) and ``fp32`` (the rest)."""
+    if name in _INDEX_OPS:
+        return INDEX
+    if name in _CONV_OPS:
+        return CONV
+    if any(t.numel() > 1 and not t.is_contiguous() for t in ins):
+        low = any(t.dtype in _LOW for t in ins + outs)
+        return STRIDED_MATH if name in _MATH_OPS and low else STRIDED
+    if name in _COPY_OPS:
+        dtypes = {t.dtype for t in ins + outs if t.is_floating_point()}
+        return CAST if len(dtypes) > 1 else COPY
+    if any(t.dtype in _LOW for t in ins + outs):
+        return BF16_MATH if name in _MATH_OPS else BF16
+    return INPLACE if name.endswith("_") else FP32
+
+
+def _touched(name: str, args: tuple) -> tuple[torch.Tensor | None, int]:
+    """(tensor, bytes) where an index op touches fewer of a tensor's bytes than it holds: a gather reads as
+    many of its source's elements as it writes (one per index), a scatter or index add reads and writes as
+    many of its destination's as its source has; (None, 0) for the other ops (every byte of every operand)."""
+    args = tuple(a._local_tensor if isinstance(a, DTensor) else a for a in args)
+    if name == "gather" and len(args) > 2:
+        return args[0], args[2].numel() * args[0].element_size()
+    if name.startswith(("scatter", "index_add")) and len(args) > 3:
+        source = args[3] if isinstance(args[3], torch.Tensor) else args[2]  # a scattered scalar: the index's count
+        return args[0], source.numel() * args[0].element_size()
+    if name in ("index_put", "index_put_", "_index_put_impl_") and len(args) > 2:
+        return args[0], args[2].numel() * args[0].element_size()
+    return None, 0
+
 
 def bucket_bytes(bucket: int) -> float:
     """The size a bucket's kernels are priced at: the geometric middle of its range, 2^(b - 1/2) bytes."""
@@ -187,6 +253,11 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is a view of ``b``'s storage (an in-place index op returns its destination)."""
+    return _storage_key(a) == _storage_key(b)
 
 
 def _tensors(obj, out: list) -> list:
@@ -335,8 +406,8 @@ class TraceRecorder:
             mem.fused_bytes += moved
             bucket = size_bucket(moved)
             for key, nbytes in self._region_reads.items():
-                mem.sizes[("fused", bucket, self._region_reuse[key])] += nbytes
-            mem.sizes[("fused", bucket, 0)] += written
+                mem.sizes[("fused", bucket, self._region_reuse[key], FUSED)] += nbytes
+            mem.sizes[("fused", bucket, 0, FUSED)] += written
             mem.regions += 1
             self._region_reads.clear()
             self._region_reuse.clear()
@@ -379,15 +450,22 @@ class TraceRecorder:
             return
         mem = trace.memory[phase]
         mem.ops += 1
-        moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        big, part = _touched(name, args) if name in _INDEX_OPS else (None, 0)
+
+        def nbytes(t: torch.Tensor) -> int:
+            return part if t is big or (big is not None and _same_storage(t, big)) else _nbytes(t)
+
+        read = sum(nbytes(t) for t in ins)
+        moved = read + sum(nbytes(t) for t in outs)
         mem.eager_bytes += moved
         bucket = size_bucket(moved)
         reuse = [(t, self._reuse(t)) for t in ins]  # before this op touches them
         in_reuse = {_storage_key(t): r for t, r in reuse}
+        cls = op_class(name, ins, outs)
         for how in ("eager",) if inside else ("eager", "outside"):
             for t, r in reuse:
-                mem.sizes[(how, bucket, r)] += _nbytes(t)
-            mem.sizes[(how, bucket, 0)] += moved - sum(_nbytes(t) for t in ins)
+                mem.sizes[(how, bucket, r, cls)] += nbytes(t)
+            mem.sizes[(how, bucket, 0, cls)] += moved - read
         self._touch(ins + outs)
         if not inside:  # eager under compile too: ends the open fused region
             self.close_region()
@@ -404,10 +482,10 @@ class TraceRecorder:
                 if key not in out_keys:
                     writes[key] = 0  # produced and consumed inside the region: never written out
             elif key not in reads:
-                reads[key] = _nbytes(t)
+                reads[key] = nbytes(t)
                 self._region_reuse[key] = in_reuse[key]
         for key, t in zip(out_keys, outs):
-            writes[key] = max(writes.get(key, 0), _nbytes(t))
+            writes[key] = max(writes.get(key, 0), nbytes(t))
 
     def _reuse(self, t: torch.Tensor) -> int:
         """The reuse bucket of reading ``t`` now: ``size_bucket`` of the bytes touched since its storage's
