@@ -219,7 +219,7 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         mesh = experts_mesh if module in experts_units else dp_mesh
         if isinstance(module, FSDPModule) and mesh.size() > 1:
             # Gradients summed over the dp and cp ranks, not averaged: the loss carries the one scale,
-            # 1 / the global batch's tokens (train/engine.py). Plain sums, which every library has.
+            # 1 / the global batch's tokens (train/rank_model.py). Plain sums, which every library has.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     # Whose reduce-scatter the gradients take: the mesh's device by default; the scale simulation builds
