@@ -7,65 +7,57 @@ as one process, under ``torchrun`` or under ``mpirun``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
 import signal
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from qwen3_pretrain.checkpoint.layout import CARRIED_DIR, find_latest, read_meta
+from qwen3_pretrain.checkpoint.layout import find_latest
 from qwen3_pretrain.checkpoint.manager import Checkpointer
 from qwen3_pretrain.config.args import CommandParser
-from qwen3_pretrain.config.loader import load_config, save_config, to_dict
+from qwen3_pretrain.config.loader import load_config, to_dict
 from qwen3_pretrain.data.blend import BlendedDataset, validate_sources
 from qwen3_pretrain.data.prefetch import Prefetcher
 from qwen3_pretrain.data.reader import GlobalBatchLoader
 from qwen3_pretrain.errors import ConfigError, UserError
 from qwen3_pretrain.fsutil import make_dirs
-from qwen3_pretrain.hardware import default_chunk_tokens, matmul_precision
-from qwen3_pretrain.models.ops.fp8 import describe as describe_fp8
-from qwen3_pretrain.models.ops.precision import matmul_dtype, use_fp32_matmul
-from qwen3_pretrain.models.qwen3.hf_carried import write_carried
-from qwen3_pretrain.models.qwen3.model import MTP_PREFIX, TIED_ALIASES
+from qwen3_pretrain.hardware import default_chunk_tokens
+from qwen3_pretrain.models.ops.precision import use_fp32_matmul
+from qwen3_pretrain.models.qwen3.model import TIED_ALIASES
 from qwen3_pretrain.parallel import env, launch
-from qwen3_pretrain.parallel.parallelize import describe_kernels, kernel_table
-from qwen3_pretrain.plan.flops import TokenFlops, token_flops
-from qwen3_pretrain.plan.layout import Layout
-from qwen3_pretrain.plan.layers import math_fallbacks
-from qwen3_pretrain.plan.memory import predict_memory
+from qwen3_pretrain.plan.flops import token_flops
 from qwen3_pretrain.train.compile_report import compile_summary
 from qwen3_pretrain.train.config import TrainConfig
-from qwen3_pretrain.train.engine import Engine, engine_layout, resolve_parallelism
+from qwen3_pretrain.train.engine import Engine
 from qwen3_pretrain.train.host_memory import HostMemory
-from qwen3_pretrain.train.metrics import (MetricsWriter, cpu_peak_per_process, device_capacity, device_memory,
-                                          device_peak_tflops, format_line, measure_cpu_tflops,
-                                          memory_warning, runtime_reserved_gib, step_memory, utilization)
-from qwen3_pretrain.train.model_source import ARCHITECTURE_KEYS, resolve_model
-from qwen3_pretrain.train.observe import Observer, flight_recorder_env, format_observed, tracker_sinks
-from qwen3_pretrain.train.optim import describe_optimizer, lr_at
+from qwen3_pretrain.train.metrics import MetricsWriter
+from qwen3_pretrain.train.model_source import resolve_model
+from qwen3_pretrain.train.observe import Observer, flight_recorder_env, tracker_sinks
+from qwen3_pretrain.train.optim import lr_at
+from qwen3_pretrain.train.parallelism import resolve_parallelism
+from qwen3_pretrain.train.trainer_checkpoints import TrainerCheckpoints
+from qwen3_pretrain.train.trainer_log import TrainerLog
 
 log = logging.getLogger("qwen3_pretrain.train")
 
 
 # Steps logged after every start whatever log_steps is, so the first loss (and step time) come at once.
 ALWAYS_LOGGED_STEPS = 3
-# What the learning rate at a step depends on besides the step: changed on resume, the schedule changes shape.
-SCHEDULE_KEYS = ("learning_rate", "min_lr", "warmup_steps", "total_steps", "lr_decay_style", "lr_decay_steps",
-                 "lr_wsd_decay_steps", "lr_wsd_decay_style", "lr_warmup_from_zero")
 
 
 class TrainingHalted(UserError):
     """Training stopped on purpose (too many non-finite steps); the last good checkpoint is kept."""
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints, TrainerLog):
+    """One rank's training run: set-up, the step, the loop; checkpoints (``TrainerCheckpoints``) and what the
+    run logs (``TrainerLog``) are its parts in train/trainer_checkpoints.py and train/trainer_log.py."""
+
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.launch = launch.detect_launch(cfg.master_addr, cfg.master_port)
@@ -173,77 +165,6 @@ class Trainer:
             self.eval_loader_args = (valid, self.global_batch, dp_rank, dims.dp, micro)
         self.global_tokens = self.engine.global_tokens
 
-    @contextlib.contextmanager
-    def _phase(self, what: str):
-        """Log ``what`` when it starts and how long it took when it ends (on the logging rank)."""
-        if self.is_log_rank:
-            log.info("%s ...", what)
-        start = time.perf_counter()
-        yield
-        if self.is_log_rank:
-            log.info("done in %.1f s: %s", time.perf_counter() - start, what.split(" (")[0])
-
-    # --- checkpoints ------------------------------------------------------------------
-
-    def _maybe_resume(self) -> Path | None:
-        """Continue from ``output_path``'s newest complete checkpoint (found before the model was built),
-        whatever layout wrote it."""
-        path = self.latest
-        # Every rank must see the same checkpoint (checkpoints live on a filesystem all nodes share).
-        found = torch.tensor([int(path.name.split("_")[1]) if path else -1] * 2, device=self.device)
-        found[1].neg_()
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found[0].item() != -found[1].item():
-            raise UserError(f"ranks see different checkpoints in {self.cfg.output_path}; output_path must be on "
-                            "a filesystem shared by all nodes (e.g. NFS)")
-        if path is None:
-            return None
-        # before loading: a checkpoint of another model fails there with DCP's size or key errors
-        self._check_checkpoint_model(read_meta(path), path)
-        with self._phase(f"loading checkpoint {path}"):
-            meta = self.checkpointer.load(path)
-        self.engine.refresh_fp8_scales()  # FP8 all-gather scales from the loaded weights
-        self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
-        self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
-        self.loader.load_state_dict(meta["data"])
-        self._warn_schedule_change(meta.get("config", {}))
-        return path
-
-    def _warn_schedule_change(self, saved: dict) -> None:
-        """Resuming with other learning-rate settings reshapes the schedule from the next step on: allowed
-        (extending total_steps is common), but said, with the lr the next step gets under each schedule."""
-        changed = {k: (saved[k], getattr(self.cfg, k)) for k in SCHEDULE_KEYS
-                   if k in saved and saved[k] != getattr(self.cfg, k)}
-        if not changed or not self.is_log_rank:
-            return
-        before = dataclasses.replace(self.cfg, **{k: old for k, (old, _) in changed.items()})
-        log.warning("resuming with another learning-rate schedule (%s): the lr of step %d is %.3g (the checkpoint's "
-                    "schedule: %.3g); to continue it unchanged, resume with the checkpoint's values",
-                    ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()), self.step + 1,
-                    lr_at(self.step, self.cfg), lr_at(self.step, before))
-
-    def _check_checkpoint_model(self, meta: dict, path: Path) -> None:
-        saved, current = meta.get("model_config", {}), self.source.config.to_hf_dict()
-        diffs = [f"{k} {saved.get(k)} vs {current.get(k)}" for k in ARCHITECTURE_KEYS if saved.get(k) != current.get(k)]
-        if diffs:
-            raise UserError(f"{path} holds a different model ({', '.join(diffs)}); "
-                            "use another output_path or the matching model config")
-
-    def save_checkpoint(self) -> None:
-        cfg, dims = self.cfg, self.dims
-        meta = {
-            "tokens_seen": self.tokens_seen, "model_name": cfg.model_name,
-            "model_config": self.source.config.to_hf_dict(), "padded_vocab_size": self.padded_vocab,
-            "tied": self.source.config.tie_word_embeddings, "tokenizer_path": cfg.tokenizer_path,
-            "layout": {"world": self.launch.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
-                       "dp_shard": dims.dp_shard, "distributed_optimizer": dims.distributed_optimizer,
-                       "pp_schedule": cfg.pp_schedule},
-            "data": self.loader.state_dict(), "config": to_dict(cfg), "nonfinite_in_a_row": self.nonfinite_in_a_row,
-        }
-        if (Path(cfg.output_path) / CARRIED_DIR).is_dir():
-            meta["carried"] = CARRIED_DIR  # relative to output_path
-        self.checkpointer.save(self.step, meta)
-
     def _request_stop(self, signum, frame) -> None:
         if not self.stop_requested:
             log.warning("received %s: finishing step %d, saving a checkpoint, then exiting",
@@ -349,29 +270,6 @@ class Trainer:
         dist.barrier()
         return history
 
-    def _peak_tflops(self) -> float:
-        """The peak per device that MFU divides by (on the logging rank; nan elsewhere), logged with its
-        origin. On a CPU: one core's matmul peak, measured while the other ranks wait (collective), times
-        the cores this node's processes may run on between them over their number, whatever the launcher
-        bound each process to and set its threads to."""
-        cfg, dtype = self.cfg, matmul_dtype(self.cfg.mixed_precision, self.fp32_matmul)
-        precision = matmul_precision(cfg.mixed_precision, cfg.allow_tf32, self.device.type)
-        if self.device.type == "cpu" and not cfg.peak_tflops:
-            cores, processes = env.node_cpu_share(self.launch.launcher != "none")
-            dist.barrier()
-            per_core = measure_cpu_tflops(dtype=dtype, threads=1) if self.is_log_rank else float("nan")
-            dist.barrier()
-            peak = cpu_peak_per_process(per_core, cores, processes)
-            origin = (f"{per_core:.3g} TFLOP/s measured on one core in {str(dtype).removeprefix('torch.')} x "
-                      f"{cores} cores / {processes} process(es) on this node")
-        elif self.is_log_rank:  # only the logging rank looks the device up (and warns if it is unknown)
-            peak, origin = device_peak_tflops(self.device, cfg.peak_tflops, dtype, precision)
-        else:
-            return float("nan")
-        if self.is_log_rank:
-            log.info("MFU against a peak of %.3g TFLOP/s per device (%s)", peak, origin)
-        return peak
-
     def _check_finite(self, rec: dict) -> None:
         if not rec["skipped"]:
             self.nonfinite_in_a_row = 0
@@ -384,131 +282,6 @@ class Trainer:
             raise TrainingHalted(f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
                                  f"norm (last at step {rec['step']}); stopping. Lower learning_rate or check the "
                                  "data at that position; the last good checkpoint is kept")
-
-    def _log_step(self, rec: dict, peak_tflops: float, flops_per_token: TokenFlops, avg_step: float) -> None:
-        world = self.launch.world_size
-        tps = self.global_tokens / rec["step_time_s"]
-        record = {
-            "step": rec["step"], "total_steps": self.cfg.total_steps, "loss": rec["loss"], "lr": rec["lr"],
-            "grad_norm": rec["grad_norm"], "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world,
-            "step_time_s": rec["step_time_s"], **utilization(flops_per_token, tps / world, peak_tflops),
-            **step_memory(self.device), "tokens_seen": self.tokens_seen,
-            "eta_s": (self.cfg.total_steps - rec["step"]) * avg_step,
-            "samples_by_dataset": self.train_data.samples_by_dataset(rec["consumed_samples"]),
-        }
-        record.update({key: value for key, value in rec.items() if key.startswith(("moe_", "mtp_"))})
-        record.update({key: value for key, value in rec.items()
-                       if key.startswith(("time_", "slowest_")) or key in ("ranks", "health_worst")})
-        if self.cfg.moe_force_balance:
-            record["moe_force_balance"] = True
-        if rec["skipped"]:
-            record["skipped"] = True
-        log.info(format_line(record) + format_observed(record))
-        self.metrics.write(record)
-
-    def _log_eval(self, loss: float) -> None:
-        if self.is_log_rank:
-            ppl = math.exp(loss) if loss < 50 else float("inf")
-            log.info("eval at step %d | loss %.4f | ppl %.2f", self.step, loss, ppl)
-            self.metrics.write({"event": "eval", "step": self.step, "eval_loss": loss, "eval_ppl": ppl})
-
-    def _carry_untrained(self) -> None:
-        """Keep what the starting checkpoint holds beyond the text model (a vision tower, an MTP layer) in
-        ``output_path/carried`` for merge to write back unchanged; said in the log."""
-        reader = self.source.reader
-        if reader is None or self.launch.rank != 0:
-            return
-        carried = Path(self.cfg.output_path) / CARRIED_DIR
-        trained = self.cfg.mtp_loss_weight > 0  # the MTP layer is the model's, saved with it
-        if trained and not reader.has_mtp:
-            log.info("multi-token-prediction layer: %s holds none (no mtp.* tensors); it starts from random init",
-                     reader.path)
-        if self.resumed_from is None and write_carried(reader, carried, mtp_trained=trained) is not None:
-            groups: dict[str, int] = {}
-            for name in (n for n in reader.carried if not (trained and n.startswith(MTP_PREFIX))):
-                prefix = ".".join(name.split(".")[:2]) if name.startswith("model.") else name.split(".")[0]
-                groups[prefix] = groups.get(prefix, 0) + 1
-            log.info("carried unchanged, not trained: %d tensors of %s (%s) -> %s; merge writes them back",
-                     sum(groups.values()), reader.path,
-                     ", ".join(f"{k}.* {n}" for k, n in groups.items()) or "none", carried)
-
-    def _log_start(self) -> None:
-        cfg, dims, m = self.cfg, self.dims, self.source.config
-        if self.launch.rank == 0:
-            save_config(cfg, Path(cfg.output_path) / "config.yaml")
-        if self.is_log_rank:
-            weights = (f"weights from {self.resumed_from.name} (resumed)" if self.resumed_from is not None
-                       else self.source.description)
-            size = f"{_count(m.num_params())} params"
-            if m.is_moe:  # the active ones (a token's share of the experts) are what MFU counts
-                size += f", {_count(m.num_params(active=True))} active"
-            log.info("run start: world %d | tp %d pp %d dp %d cp %d | global_batch %d (batch_size %d x dp %d x "
-                     "accumulation %d) | seq %d | model %s, %s | %s | device %s | launcher %s",
-                     self.launch.world_size, dims.tp, dims.pp, dims.dp, dims.cp, self.global_batch, cfg.batch_size,
-                     dims.dp, cfg.gradient_accumulation_steps, cfg.seq_length, self.source.name, size, weights,
-                     self.device, self.launch.launcher)
-            log.info("%s", cfg.conventions_in_force())
-            log.info("kernels: %s", describe_kernels(kernel_table(
-                m, self.engine.target_device_type, self.engine.elementwise, cfg.mixed_precision, self.fp32_matmul,
-                dims.cp > 1, describe_optimizer(self.optimizers[0]), fp8=self.engine.fp8, compiled=cfg.compile)))
-            if self.engine.fp8 is not None:
-                log.info("%s", describe_fp8(self.engine.fp8, self.engine.parts))
-            # The start record first: a resume record after it belongs to the run it starts.
-            self.metrics.write({"event": "start", "step": self.step, "world": self.launch.world_size,
-                                "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
-                                "global_batch": self.global_batch})
-            for manifest, source in zip(self.manifests, cfg.data_sources):
-                if manifest.get("seq_length") not in (None, cfg.seq_length):
-                    log.info("%s was converted for seq_length %s; training at %d (fine: samples are packed at any "
-                             "length)", source.path, manifest["seq_length"], cfg.seq_length)
-            if self.fp32_matmul:
-                log.info("bf16 matmuls are computed in fp32: %s (cpu_bf16_matmul: %s)", "this CPU has no AVX512-BF16 "
-                         "or AMX, native bf16 would run several times slower" if cfg.cpu_bf16_matmul == "auto"
-                         else "as configured", cfg.cpu_bf16_matmul)
-            if self.resumed_from is not None:
-                log.info("resumed from %s at step %d", self.resumed_from, self.step)
-                self.metrics.write({"event": "resume", "step": self.step, "path": str(self.resumed_from)})
-            self._log_predicted_memory()
-
-    def _layout(self) -> Layout:
-        return engine_layout(self.cfg, self.parallelism, self.loss_chunk_tokens, self.device.type,
-                             self.fp32_matmul)
-
-    def _log_predicted_memory(self) -> None:
-        """The planner's prediction for this very layout (with the device runtime's own memory), a warning
-        when it exceeds the device, and one for attention the device serves with its math kernel."""
-        layout, model = self._layout(), self.source.config
-        reserve = runtime_reserved_gib(self.device) * 2**30
-        self.predicted_memory = mem = predict_memory(model, layout, runtime_reserved_bytes=reserve)
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.gib().items() if k != "total")
-        skew = (" at even expert routing; `plan --moe-imbalance` prices skewed routing"
-                if model.num_experts and layout.ep > 1 and layout.moe_rank_load == 1 else "")
-        log.info("predicted peak memory per device: %.2f GiB (%s GiB; worst pipeline stage %d)%s",
-                 mem.total / 2**30, parts, mem.stage, skew)
-        warning = memory_warning(mem.total, device_capacity(self.device))
-        if warning:
-            log.warning(warning)
-        for call in math_fallbacks(model, layout):
-            log.warning("attention (%s mask, %s, %d/%d heads, %d x %d) has no fused kernel on %s and runs on SDPA's "
-                        "math kernel, which keeps %.2f GiB of fp32 probabilities per layer call (counted in the "
-                        "prediction); train in bf16 for the flash kernel", call.mask, call.dtype, call.q_heads,
-                        call.kv_heads, call.q_len, call.kv_len, self.device.type,
-                        4 * call.batch * call.q_heads * call.q_len * call.kv_len / 2**30)
-
-    def _log_measured_memory(self) -> None:
-        record = device_memory(self.device)
-        if "reserved_gib" in record:
-            log.info("peak memory after %d steps: measured %.2f GiB allocated (%.2f GiB reserved by the allocator, "
-                     "%.2f GiB held outside it, %.2f GiB free) vs predicted %.2f GiB allocated, %.2f GiB in all "
-                     "(this stage's rank; prediction is the worst stage)", self.step, record["allocated_gib"],
-                     record["reserved_gib"], record["outside_allocator_gib"], record["free_gib"],
-                     self.predicted_memory.allocated / 2**30, self.predicted_memory.total / 2**30)
-        else:
-            log.info("peak memory after %d steps: %.2f GiB RSS (the whole process) vs predicted %.2f GiB of tensors",
-                     self.step, record["rss_gib"], self.predicted_memory.allocated / 2**30)
-        self.metrics.write({"event": "memory", "step": self.step, **record,
-                            "predicted_allocated_gib": self.predicted_memory.allocated / 2**30,
-                            "predicted_total_gib": self.predicted_memory.total / 2**30})
 
     def close(self) -> None:
         self.observer.close()
@@ -570,7 +343,3 @@ def main(argv: list[str]) -> int:
         os._exit(0)
     return 0
 
-
-def _count(n: int) -> str:
-    """A parameter count as people write it: 20.3M, 8.19B."""
-    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
