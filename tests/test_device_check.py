@@ -48,6 +48,13 @@ def losses(metrics: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}
 
 
+@pytest.fixture(autouse=True)
+def _bench_on_path(monkeypatch):
+    """bench/'s scripts import each other by name: bench/ is on sys.path during each test here and taken off
+    after it (left there, every later test of the session would see it)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     """The whole check on the CPU, once; the budget is generous because a shared test machine may be slow."""
@@ -180,7 +187,6 @@ def write_metrics(run: Path, sequence: list, loss_of) -> None:
 
 
 def test_the_resume_comparison_catches_one_ulp_and_a_missing_resume(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
     from device_check_stages import StageFailed, compare_runs
 
     loss = {k: 3.0 - 0.1 * k for k in range(1, 7)}
@@ -203,7 +209,6 @@ def test_runs_that_differ_before_any_resume_are_compared_within_the_stated_toler
     """Kernels that are not deterministic make the runs differ before any resume; then the resume passes
     within NONDETERMINISTIC_REL_TOL and both figures are reported. A run whose losses are equal before any
     resume leaves no excuse for a difference after it."""
-    sys.path.insert(0, str(REPO / "bench"))
     from device_check_stages import NONDETERMINISTIC_REL_TOL, StageFailed, compare_runs
 
     loss = {k: 3.0 - 0.1 * k for k in range(1, 7)}
@@ -242,7 +247,6 @@ def test_train_gpu_counts_the_devices_torch_sees_not_nvidia_smi_lines(tmp_path):
 
 
 def multi_module():
-    sys.path.insert(0, str(REPO / "bench"))
     import device_check_multi
 
     return device_check_multi

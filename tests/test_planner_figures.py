@@ -4,6 +4,7 @@ FSDP, a 1F1B pipeline with tp, MoE with ep; and the figures table's arithmetic (
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,13 +16,23 @@ from qwen3_pretrain.simulate.microbatches import extrapolation_counts
 from qwen3_pretrain.simulate.run import make_world, simulate_ranks
 from qwen3_pretrain.train.config import TrainConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
 TINY_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4,
             "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "vocab_size": 512}
+
+
+def _bench_module(name: str):
+    """``bench/<name>.py`` imported from its file, not through ``sys.path``: bench/ put on the path would stay
+    there for every later test of the session, where its scripts' names could shadow a module's."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while its classes are made
+    spec.loader.exec_module(module)
+    return module
 
 
 def _both(overrides: list[str], world_size: int, device: str = "h100"):
@@ -94,7 +105,7 @@ def test_moe_with_ep_extrapolates_exactly():
 def test_what_52_percent_needs_is_computed_from_the_breakdown():
     """bench/planner_figures.py's ``reach`` on hand-made breakdowns: MFU scales as 1 / step, so 40% MFU at
     a 1.3 s step needs 1.0 s at 52%; overheads go first, then compute."""
-    from planner_figures import reach
+    reach = _bench_module("planner_figures").reach
 
     # 1.0 s compute + 0.3 s of overheads at 40%: the step must fall to 1.0 s, i.e. every overhead gone.
     overheads = {"matmul": 0.6, "attention": 0.3, "elementwise": 0.1, "communication": 0.2, "host": 0.1,
