@@ -18,7 +18,6 @@ from qwen3_pretrain.plan.layout import Layout, check_pipeline_feed
 from qwen3_pretrain.train.config import TrainConfig
 
 
-
 @dataclass(frozen=True)
 class Parallelism:
     """What a run's config makes of its world: the mesh's degrees, and the pipeline stages each rank runs."""
