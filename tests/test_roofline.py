@@ -427,3 +427,20 @@ def test_each_op_class_is_priced_on_its_own_curve_where_the_device_has_one():
     # compiled: one fused region (each input read once: 2 MiB, both outputs written: 2 MiB) on the one curve
     assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(4 * MiB / 30e9)
     assert H100.class_curves == () and H100.bandwidth_at(MiB, "bf16") == pytest.approx(BW)
+
+
+def test_a_convolution_under_compile_is_a_kernel_of_its_own_on_its_class_curve():
+    """Inductor calls a convolution as an extern kernel: it splits the fused regions around it and is priced
+    on the conv class's curve, not fused into its neighbours. Worked out by hand."""
+    x, w = meta(1, 8, 64), meta(8, 1, 4)  # bf16: 1 KiB in, 64 B of weights
+    with RecordingMode() as rec:
+        y = x * 2  # region 1: reads x, writes y
+        z = torch.nn.functional.conv1d(y, w, groups=8)  # its own: reads y and w, writes z [1, 8, 61]
+        z + 1  # region 2
+    mem = rec.trace.memory["forward"]
+    assert mem.regions == 3
+    conv = 8 * 64 * 2 + 8 * 4 * 2 + 8 * 61 * 2
+    assert sum(v for (how, _, _, cls), v in mem.sizes.items() if how == "fused" and cls == "conv") == conv
+    hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((1024, 20.0),), class_curves=(("conv", ((1024, 1.0),)),))
+    others = mem.fused_bytes - conv
+    assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(conv / 1e9 + others / 20e9)

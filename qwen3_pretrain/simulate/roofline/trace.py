@@ -51,7 +51,8 @@ around its all-gathers included).
 
 **Fusion model** (priced when the config compiles): a maximal run of
 consecutive memory-bound ops between two ops of another kind (matmul,
-attention, collective) is one fused region, which reads each storage it did not
+attention, collective, convolution: a convolution is a kernel of its own) is
+one fused region, which reads each storage it did not
 produce once and writes each storage it produced that no later op of the
 region reads. Inductor does not fuse across matmuls or collectives, and fuses
 a pointwise chain and its reductions into few kernels; the model
@@ -470,6 +471,14 @@ class TraceRecorder:
         if not inside:  # eager under compile too: ends the open fused region
             self.close_region()
             mem.outside_bytes += moved
+            return
+        if cls == CONV:  # inductor calls the convolution as its own kernel: a region of its own, on its class
+            self.close_region()
+            for t, r in reuse:
+                mem.sizes[("fused", bucket, r, CONV)] += nbytes(t)
+            mem.sizes[("fused", bucket, 0, CONV)] += moved - read
+            mem.fused_bytes += moved
+            mem.regions += 1
             return
         if phase != self._region_phase:
             self.close_region()
