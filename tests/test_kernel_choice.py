@@ -1,7 +1,7 @@
 """The kernels chosen by CPU features (models/ops/moe.py: ``experts_kernel``, ``cpu_grouped_fp32``): the choice is
 a rule on the CPU's flags, so every rank and every run of a job on the same machines choose alike whatever the
 load; on the CPU running the test the chosen fp32 expert kernel is not slower than the other (both timed here,
-interleaved, medians), and the two compute the same values."""
+interleaved, CPU time on one thread), and the two compute the same values."""
 
 from __future__ import annotations
 
@@ -66,25 +66,55 @@ def test_fp32_kernels_compute_the_same():
         assert all(torch.equal(a, b) for a, b in zip(grads_grouped, grads_loop))
 
 
+# A round is 7 interleaved steps of each kernel; at most 3 rounds, a further one only after a round that failed
+# by less than its own noise.
+REPEATS, ROUNDS = 7, 3
+
+
+def _cpu_times(chosen, other, inputs) -> dict[str, list[float]]:
+    """Each kernel's CPU seconds of ``REPEATS`` steps on this thread, the two kernels alternating, sorted."""
+    times = {chosen.name: [], other.name: []}
+    for _ in range(REPEATS):
+        for kernel in (chosen, other):
+            start = time.thread_time()
+            _step(kernel, inputs)
+            times[kernel.name].append(time.thread_time() - start)
+    return {name: sorted(ts) for name, ts in times.items()}
+
+
 def test_chosen_fp32_kernel_is_not_slower_on_this_cpu():
-    """Forward and backward of the expert block, both kernels interleaved 7 times; the chosen one's best time is
-    within noise (50%: a shared 2-core machine) of the other's or below it. A wrong rule loses by 2.6-2.8x on
-    the two CPUs measured (bench/README.md)."""
+    """Forward and backward of the expert block, both kernels interleaved 7 times on one intra-op thread; the
+    chosen one's median CPU time is at most 25% above the other's (cache and memory shared with other
+    processes) or below it. A wrong rule loses by 2.6-2.8x on the two CPUs measured (bench/README.md), 1.6x at
+    this test's small shapes on one thread of the 2-core Xeon with AMX that runs the suite.
+
+    On one thread the calling thread's CPU time is the whole of a kernel's work, and time spent preempted by
+    other processes is not in it: a loaded machine slows the wall clock, not the comparison. A round that still
+    fails is run again (at most ``ROUNDS`` in all) only when it failed by less than its own noise, each
+    kernel's spread (upper quartile over median); one that fails by more, or the last, fails the test."""
     torch.manual_seed(0)
     inputs = _inputs()
     chosen = experts_kernel("cpu", torch.float32)
     other = ExpertLoop(F.linear) if chosen.name == "grouped_mm" else GroupedMM()
-    times = {chosen.name: [], other.name: []}
-    for kernel in (chosen, other):  # warm-up
-        _step(kernel, inputs)
-    for _ in range(7):
-        for kernel in (chosen, other):
-            start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for kernel in (chosen, other):  # warm-up
             _step(kernel, inputs)
-            times[kernel.name].append(time.perf_counter() - start)
-    # the best of each: preemption by other processes only ever adds time
-    mine, theirs = min(times[chosen.name]), min(times[other.name])
-    assert mine <= 1.5 * theirs, f"chosen {chosen.name} {mine:.4f} s vs {other.name} {theirs:.4f} s: {times}"
+        rounds = []
+        for _ in range(ROUNDS):
+            times = _cpu_times(chosen, other, inputs)
+            rounds.append(times)
+            mine, theirs = times[chosen.name][REPEATS // 2], times[other.name][REPEATS // 2]
+            if mine <= 1.25 * theirs:
+                return
+            noise = max(ts[3 * REPEATS // 4] / ts[REPEATS // 2] for ts in times.values())
+            if mine > 1.25 * theirs * noise:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    pytest.fail(f"chosen {chosen.name} {mine:.4f} s vs {other.name} {theirs:.4f} s of CPU (medians), in "
+                f"{len(rounds)} round(s): {rounds}")
 
 
 def test_row_buckets_only_where_the_group_shapes_reach_onednn():
