@@ -145,6 +145,28 @@ def test_pad_groups_lays_every_run_on_the_alignment():
     assert fixed.sizes.tolist() == [16] * 4
 
 
+def test_pad_groups_keeps_only_the_row_index_for_backward():
+    """The padded copy's backward needs only where each row went: the unpadded pairs must not stay alive
+    beside the padded copy the kernel keeps (autograd's ``index_copy`` kept its source). Gradients are the
+    rows read back, computed here independently with an index_select."""
+    counts = torch.tensor([3, 0, 9, 1])
+    tokens, weights = torch.randn(13, 5, requires_grad=True), torch.rand(13, 1, requires_grad=True)
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        padded = pad_groups(tokens, weights, counts, 8)
+    assert all(not t.is_floating_point() for t in kept), [(t.dtype, tuple(t.shape)) for t in kept]
+    assert sum(t.numel() for t in kept) == 2 * 13  # the row index, once per padded tensor
+    g_tokens, g_weights = torch.randn_like(padded.tokens), torch.randn_like(padded.weights)
+    torch.autograd.backward([padded.tokens, padded.weights], [g_tokens, g_weights])
+    assert torch.equal(tokens.grad, g_tokens.index_select(0, padded.rows))
+    assert torch.equal(weights.grad, g_weights.index_select(0, padded.rows))
+
+
 def test_grouped_kernel_padded_within_bf16_rounding():
     x, chosen, weights = _routing()
     plain, padded = _experts(GroupedMM(), dtype=torch.bfloat16), _experts(GroupedMM(align=8), dtype=torch.bfloat16)

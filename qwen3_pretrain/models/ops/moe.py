@@ -120,8 +120,12 @@ def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
     expert_of_row = torch.arange(num_experts, device=device).repeat_interleave(counts, output_size=num_rows)
     shift = starts - (counts.cumsum(0) - counts)  # padded start minus original start
     rows = torch.arange(num_rows, device=device) + shift[expert_of_row]
-    return PaddedGroups(tokens.new_zeros(total, tokens.shape[1]).index_copy(0, rows, tokens),
-                        weights.new_zeros(total, 1).index_copy(0, rows, weights), sizes, rows)
+    # index_put, not index_copy: both write the runs into the zeros, but autograd's index_copy keeps its
+    # source for backward (its formula reads the source's shape through the tensor), so the unpadded pairs
+    # stayed alive beside the padded copy the kernel keeps, k (d h + d) bytes per token; index_put keeps
+    # only ``rows``. Same values and gradients (the test pins both and what is kept).
+    return PaddedGroups(tokens.new_zeros(total, tokens.shape[1]).index_put((rows,), tokens),
+                        weights.new_zeros(total, 1).index_put((rows,), weights), sizes, rows)
 
 
 def _padded_call(kernel, tokens, counts, weights, gate, up, down, group_rows=None):
