@@ -173,7 +173,26 @@ def set_cpu_threads(launched: bool) -> str:
     torch.set_num_threads(threads)
     origin = f"OMP_NUM_THREADS={given}" if user_set else f"{cores} cores / {processes} process(es)"
     note = f"; above this rank's share of {share}: the ranks' threads preempt each other" if threads > share else ""
-    return f"CPU threads: {threads} intra-op ({origin}), MKL dynamic off{note}"
+    return f"CPU threads: {threads} intra-op ({origin}), MKL dynamic off{openmp_wait_note(threads)}{note}"
+
+
+def openmp_wait_note(threads: int) -> str:
+    """How OpenMP's idle workers wait, for the threads line (nothing with one thread: no workers).
+
+    Left to OpenMP (GNU libgomp polls up to ``GOMP_SPINCOUNT``, 300,000 times, before it sleeps): on
+    cores of its own that is the faster choice, ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) made bf16
+    steps 3-18% slower on an idle 2-core CPU; on a CPU shared with other work the polling worker takes the
+    time slices of the thread still working and PASSIVE was 1.17-1.38x faster (bench/README.md "Under
+    contention"). OpenMP reads both once, when torch loads it, so only the user can choose, before the
+    command starts; the line says which applies."""
+    if threads <= 1:
+        return ""
+    policy, spins = os.environ.get("OMP_WAIT_POLICY", "").strip(), os.environ.get("GOMP_SPINCOUNT", "").strip()
+    if policy:
+        return f", OpenMP wait policy {policy}"
+    if spins:
+        return f", OpenMP spin count {spins}"
+    return ", OpenMP idle workers spin before sleeping (OMP_WAIT_POLICY=PASSIVE is faster on a shared CPU)"
 
 
 def set_cpu_denormals(flush: bool) -> str:
