@@ -241,6 +241,12 @@ def worker(args: argparse.Namespace) -> None:
         probe = dataclasses.replace(probe, link_gbps=link["gbps"], link_latency_us=link["latency_us"])
     host = json.loads(args.host_us)
     probe = dataclasses.replace(probe, engine_op_us=host["eager_us"], engine_compiled_us=host.get("compiled_us"))
+    # The profiler's first start in a process takes a while, and not alike on every rank: a rank that starts
+    # sooner waits at its first collective for the other (0.4-1.5 s of "communication" on one rank of the
+    # dp2 rows, 0.03-0.07 on the other). One start before, and the ranks lined up after it.
+    profiled_categories(lambda: None)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     profiled = profiled_categories(step)
     predicted = predict_step(recorder, probe, mode == "compiled")
     predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
@@ -260,10 +266,10 @@ def measure_link(recorder: StepRecorder) -> dict | None:
              if k[1] in ("all_reduce", "all_gather", "reduce_scatter") and v[1] and k[2] > 1}
     if not calls or not torch.distributed.is_initialized():
         return None
-    (axis, kind, _), (nbytes, count) = max(calls.items(), key=lambda kv: (kv[1][0], kv[0]))
+    (axis, kind, size), (nbytes, count) = max(calls.items(), key=lambda kv: (kv[1][0], kv[0]))
     message = int(nbytes / count)
     dtype = recorder.comm_dtypes.get(kind, torch.bfloat16)
-    gbps, latency = link_figures(recorder.group_of(axis), kind, message, dtype)
+    gbps, latency = link_figures(recorder.group_of(axis, size), kind, message, dtype)
     return {"axis": axis, "kind": kind, "bytes": message, "dtype": str(dtype), "gbps": gbps, "latency_us": latency}
 
 
@@ -370,10 +376,12 @@ class StepRecorder(RecordingMode):
                     self.group_counts.append(counts)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def group_of(self, axis: str):
-        """The process group the step's collectives on ``axis`` ran over."""
-        name = next(g for g, a in self.comm.axis_of_group.items() if a == axis)
-        return torch.distributed.distributed_c10d._resolve_process_group(name)
+    def group_of(self, axis: str, size: int):
+        """The process group of ``size`` ranks the step's collectives on ``axis`` ran over (several mesh axes
+        count as dp: the one-rank ones are not it)."""
+        resolve = torch.distributed.distributed_c10d._resolve_process_group
+        return next(group for group in (resolve(g) for g, a in self.comm.axis_of_group.items() if a == axis)
+                    if group.size() == size)
 
     def comm_calls(self) -> dict:
         """{(axis, kind, group size): (whole-buffer bytes, calls)}: what ``price`` takes."""
