@@ -194,19 +194,19 @@ def moe_padded_rows_per_token(cfg: Qwen3Config, layout: Layout) -> float:
 
 def moe_padding_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
     """What padding the experts' groups (``moe_groups_padded``) adds to a MoE block's saved bytes per token
-    routed. The padded groups are a copy (``pad_groups``: zeros with the pairs ``index_copy``-ed in), and
-    autograd's ``index_copy`` keeps its source for backward: the unpadded pairs' hidden states and weights
-    stay beside the padded ones, with the int64 index of each pair's padded row (``k x load`` pairs:
-    ``d h + d + 8`` each). The padding rows are kept as the pairs' rows are: the row, its weight, and the
-    experts' gate, up and weighted product (``d h + d + 3 d I`` each). Measured with saved-tensor hooks on
-    one block (h 512, 16 experts of 256, top-4, 4,096 tokens, bf16): 14,876 B per token on a CPU's buckets,
-    14,666 at CUDA's alignment of 8, 10,460 unpadded; tests/test_plan_moe_padding.py."""
+    routed: the int64 index of each pair's padded row (``pad_groups`` writes the pairs into the zeros with
+    ``index_put``, whose backward keeps only that index: ``k x load`` pairs, 8 bytes each), and the padding
+    rows, kept as the pairs' rows are: the row, its weight, and the experts' gate, up and weighted product
+    (``d h + d + 3 d I`` each). Measured with saved-tensor hooks on one block (h 256, 16 experts of 128,
+    top-4, 2,048 tokens, bf16): tests/test_plan_moe_padding.py. (With ``index_copy``, which kept its source,
+    the unpadded pairs' hidden states and weights stayed beside the padded ones: ``k (d h + d)`` bytes per
+    token more, 6.0 GiB of Qwen3-30B-A3B's activations at ep 16 without recompute.)"""
     if not moe_groups_padded(layout):
         return 0.0
-    d, h, k = layout.dtype_bytes, cfg.hidden_size, cfg.num_experts_per_tok
-    pairs = k * layout.moe_rank_load
+    d, h = layout.dtype_bytes, cfg.hidden_size
+    pairs = cfg.num_experts_per_tok * layout.moe_rank_load
     padding = moe_padded_rows_per_token(cfg, layout) - pairs
-    return pairs * (d * h + d + 8) + padding * (d * h + d + 3 * d * cfg.moe_intermediate_size)
+    return 8 * pairs + padding * (d * h + d + 3 * d * cfg.moe_intermediate_size)
 
 
 def received_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
