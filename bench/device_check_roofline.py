@@ -8,8 +8,8 @@
 flag) on fake tensors, builds the engine as for the device and prices its op trace
 (``simulate/roofline``): on a device with the device table's figures for the name torch reported
 (``hardware.device_by_reported_name``), on ``--cpu`` with this CPU's figures measured by a short probe
-(``simulate.probe.measure_cpu``, a few seconds with its bandwidth curve). Writes the predicted step eager
-and compiled with their breakdowns as JSON (the stage sets the run's mode beside its measured step: the
+(``simulate.probe.measure_cpu``, about 15 s with its bandwidth curves at load 4). Writes the predicted step
+eager and compiled with their breakdowns as JSON (the stage sets the run's mode beside its measured step: the
 ratio predicted / measured); a device the table does not know gets ``{"skipped": why}``. The eager and
 compiled runs of one shape share one simulation (the stage keeps this file per shape).
 """

@@ -284,8 +284,9 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
     (routing's), an fp32 multiply in place (the optimizer's), a bf16 SiLU (transcendental functions), an
     fp32 multiply and a bf16 SiLU backward of views whose last dim is strided (non-contiguous operands:
     scalar loops, 1 GB/s for the SiLU on the 2-core AMX Xeon) and the hybrid's depthwise bf16 convolution
-    of a transposed input (about 1 GB/s there, 2-4x slower than of a contiguous one). A repeated call finds what the previous one left in the caches, as a
-    step's kernel finds what the kernel before it wrote: a few MiB stream from L2 / L3, hundreds from memory.
+    of a transposed input (about 1 GB/s there, 2-4x slower than of a contiguous one). A repeated call finds
+    what the previous one left in the caches, as a step's kernel finds what the kernel before it wrote: a few
+    MiB stream from L2 / L3, hundreds from memory.
     {kind: [GB/s per size]}; ``curve_points`` makes the device's curves of it."""
     out: dict[str, list[float]] = {k: [] for k in ("copy", "add_bf16", "mul_fp32", "cast", "index", "mul_inplace",
                                                    "silu_bf16", "strided", "strided_silu_bf16", "conv_bf16")}
@@ -323,7 +324,8 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
                 ("mul_inplace", 12 * m32, lambda: a32.mul_(b32)),
                 ("silu_bf16", 4 * n16, lambda: torch.ops.aten.silu.out(a16, out=o16)),
                 ("strided", 12 * t32.numel(), lambda: torch.mul(t32.transpose(1, 2), u32, out=d32)),
-                ("strided_silu_bf16", 6 * t16.numel(), lambda: torch.ops.aten.silu_backward(grad16, t16.transpose(1, 2))),
+                ("strided_silu_bf16", 6 * t16.numel(),
+                 lambda: torch.ops.aten.silu_backward(grad16, t16.transpose(1, 2))),
                 ("conv_bf16", 2 * 2 * conv_x.numel(),
                  lambda: torch.nn.functional.conv1d(conv_x, conv_w, padding=3, groups=512))):
             out[kind].append(moved / seconds_per_call(fn, min_seconds) / 1e9)
@@ -333,8 +335,8 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
 # the roofline's op classes (``simulate.roofline.trace.op_class``) -> the ``bandwidth_curve`` kind that times
 # one of them; a fused region (compiled) keeps the median curve
 CLASS_KINDS = {"fp32": "mul_fp32", "bf16": "add_bf16", "copy": "copy", "cast": "cast", "index": "index",
-               "inplace": "mul_inplace", "bf16_math": "silu_bf16", "strided": "strided", "strided_math": "strided_silu_bf16",
-               "conv": "conv_bf16"}
+               "inplace": "mul_inplace", "bf16_math": "silu_bf16", "strided": "strided",
+               "strided_math": "strided_silu_bf16", "conv": "conv_bf16"}
 # the kinds whose median per size is the device's one curve (a compiled region's, and any op class without
 # its own): the others time classes of their own, not a step's typical kernel
 MEDIAN_KINDS = ("copy", "add_bf16", "mul_fp32", "cast")
@@ -398,7 +400,8 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
     ``attention``: (batch, heads, kv heads, seq, head_dim) of causal SDPA, bf16 shape class ``"attention"``;
     ``tiny``: (batch, side) of the ``"tiny"`` class's batched products; ``curve_mib``: the working sets of
     ``bandwidth_curve`` (empty: not measured).
-    About 4-6 s on 2 idle cores with the defaults.
+    About 15 s at ``min_seconds`` 0.01 on the 2-core Xeon at load 4, most of it the bandwidth curves (10 kernels
+    at 5 sizes; 4-6 s idle with the defaults before the op classes' kernels).
     Measure at the thread count the priced work runs at: with more threads than the cores free at the
     moment, every parallel region waits for a descheduled thread, a cost per op that grows with the load.
     """

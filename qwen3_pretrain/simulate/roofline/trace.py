@@ -190,14 +190,14 @@ _LOW = (torch.bfloat16, torch.float16)
 
 def op_class(name: str, ins: list, outs: list) -> str:
     """The class of a memory-bound op for its bandwidth: ``index`` (gathers, scatters, sorts, routing's row
-    moves: one row or element at a time), ``conv`` (a convolution, forward or backward), ``strided_math`` (a
-    transcendental function or softmax of bf16 or fp16 reading a non-contiguous tensor: one element at a
-    time, no vector code), ``strided`` (any other op reading a non-contiguous tensor of more than one element: a transpose's
-    ``contiguous``, arithmetic on a transposed view), ``cast`` (a copy into another dtype), ``copy`` (a
-    copy, fill or concatenation in one dtype), ``bf16_math`` (a transcendental function or softmax of a bf16
-    or fp16 tensor), ``bf16`` (other arithmetic with a bf16 or fp16 operand: a CPU converts it through fp32
-    and back), ``inplace`` (fp32 arithmetic that writes its first operand: each cache line read is written
-    back without a second fetch; the optimizer's) and ``fp32`` (the rest)."""
+    moves: one row or element at a time), ``conv`` (a convolution, forward or backward), ``strided_math``
+    (a transcendental function or softmax of bf16 or fp16 reading a non-contiguous tensor: one element at a
+    time, no vector code), ``strided`` (any other op reading a non-contiguous tensor of more than one
+    element: a transpose's ``contiguous``, arithmetic on a transposed view), ``cast`` (a copy into another
+    dtype), ``copy`` (a copy, fill or concatenation in one dtype), ``bf16_math`` (a transcendental function
+    or softmax of a bf16 or fp16 tensor), ``bf16`` (other arithmetic with a bf16 or fp16 operand: a CPU
+    converts it through fp32 and back), ``inplace`` (fp32 arithmetic that writes its first operand: each
+    cache line read is written back without a second fetch; the optimizer's) and ``fp32`` (the rest)."""
     if name in _INDEX_OPS:
         return INDEX
     if name in _CONV_OPS:
