@@ -12,12 +12,15 @@ processes, and the medians of their median step times give the ratios:
 
 - ``plain``: the plain loop (``hf-fp32`` of bench/train_cpu.py: the same tiny Qwen3 / Qwen3-MoE built with
   transformers, AdamW, 2 threads), as train_cpu.py runs it;
-- ``default``: the engine's fp32 1-process run as the trainer sets it up (bench/train_cpu.py's ``fp32``
-  config: 2 intra-op threads, fixed at start-up, MKL dynamic off);
+- ``default``: the engine's 1-process run as its entry point and trainer set it up (bench/train_cpu.py's
+  ``fp32`` or ``bf16`` config, ``--dtype``: 2 intra-op threads, fixed at start-up, MKL dynamic off, the entry
+  point's environment defaults; OpenMP's own waiting: idle workers poll up to ``GOMP_SPINCOUNT`` times,
+  300,000 by default, before they sleep);
 - ``1t``: the same with 1 intra-op thread (``OMP_NUM_THREADS=1``);
 - ``passive`` / ``spin0``: OpenMP's idle threads sleep at once instead of spinning first
   (``OMP_WAIT_POLICY=PASSIVE``; ``GOMP_SPINCOUNT=0``: torch's OpenMP here is GNU libgomp, see
   ``torch.__config__.parallel_info()``; ``KMP_BLOCKTIME`` is Intel's runtime's and libgomp ignores it);
+- ``spin30k`` / ``spin3k``: a shorter poll before sleeping (``GOMP_SPINCOUNT`` 30,000 / 3,000);
 - ``loop`` / ``grouped``: the fp32 experts as one matmul per expert / one ``torch._grouped_mm`` per projection,
   whatever the CPU rule chooses (models/ops/moe.py ``cpu_grouped_fp32``; MoE only);
 - ``no-prefetch``: the batches read in the training thread instead of the prefetch thread.
@@ -46,6 +49,8 @@ from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
 # name -> (intra-op threads, environment, what the worker changes in the engine)
 SETTINGS = {
     "default": (2, {}, None),
+    "spin30k": (2, {"GOMP_SPINCOUNT": "30000"}, None),
+    "spin3k": (2, {"GOMP_SPINCOUNT": "3000"}, None),
     "1t": (1, {}, None),
     "passive": (2, {"OMP_WAIT_POLICY": "PASSIVE"}, None),
     "spin0": (2, {"GOMP_SPINCOUNT": "0"}, None),
@@ -95,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
         moe.cpu_grouped_fp32 = rule
     from qwen3_pretrain.train.trainer import Trainer
 
-    trainer = Trainer(train_cpu.engine_config("fp32", args.data, str(Path(args.out) / "run"), args.model))
+    trainer = Trainer(train_cpu.engine_config(args.dtype, args.data, str(Path(args.out) / "run"), args.model))
     if change in ("loop", "grouped") and not chosen:
         raise SystemExit("the expert kernel rule was not consulted: the setting would measure nothing")
     if change == "no-prefetch":
@@ -106,11 +111,12 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out, "result.json").write_text(json.dumps(result))
 
 
-def run_setting(name: str, args: argparse.Namespace, data: str, tmp: Path) -> float:
-    """Median step seconds of one run of setting ``name`` (``plain``: train_cpu's plain loop)."""
+def run_setting(name: str, args: argparse.Namespace, data: str, tmp: Path) -> list[float]:
+    """The timed steps' seconds of one run of setting ``name`` (``plain``: train_cpu's plain loop, its
+    median only)."""
     if name == "plain":
         run_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, model=args.model, profile=None)
-        return train_cpu.run_variant("hf-fp32", run_args, data, tmp)["wall_s"]
+        return [train_cpu.run_variant(f"hf-{args.dtype}", run_args, data, tmp)["wall_s"]]
     threads, extra, _ = SETTINGS[name]
     out = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=tmp))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -118,11 +124,11 @@ def run_setting(name: str, args: argparse.Namespace, data: str, tmp: Path) -> fl
     for key, value in PROCESS_ENV_DEFAULTS.items():  # as the engine's entry point sets them
         env.setdefault(key, value)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--data", data, "--out", str(out),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--dtype", args.dtype]
     proc = subprocess.run(cmd, cwd=train_cpu.REPO, env=env, text=True, capture_output=True)
     if proc.returncode:
         raise RuntimeError(f"setting {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return statistics.median(json.loads((out / "result.json").read_text())["wall_s"])
+    return json.loads((out / "result.json").read_text())["wall_s"]
 
 
 def start_busy(count: int, pin: bool) -> list[subprocess.Popen]:
@@ -138,6 +144,8 @@ def start_busy(count: int, pin: bool) -> list[subprocess.Popen]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("dense", "moe"), default="moe")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the engine's mixed_precision (the plain loop: hf-fp32 or its autocast hf-bf16)")
     parser.add_argument("--settings", default="plain,default",
                         help=f"comma-separated, of: plain, {', '.join(SETTINGS)}")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each setting, interleaved")
@@ -153,7 +161,8 @@ def main(argv: list[str]) -> int:
         worker(args)
         return 0
     names = args.settings.split(",")
-    times: dict[str, list[float]] = {s: [] for s in names}
+    times: dict[str, list[float]] = {s: [] for s in names}  # per run, its median step
+    steps: dict[str, list[float]] = {s: [] for s in names}  # every timed step of every run
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         data = train_cpu.ensure_data(args.data, Path(tmp))
@@ -163,7 +172,9 @@ def main(argv: list[str]) -> int:
                 for name in names if i % 2 == 0 else list(reversed(names)):
                     run_dir = Path(tmp) / f"r{i}"
                     run_dir.mkdir(exist_ok=True)
-                    times[name].append(run_setting(name, args, data, run_dir))
+                    run = run_setting(name, args, data, run_dir)
+                    steps[name] += run
+                    times[name].append(statistics.median(run))
                     loads.append(os.getloadavg()[0])
                     print(f"repeat {i} {name}: {times[name][-1]:.3f} s/step (median of {args.steps})", flush=True)
         finally:
@@ -172,15 +183,15 @@ def main(argv: list[str]) -> int:
                 p.wait()
     pinned = ", pinned" if args.pin_busy and args.busy else ""
     print(f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {args.busy} busy process(es){pinned}, "
-          f"model {args.model} fp32, load {min(loads):.1f}-{max(loads):.1f}")
+          f"model {args.model} {args.dtype}, load {min(loads):.1f}-{max(loads):.1f}")
     medians = {name: statistics.median(times[name]) for name in names}
-    print("| setting | s/step (runs) | tokens/s vs plain loop | vs default |")
-    print("|---|---|---|---|")
+    print("| setting | s/step (runs) | p90/p50 of all steps | tokens/s vs plain loop | vs default |")
+    print("|---|---|---|---|---|")
     for name in names:
         runs = ", ".join(f"{t:.2f}" for t in times[name])
         plain = f"x{medians['plain'] / medians[name]:.2f}" if "plain" in medians else "-"
         default = f"x{medians['default'] / medians[name]:.2f}" if "default" in medians else "-"
-        print(f"| {name} | {medians[name]:.3f} ({runs}) | {plain} | {default} |")
+        print(f"| {name} | {medians[name]:.3f} ({runs}) | {train_cpu.spread(steps[name]):.2f} | {plain} | {default} |")
     return 0
 
 

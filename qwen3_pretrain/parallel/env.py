@@ -181,7 +181,7 @@ def openmp_wait_note(threads: int) -> str:
 
     Left to OpenMP (GNU libgomp polls up to ``GOMP_SPINCOUNT``, 300,000 times, before it sleeps): on
     cores of its own that is the faster choice, ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) made bf16
-    steps 3-18% slower on an idle 2-core CPU; on a CPU shared with other work the polling worker takes the
+    steps up to 18% slower on an idle 2-core CPU; on a CPU shared with other work the polling worker takes the
     time slices of the thread still working and PASSIVE was 1.17-1.38x faster (bench/README.md "Under
     contention"). OpenMP reads both once, when torch loads it, so only the user can choose, before the
     command starts; the line says which applies."""
