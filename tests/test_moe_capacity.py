@@ -167,6 +167,27 @@ def test_pad_groups_keeps_only_the_row_index_for_backward():
     assert torch.equal(weights.grad, g_weights.index_select(0, padded.rows))
 
 
+def test_dropping_path_keeps_no_copy_of_the_expert_outputs():
+    """With a capacity every pair fits, the dropping path computes what the dropless one does, gradients
+    included, and keeps for backward only what that keeps plus int64 indices: the pairs' outputs written
+    back to their (token, slot) must not stay alive (autograd's ``index_copy`` kept its source)."""
+    x, chosen, weights = _routing()
+    results, kept_float = [], []
+    for capacity in (None, Capacity(float(EXPERTS))):
+        experts = _experts(ExpertLoop(), capacity)
+        xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        keep = None if capacity is None else experts.kept(chosen, ws.detach())
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = experts(xs, chosen, ws, keep)
+        kept_float.append(sum(t.numel() for t in {id(t): t for t in saved}.values() if t.is_floating_point()))
+        out.pow(2).sum().backward()
+        results.append([out, xs.grad, ws.grad, *[q.grad for q in experts.parameters()]])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert kept_float[1] <= kept_float[0], kept_float
+
+
 def test_grouped_kernel_padded_within_bf16_rounding():
     x, chosen, weights = _routing()
     plain, padded = _experts(GroupedMM(), dtype=torch.bfloat16), _experts(GroupedMM(align=8), dtype=torch.bfloat16)

@@ -421,7 +421,8 @@ class GroupedExperts(nn.Module):
         else:
             y = self.kernel(pairs, counts, pair_weights, self.gate_proj, self.up_proj, self.down_proj, rows)
         if keep is not None:  # each kept pair's output to its (token, slot); a dropped one's stays zero
-            y = y.new_zeros(flat.numel(), y.shape[1]).index_copy(0, order, y)
+            # index_put keeps only ``order`` for backward (index_copy would keep ``y``, as in pad_groups)
+            y = y.new_zeros(flat.numel(), y.shape[1]).index_put((order,), y)
             return y.view(num_tokens, top_k, -1).sum(1)
         # Back to (token, slot) order, then each token's k outputs summed.
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
