@@ -35,13 +35,13 @@ CFG = Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, n
                   intermediate_size=384, vocab_size=8192)
 
 
-def _engine_optimizer() -> torch.optim.AdamW:
+def _engine_optimizer(*overrides: str) -> torch.optim.AdamW:
     """The engine's AdamW (its groups and settings) over a real one-stage model, gradients set."""
     model = build_stage(CFG, PartSpec(0, 1, range(CFG.num_hidden_layers)), CFG.vocab_size, 4096)
     materialize(model, torch.device("cpu"), lambda name, shape, slices: init_param(name, shape, CFG, 0, slices))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    return build_optimizer([model], load_config(TrainConfig, None, ["model_name=qwen3-8b"]), tied=False)
+    return build_optimizer([model], load_config(TrainConfig, None, ["model_name=qwen3-8b", *overrides]), tied=False)
 
 
 def _step_temporaries(optimizer: torch.optim.Optimizer) -> int:
@@ -52,8 +52,9 @@ def _step_temporaries(optimizer: torch.optim.Optimizer) -> int:
     return mem.peak_bytes
 
 
-def _planned(impl: str) -> float:
-    layout = Layout(device_type="cpu", optimizer_impl=impl, seq_length=256, activation_checkpointing="none")
+def _planned(impl: str, embedding_decay: bool = False) -> float:
+    layout = Layout(device_type="cpu", optimizer_impl=impl, seq_length=256, activation_checkpointing="none",
+                    embedding_decay=embedding_decay)
     (shape,) = stage_shapes(CFG, layout)
     moments = _moments(CFG, layout, shape)
     return moments["optimizer step"]["optimizer"] - moments["layer backward"]["optimizer"]
@@ -76,6 +77,18 @@ def test_planned_step_temporaries_are_the_measured_ones(impl):
         assert planned == pytest.approx(measured, rel=0.03 if impl == "for-loop" else 1e-3)
     if impl == "foreach":
         assert measured == 4 * max(groups) < 0.8 * 4 * sum(groups)
+
+
+def test_decayed_embedding_moves_into_the_larger_group():
+    """With weight_decay_embeddings the embedding is decayed beside the matrices: the foreach step's
+    temporary is then almost the whole model's (only the norms stay apart), and the planner follows."""
+    engine = _engine_optimizer("weight_decay_embeddings=true")
+    groups = [sum(p.numel() for p in g["params"]) for g in engine.param_groups]
+    assert max(groups) > 0.99 * sum(groups)
+    measured = _step_temporaries(target_optimizer(engine, "foreach"))
+    assert measured == 4 * max(groups)
+    assert _planned("foreach", embedding_decay=True) == pytest.approx(measured, rel=1e-3)
+    assert _planned("foreach") < 0.8 * measured  # the default grouping's term would not cover it
 
 
 def test_simulation_steps_the_targets_optimizer():

@@ -267,6 +267,9 @@ def fixed_settings(args: argparse.Namespace, conf: dict[str, Any],
         moe_pad_to_capacity=pick(args.moe_pad_to_capacity, "moe_pad_to_capacity", False),
         fp8=fp8,
         fp8_all_gather=pick(args.fp8_all_gather, "fp8_all_gather", False),
+        # left empty, the key follows the config's conventions (train/config.py CONVENTION_KEYS)
+        embedding_decay=bool(conf.get("weight_decay_embeddings") if conf.get("weight_decay_embeddings") is not None
+                             else conf.get("conventions", "default") == "megatron"),
         activation_checkpointing=fixed.get("activation_checkpointing", "full"))
     return base, fixed
 

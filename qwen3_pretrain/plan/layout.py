@@ -69,6 +69,9 @@ class Layout:
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False  # decoder layers compiled (torch.compile): fewer operators for the host to issue
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"  # AdamW kernel: its step's temporaries
+    # weight_decay_embeddings: the embedding (and a tied head) in AdamW's decayed group, beside the matrices:
+    # the foreach step's temporary is the larger group's (plan/memory.py ``_largest_group``)
+    embedding_decay: bool = False
     document_mask: bool = False  # attention kept within each packed document
     # The device type the engine runs on: its attention kernel (models/qwen3/attention_calls.py) and what
     # the kernel keeps (hardware.attention_backend: a fused kernel, or the math fallback's probabilities)

@@ -133,13 +133,14 @@ def stage_params(cfg: Qwen3Config, layout: Layout, shape: StageShape) -> StagePa
 
 def _largest_group(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp: StageParams) -> float:
     """The parameters of the stage's larger AdamW group (train/optim.py: with weight decay, or without it:
-    the embedding, a tied head, the norms). The foreach path steps the groups one after the other, and each
+    the embedding, a tied head, the norms; with ``weight_decay_embeddings`` the embedding and a tied head are
+    decayed, ``Layout.embedding_decay``). The foreach path steps the groups one after the other, and each
     takes one temporary per tensor (``sqrt`` of the second moment, fp32) for the whole group: measured on a
     CPU, AdamW(foreach=True) with the engine's groups on a 2-layer model of 2.49 M parameters (1.44 M decayed,
     1.05 M not) allocated exactly 4 x 1.44 M bytes in its step: tests/test_plan_optimizer_peak.py)."""
     h, t = cfg.hidden_size, layout.tp
     tied = cfg.tie_word_embeddings and shape.has_head
-    embedding = cfg.vocab_size * h / t if shape.has_embedding or tied else 0.0
+    embedding = cfg.vocab_size * h / t if (shape.has_embedding or tied) and not layout.embedding_decay else 0.0
     norms = shape.num_layers * (2 * h + 2 * cfg.head_dim) + (h if shape.has_head else 0)
     undecayed = embedding + norms
     return max(sp.total - undecayed, undecayed)

@@ -69,6 +69,7 @@ def engine_layout(cfg: TrainConfig, parallelism: Parallelism, loss_chunk_tokens:
                   keep_params_gathered=cfg.keep_params_gathered, grad_reduce_dtype=cfg.grad_reduce_dtype,
                   compile=cfg.compile,
                   optimizer_impl=optimizer_impl(device_type), fp32_matmul=fp32_matmul,
+                  embedding_decay=bool(cfg.weight_decay_embeddings),
                   moe_capacity_factor=cfg.moe_capacity_factor, moe_pad_to_capacity=cfg.moe_pad_to_capacity,
                   # the planner prices FP8 with bf16 compute (its FP8 model); an fp32 run's FP8 is left out
                   fp8=(cfg.fp8 or "off") if cfg.mixed_precision == "bf16" else "off",
