@@ -362,8 +362,11 @@ class StepRecorder(RecordingMode):
             return NotImplemented
         self.comm.count(func, args)
         kind = _COMM_KINDS.get(func)
-        if kind is not None and isinstance(args[kind[1] or 0], torch.Tensor):
-            self.comm_dtypes[kind[0]] = args[kind[1] or 0].dtype
+        moved = args[kind[1] or 0] if kind is not None else None
+        if isinstance(moved, (list, tuple)) and moved:  # c10d's allreduce_ / allgather_ take tensor lists
+            moved = moved[0][0] if isinstance(moved[0], (list, tuple)) and moved[0] else moved[0]
+        if isinstance(moved, torch.Tensor):
+            self.comm_dtypes[kind[0]] = moved.dtype
         self._op = func.__name__.split(".")[0]
         self.op_calls[self._op] += 1
         if func is torch.ops.aten._grouped_mm.default:

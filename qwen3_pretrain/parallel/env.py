@@ -179,7 +179,8 @@ def set_cpu_threads(launched: bool) -> str:
 def openmp_wait_note(threads: int) -> str:
     """How OpenMP's idle workers wait, for the threads line (nothing with one thread: no workers).
 
-    Left to OpenMP (GNU libgomp polls up to ``GOMP_SPINCOUNT``, 300,000 times, before it sleeps): on
+    Left to OpenMP (GNU libgomp, torch's on Linux, polls up to ``GOMP_SPINCOUNT`` times before it sleeps:
+    300,000, or 1,000 when the threads outnumber the cores; Intel's runtime waits ``KMP_BLOCKTIME``): on
     cores of its own that is the faster choice, ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) made bf16
     steps up to 18% slower on an idle 2-core CPU; on a CPU shared with other work the polling worker takes the
     time slices of the thread still working and PASSIVE was 1.17-1.38x faster (bench/README.md "Under
@@ -188,10 +189,13 @@ def openmp_wait_note(threads: int) -> str:
     if threads <= 1:
         return ""
     policy, spins = os.environ.get("OMP_WAIT_POLICY", "").strip(), os.environ.get("GOMP_SPINCOUNT", "").strip()
+    blocktime = os.environ.get("KMP_BLOCKTIME", "").strip()
     if policy:
         return f", OpenMP wait policy {policy}"
     if spins:
         return f", OpenMP spin count {spins}"
+    if blocktime:
+        return f", OpenMP block time {blocktime}"
     return ", OpenMP idle workers spin before sleeping (OMP_WAIT_POLICY=PASSIVE is faster on a shared CPU)"
 
 
