@@ -65,7 +65,7 @@ def cpu_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
 
 @pytest.mark.slow
 def test_every_stage_passes_on_the_cpu(cpu_run):
-    proc, summary, _ = cpu_run
+    proc, summary, out = cpu_run
     failed = {s["name"]: (s.get("error"), s.get("tail", "")[-1500:]) for s in summary["stages"] if not s["ok"]}
     assert not failed, failed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -85,6 +85,11 @@ def test_every_stage_passes_on_the_cpu(cpu_run):
     for stage in summary["stages"]:
         assert stage["seconds"] >= 0 and stage["timeout_s"] > 0, stage
     assert by_name(summary)["tests"]["passed"] > 0 and by_name(summary)["tests"]["failed"] == 0
+    # on the CPU fsdp2's run carries the asynchronous save, which fsdp2-async_save resumes from (no second run)
+    async_save = by_name(summary)["multi/fsdp2-async_save"]
+    assert async_save["resumed_from"] == 2 and async_save["steps"] == [1, 2, 3, 4], async_save
+    assert "in the background" in (out / "multi" / "fsdp2.log").read_text()
+    assert not (out / "multi" / "fsdp2-async_save.log").exists()
 
 
 @pytest.mark.slow
