@@ -213,13 +213,24 @@ def op_class(name: str, ins: list, outs: list) -> str:
     return INPLACE if name.endswith("_") else FP32
 
 
-def _touched(name: str, args: tuple) -> tuple[torch.Tensor | None, int]:
+# Gathers whose output holds exactly the source elements they read (one per index, whole rows for the row
+# gathers): the embedding lookup, ``index_select``, advanced indexing (``x[idx]``), ``take``
+_ROW_GATHERS = frozenset(("embedding", "index_select", "index", "take"))
+
+
+def _touched(name: str, args: tuple, outs: list) -> tuple[torch.Tensor | None, int]:
     """(tensor, bytes) where an index op touches fewer of a tensor's bytes than it holds: a gather reads as
-    many of its source's elements as it writes (one per index), a scatter or index add reads and writes as
-    many of its destination's as its source has; (None, 0) for the other ops (every byte of every operand)."""
+    many of its source's elements as it writes (one per index; ``embedding``, ``index_select``, ``index`` and
+    ``take`` as many as their output holds: the rows gathered x a row's bytes, an embedding lookup of 8,192
+    tokens reading 8,192 rows of a 151,936-row table), a scatter or index add reads and writes as many of its
+    destination's as its source has; (None, 0) for the other ops (every byte of every operand).
+    ``embedding_dense_backward`` keeps its whole output: it zero-fills the [vocab, hidden] gradient before
+    adding the rows into it, so the table's bytes are written."""
     args = tuple(a._local_tensor if isinstance(a, DTensor) else a for a in args)
     if name == "gather" and len(args) > 2:
         return args[0], args[2].numel() * args[0].element_size()
+    if name in _ROW_GATHERS and outs and isinstance(args[0], torch.Tensor):
+        return args[0], outs[0].numel() * args[0].element_size()
     if name.startswith(("scatter", "index_add")) and len(args) > 3:
         source = args[3] if isinstance(args[3], torch.Tensor) else args[2]  # a scattered scalar: the index's count
         return args[0], source.numel() * args[0].element_size()
@@ -451,7 +462,7 @@ class TraceRecorder:
             return
         mem = trace.memory[phase]
         mem.ops += 1
-        big, part = _touched(name, args) if name in _INDEX_OPS else (None, 0)
+        big, part = _touched(name, args, outs) if name in _INDEX_OPS else (None, 0)
 
         def nbytes(t: torch.Tensor) -> int:
             return part if t is big or (big is not None and _same_storage(t, big)) else _nbytes(t)
