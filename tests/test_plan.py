@@ -349,16 +349,17 @@ def test_step_estimate_is_consistent():
 def test_hsdp_shards_state_by_its_group_and_keeps_only_an_all_reduce_across_nodes():
     """HSDP over 8 nodes x 8: memory follows the shard group (dp 64 sharded by 8 holds what dp 8 fully
     sharded holds); cross-node bytes, by hand: flat FSDP over all 64 ranks sends everything across nodes
-    (two bf16 all-gathers of the weights per step, one of the LM head and final norm, which stay gathered
-    from forward to backward, and one fp32 reduce-scatter, (n-1)/n each); shard groups of one node's 8 ranks
-    leave only the all-reduce of the fp32 gradient shards, 2 (r-1)/r x 4P/8, r = 8."""
+    (two bf16 all-gathers of the weights per step, one of the LM head, the final norm and the last layer,
+    which stay gathered from forward to backward, and one fp32 reduce-scatter, (n-1)/n each); shard groups
+    of one node's 8 ranks leave only the all-reduce of the fp32 gradient shards, 2 (r-1)/r x 4P/8, r = 8."""
     cfg, hw, cluster = get_preset("qwen3-8b"), get_device("h100"), Cluster(8, 8)
     flat = Layout(dp=64, seq_length=4096)
     hsdp = flat.replace(dp_shard=8)
     assert (hsdp.shards, hsdp.replicas) == (8, 8)
     assert predict_memory(cfg, hsdp) == predict_memory(cfg, Layout(dp=8, seq_length=4096))
     p = cfg.num_params()
-    kept = cfg.vocab_size * cfg.hidden_size + cfg.hidden_size  # the LM head and the final norm
+    head = cfg.vocab_size * cfg.hidden_size + cfg.hidden_size  # the LM head and the final norm
+    kept = head + (p - head - cfg.vocab_size * cfg.hidden_size) / cfg.num_hidden_layers  # and the last layer
     gathered = 2 * (2 * (p - kept) + kept)
     assert predict_memory(cfg, hsdp).optimizer == pytest.approx(8 * p / 8)
     flat_est, hsdp_est = predict_step(cfg, flat, hw, cluster), predict_step(cfg, hsdp, hw, cluster)

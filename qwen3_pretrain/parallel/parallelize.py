@@ -181,15 +181,22 @@ class AllReduceScatter:
 
 def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
                reduce_scatter_device: str | None = None, experts_mesh: DeviceMesh | None = None,
-               keep_params_gathered: bool = False, grad_reduce_dtype: str = "fp32") -> None:
+               keep_params_gathered: bool = False, grad_reduce_dtype: str = "fp32",
+               keep_last_gathered: bool = False) -> None:
     """FSDP2 units: the embedding, each decoder layer (the MTP layer's too), the LM head (its forward runs in the loss, outside
     the model's; a tied head on the embedding's stage has no weight of its own) and the final norm at the
     root. The embedding is a unit of its own so that it is gathered only around its own forward and
     backward, not for the whole backward pass as part of the root. Under expert parallelism a MoE layer's
     experts are a unit of their own, sharded over ``experts_mesh`` (the data-parallel ranks ep leaves).
     ``keep_params_gathered``: no unit frees its weights after forward (the engine keeps them gathered
-    after backward too, until the step's last micro-batch: Megatron's accumulation). Under bf16 gradients
-    accumulate and are reduced in ``grad_reduce_dtype``; the reduced shards are fp32 like the weights."""
+    after backward too, until the step's last micro-batch: Megatron's accumulation). ``keep_last_gathered``:
+    the last decoder layer to run forward (the multi-token-prediction layer's when there is one, and its
+    experts' unit) keeps its weights from forward to backward: without pipelining its backward is the first,
+    right after the loss, so freeing them would only gather them again (one all-gather of a layer per
+    micro-batch); the loss's peak holds that layer gathered either way in ``plan``'s memory model. Under
+    pipelining other micro-batches run between a stage's forward and its backward: not kept there. Under
+    bf16 gradients accumulate and are reduced in ``grad_reduce_dtype``; the reduced shards are fp32 like
+    the weights."""
     reduce_dtype = torch.bfloat16 if grad_reduce_dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
@@ -201,11 +208,13 @@ def apply_fsdp(model: Qwen3Model, dp_mesh: DeviceMesh, mixed_precision: str,
         fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free and not tied_head)
     mtp_layers = model.mtp.layers.values() if model.mtp is not None else ()
     experts_units = set()  # sharded over experts_mesh, not dp_mesh
-    for unit in (*model.layers.values(), *mtp_layers):  # the multi-token-prediction layer's as the others
+    units = (*model.layers.values(), *mtp_layers)  # the multi-token-prediction layer's as the others
+    for index, unit in enumerate(units):
+        freed = free and not (keep_last_gathered and index == len(units) - 1)
         if experts_mesh is not None and isinstance(unit.mlp, MoE):
-            fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=free)
+            fully_shard(unit.mlp.experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=freed)
             experts_units.add(unit.mlp.experts)
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=free)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=freed)
     if model.lm_head is not None and not tied_head:
         # Its backward follows its forward at once: keeping the gathered weight saves a second gather.
         fully_shard(model.lm_head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -250,7 +259,8 @@ def parallelize_stage(model: Qwen3Model, mesh: DeviceMesh, dp_mesh: DeviceMesh, 
             torch._functorch.config.enable_autograd_cache = False
         compile_stage_layers(model, tensor_parallel, expert_parallel=expert_meshes is not None)
     apply_fsdp(model, dp_mesh, mixed_precision, reduce_scatter_device,
-               expert_meshes[1] if expert_meshes is not None else None, keep_params_gathered, grad_reduce_dtype)
+               expert_meshes[1] if expert_meshes is not None else None, keep_params_gathered, grad_reduce_dtype,
+               keep_last_gathered=mesh["pp"].size() == 1)
 
 
 def compile_stage_layers(model: Qwen3Model, tensor_parallel: bool, expert_parallel: bool = False) -> None:

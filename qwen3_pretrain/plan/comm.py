@@ -53,8 +53,8 @@ from qwen3_pretrain.hardware import GB, Hardware
 from qwen3_pretrain.models.qwen3.config import Qwen3Config
 from qwen3_pretrain.plan import formulas as F
 from qwen3_pretrain.plan import fp8 as FP8
-from qwen3_pretrain.plan.layers import cp_calls, tp_collectives
-from qwen3_pretrain.plan.layout import Cluster, Layout, StageShape
+from qwen3_pretrain.plan.layers import cp_calls, layer_params, mtp_kind, mtp_trained, tp_collectives
+from qwen3_pretrain.plan.layout import Cluster, LayerKind, Layout, StageShape
 from qwen3_pretrain.plan.memory import stage_params
 
 
@@ -189,9 +189,9 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
             continue
         low = fp8_gathered if which == 0 else 0.0
         if group > 1:
-            for index, (params, gathers) in enumerate(units):
-                # the first unit group holds the decoder layers: their FP8 projections gathered at 1 B each
-                nbytes = layout.dtype_bytes * params - (layout.dtype_bytes - 1) * (low if index == 0 else 0)
+            for params, gathers, layers in units:
+                # a unit group's share of the decoder layers: their FP8 projections gathered at 1 B each
+                nbytes = layout.dtype_bytes * params - (layout.dtype_bytes - 1) * low * layers
                 calls += [("dp_shard", "all_gather", nbytes, group)] * gathers
             if low:  # the FP8 weights' scales: one all-reduce of their maxima
                 calls.append(("dp_shard", "all_reduce", 4.0 * 7 * shape.num_layers, group))
@@ -202,14 +202,17 @@ def _dp_calls(cfg: Qwen3Config, layout: Layout, shape: StageShape
 
 
 def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp, experts: float = 0.0
-             ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
-    """(parameters, all-gathers per step) of the stage's FSDP units, in two groups; and of the ``experts``
-    (parameters, under expert parallelism units of their own, freed after forward like the layers).
+             ) -> tuple[list[tuple[float, int, float]], list[tuple[float, int, float]]]:
+    """(parameters, all-gathers per step, share of the decoder layers) of the stage's FSDP units, in groups;
+    and of the ``experts`` (parameters, under expert parallelism units of their own, freed after forward
+    like the layers).
 
     Layers and the embedding free their weights after forward (``reshard_after_forward``), so backward
     gathers them again; the LM head and the root (final norm) keep theirs from forward to backward, and a
     tied embedding too (its head applies it in the loss). Without pipelining a backward frees them all
-    again: per micro-batch two gathers and one. Under pipeline parallelism the schedule keeps a unit
+    again: per micro-batch two gathers and one, except the last layer to run forward, which keeps its
+    weights for its backward right after the loss (``parallel/parallelize.py``: one gather). Under pipeline parallelism the
+    schedule keeps a unit
     gathered after its backward until the step ends, so a forward right after a backward finds it
     gathered: of a stage's ``m`` forwards and ``m`` backwards, each forward after a forward gathers (the
     warm-up), each backward after a forward (one per micro-batch in the steady state, plus the first of
@@ -217,14 +220,21 @@ def _gathers(cfg: Qwen3Config, layout: Layout, shape: StageShape, sp, experts: f
     ``keep_params_gathered`` every unit is gathered once per step.
     """
     if layout.keep_params_gathered:  # every unit gathered at the step's first forward, freed at its end
-        return [(sp.held - experts, 1)], [(experts, 1)]
+        return [(sp.held - experts, 1, 1.0)], [(experts, 1, 0.0)]
     embedding = cfg.vocab_size * cfg.hidden_size / layout.tp if shape.has_embedding and not sp.tied_head else 0.0
     freed = sp.layers - experts + embedding
     m = layout.num_microbatches
-    again = 2 * m if layout.pp == 1 else m + 1
-    kept = m if layout.pp == 1 else 1
-    expert_units = [(experts, again)]
-    return [(freed, again), (sp.held - experts - freed, kept)], expert_units
+    rest = sp.held - experts - freed  # the head and the root
+    if layout.pp > 1:
+        return [(freed, m + 1, 1.0), (rest, 1, 0.0)], [(experts, m + 1, 0.0)]
+    # the last layer joins the units gathered once per micro-batch (the calls' count, so the latency
+    # priced per unit and call, is the same as before it did)
+    kind = mtp_kind(cfg) if mtp_trained(cfg, layout) else LayerKind.of(cfg, cfg.num_hidden_layers - 1)
+    last_experts = experts / shape.sparse_layers if experts and kind.sparse else 0.0
+    last = layer_params(cfg, layout, kind) - last_experts if shape.num_layers else 0.0
+    share = last / (sp.layers - experts) if last else 0.0
+    return ([(freed - last, 2 * m, 1.0 - share), (rest + last, m, share)],
+            [(experts - last_experts / 2, 2 * m, 0.0)])  # the same bytes in as many calls as before
 
 
 def dp_bytes_and_time(cfg: Qwen3Config, layout: Layout, shape: StageShape,
