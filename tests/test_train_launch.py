@@ -174,19 +174,61 @@ BAD = {
 }
 
 
+# (pp_schedule, batch_size) that no pipeline of 2 stages can feed: test_too_few_micro_batches_is_the_planners_error
+TOO_FEW = [("1f1b", 1), ("gpipe", 1), ("interleaved", 5)]
+
+# One process calls the command line's entry point (cli.main, what ``python -m qwen3_pretrain`` runs) once
+# per case, as rank 0 of a launch of WORLD_SIZE, with stdout and stderr caught per case: a process per case
+# spent ~3.5 s of imports each on the 2-core CI (21 cases: ~75 s; together: ~6 s). Every case fails before
+# the process group exists, so none leaves state the next could see; one that got further would hang in the
+# rendezvous (rank 0 of 2 waiting) and the child's timeout would fail every case.
+BAD_INPUT_CHILD = """
+import contextlib, io, json, os, sys, traceback
+from qwen3_pretrain.cli import main
+results = {}
+for name, world, argv in json.loads(sys.argv[1]):
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+        except BaseException:
+            traceback.print_exc()
+            code = "raised"
+    results[name] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(corpus, tmp_path_factory) -> dict[str, tuple]:
+    """name -> (exit code, stdout, stderr) of ``qwen3-pretrain train`` given each case of ``BAD`` (and
+    ``TOO_FEW`` as ``too_few-SCHEDULE-BATCH``), every case with a config and output_path of its own."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("bad_input")
+    cases = [(name, world, overrides) for name, (world, overrides, _) in BAD.items()]
+    cases += [(f"too_few-{schedule}-{batch}", 2, ["pp=2", f"pp_schedule={schedule}", f"batch_size={batch}"])
+              for schedule, batch in TOO_FEW]
+    argv = [(name, world, ["train", "--config", str(write_config(tmp / f"{name}.yaml", corpus, tmp / name)),
+                           *overrides]) for name, world, overrides in cases]
+    env = dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", BAD_INPUT_CHILD, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: tuple(result) for name, result in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_stops_before_any_heavy_work(name, corpus, tmp_path):
+def test_bad_input_stops_before_any_heavy_work(name, bad_input_runs):
     """Checked before the process group exists, so one process posing as rank 0 of a launch of N
     shows what every rank prints: one line, no traceback, exit 2 (and no hang)."""
-    world, overrides, message = BAD[name]
-    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
-    env = dict(child_env(), RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg), *overrides],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    code, _, stderr = bad_input_runs[name]
+    assert code == 2, stderr
+    assert BAD[name][2] in stderr
+    assert stderr.count("error: ") == 1 and "Traceback" not in stderr, stderr
 
 
 @pytest.mark.distributed
@@ -277,23 +319,19 @@ def test_unreachable_master_is_a_clear_error_not_a_hang(corpus, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("schedule, batch", [("1f1b", 1), ("gpipe", 1), ("interleaved", 5)])
-def test_too_few_micro_batches_is_the_planners_error_in_train(schedule, batch, corpus, tmp_path):
-    """The planner refuses a pipeline its micro-batches cannot feed; training refuses it with the same words."""
+@pytest.mark.parametrize("schedule, batch", TOO_FEW)
+def test_too_few_micro_batches_is_the_planners_error_in_train(schedule, batch, bad_input_runs):
+    """The planner refuses a pipeline its micro-batches cannot feed; training refuses it with the same words
+    (as rank 0 of 2, in the child of ``bad_input_runs``)."""
     from qwen3_pretrain.errors import UserError
     from qwen3_pretrain.models.qwen3.config import get_preset
     from qwen3_pretrain.plan.layout import Layout, check_model_fits_layout
 
     with pytest.raises(UserError) as planned:
         check_model_fits_layout(get_preset("qwen3-0.6b"), Layout(pp=2, pp_schedule=schedule, micro_batch_size=batch))
-    cfg = write_config(tmp_path / "c.yaml", corpus, tmp_path / "out")
-    env = dict(child_env(), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-m", "qwen3_pretrain", "train", "--config", str(cfg), "pp=2",
-                           f"pp_schedule={schedule}", f"batch_size={batch}"],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2, proc.stderr
-    assert str(planned.value).replace("micro_batch_size", "batch_size") in proc.stderr
+    code, _, stderr = bad_input_runs[f"too_few-{schedule}-{batch}"]
+    assert code == 2, stderr
+    assert str(planned.value).replace("micro_batch_size", "batch_size") in stderr
 
 
 # --- the rendezvous host and the device of each process (monkeypatched launcher environments) ---
