@@ -104,31 +104,45 @@ def test_the_first_compile_is_a_start_up_phase(tmp_path):
 
 
 def test_every_mistake_ends_in_one_line(tmp_path):
-    def one_line(proc: subprocess.CompletedProcess, message: str) -> None:
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("wiki2parquet:")]
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr[-2000:]
+    """Each mistake as typed, the six in one process (tests/_cli_cases.py: cli.main once per case, its output
+    caught; a process each cost ~2.5 s of imports, 15 s in all on the 2-core CI). A process of its own runs one
+    of them (the first), so what an interpreter prints on start-up is seen too."""
+    from tests._cli_cases import run_cases
 
-    one_line(cli("wiki2parquet", "--input", str(DUMP), "--output", "/proc/wiki.parquet"),
-             "--output /proc/wiki.parquet: cannot write there")
+    def one_line(code, stderr: str, message: str) -> None:
+        assert code == 2, stderr[-2000:]
+        lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("wiki2parquet:")]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr[-2000:]
+
     run = tmp_path / "run"
     (run / "step_0000002").mkdir(parents=True)
     (run / "step_0000002" / "meta.json").write_text("{}")
     (run / "latest").write_text("step_0000002")
-    one_line(cli("generate", "--model", str(run), "--prompt", "x"),
-             f"{run} is a training output_path (sharded checkpoints step_N/), not a HuggingFace model; merge it")
     data_file = tmp_path / "data.bin"
     data_file.write_bytes(b"")
-    one_line(cli("train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
-                 f"data_path={data_file}", "rank_size=1", "tp=1", "pp=1"),
-             f"data_path {data_file} is a file; give the folder")
-    one_line(cli("train", "--config", str(REPO / "examples" / "pretrain_config.yaml"), "distributed_optimizer=Ture"),
-             "command line (distributed_optimizer=...): distributed_optimizer: expected true or false, got 'Ture'")
-    one_line(cli("convert", "--config", "pretrain_data_config.yaml"),
-             "config file 'pretrain_data_config.yaml' does not exist; did you mean 'examples/pretain_data_config.yaml'?")
-    one_line(cli("train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
-                 "seq_length=100000", "rank_size=1", "tp=1", "pp=1"),
-             "lower seq_length to at most that, or raise max_position_embeddings")
+    mistakes = {
+        "wiki2parquet": (["wiki2parquet", "--input", str(DUMP), "--output", "/proc/wiki.parquet"],
+                         "--output /proc/wiki.parquet: cannot write there"),
+        "generate": (["generate", "--model", str(run), "--prompt", "x"],
+                     f"{run} is a training output_path (sharded checkpoints step_N/), not a HuggingFace model; merge it"),
+        "data_file": (["train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
+                       f"data_path={data_file}", "rank_size=1", "tp=1", "pp=1"],
+                      f"data_path {data_file} is a file; give the folder"),
+        "typo": (["train", "--config", str(REPO / "examples" / "pretrain_config.yaml"), "distributed_optimizer=Ture"],
+                 "command line (distributed_optimizer=...): distributed_optimizer: expected true or false, got 'Ture'"),
+        "config_name": (["convert", "--config", "pretrain_data_config.yaml"],
+                        "config file 'pretrain_data_config.yaml' does not exist; did you mean "
+                        "'examples/pretain_data_config.yaml'?"),
+        "seq_length": (["train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
+                        "seq_length=100000", "rank_size=1", "tp=1", "pp=1"],
+                       "lower seq_length to at most that, or raise max_position_embeddings"),
+    }
+    results = run_cases([(name, {}, argv) for name, (argv, _) in mistakes.items()], child_env(), cwd=REPO)
+    for name, (_, message) in mistakes.items():
+        code, _, stderr = results[name]
+        one_line(code, stderr, message)
+    alone = cli(*mistakes["wiki2parquet"][0])
+    one_line(alone.returncode, alone.stderr, mistakes["wiki2parquet"][1])
 
 
 def help_in_process(command: str, capsys: pytest.CaptureFixture) -> str:

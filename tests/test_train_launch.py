@@ -177,48 +177,23 @@ BAD = {
 # (pp_schedule, batch_size) that no pipeline of 2 stages can feed: test_too_few_micro_batches_is_the_planners_error
 TOO_FEW = [("1f1b", 1), ("gpipe", 1), ("interleaved", 5)]
 
-# One process calls the command line's entry point (cli.main, what ``python -m qwen3_pretrain`` runs) once
-# per case, as rank 0 of a launch of WORLD_SIZE, with stdout and stderr caught per case: a process per case
-# spent ~3.5 s of imports each on the 2-core CI (21 cases: ~75 s; together: ~6 s). Every case fails before
-# the process group exists, so none leaves state the next could see; one that got further would hang in the
-# rendezvous (rank 0 of 2 waiting) and the child's timeout would fail every case.
-BAD_INPUT_CHILD = """
-import contextlib, io, json, os, sys, traceback
-from qwen3_pretrain.cli import main
-results = {}
-for name, world, argv in json.loads(sys.argv[1]):
-    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as stop:
-            code = stop.code
-        except BaseException:
-            traceback.print_exc()
-            code = "raised"
-    results[name] = [code, out.getvalue(), err.getvalue()]
-print(json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def bad_input_runs(corpus, tmp_path_factory) -> dict[str, tuple]:
     """name -> (exit code, stdout, stderr) of ``qwen3-pretrain train`` given each case of ``BAD`` (and
-    ``TOO_FEW`` as ``too_few-SCHEDULE-BATCH``), every case with a config and output_path of its own."""
-    import json
+    ``TOO_FEW`` as ``too_few-SCHEDULE-BATCH``) as rank 0 of a launch of the case's size, every case with a config
+    and output_path of its own, all in one process (tests/_cli_cases.py: a process per case cost ~3.5 s of
+    imports each, ~73 s for the 20 on the 2-core CI). A case that got past its check would hang in the
+    rendezvous (rank 0 of 2 waiting) until the child's timeout."""
+    from tests._cli_cases import run_cases
 
     tmp = tmp_path_factory.mktemp("bad_input")
     cases = [(name, world, overrides) for name, (world, overrides, _) in BAD.items()]
     cases += [(f"too_few-{schedule}-{batch}", 2, ["pp=2", f"pp_schedule={schedule}", f"batch_size={batch}"])
               for schedule, batch in TOO_FEW]
-    argv = [(name, world, ["train", "--config", str(write_config(tmp / f"{name}.yaml", corpus, tmp / name)),
-                           *overrides]) for name, world, overrides in cases]
-    env = dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-c", BAD_INPUT_CHILD, json.dumps(argv)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {name: tuple(result) for name, result in json.loads(proc.stdout.splitlines()[-1]).items()}
+    return run_cases([(name, {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"},
+                       ["train", "--config", str(write_config(tmp / f"{name}.yaml", corpus, tmp / name)), *overrides])
+                      for name, world, overrides in cases],
+                     dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
 
 
 @pytest.mark.parametrize("name", list(BAD))
