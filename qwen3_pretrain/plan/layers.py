@@ -150,8 +150,9 @@ def moe_bytes_per_token(cfg: Qwen3Config, layout: Layout) -> float:
 
 # How models/ops/moe.py and moe_fp8.py pad the experts' groups (restated here: the planner imports no torch;
 # tests/test_plan_moe_padding.py holds them equal): CUDA's bf16 grouped kernel to a multiple of 8 rows, the
-# FP8 ones to 16 (rowwise) or 32 (MXFP8); a CPU's bf16 grouped kernel, eager, to a row bucket of at most 1/16
-# of the group and at least this many rows.
+# FP8 ones to 16 (rowwise) or 32 (MXFP8); a CPU's bf16 grouped kernel to a row bucket of at most 1/16 of the
+# group and at least this many rows (eager read on the host; compiled computed on the device, the padded total
+# a bound: ``N + E (CPU_BUCKET_MIN - 1) + N / 16``, the last group taking the slack).
 GROUPED_MM_ALIGN, FP8_ROWWISE_ALIGN, FP8_MXFP8_ALIGN = 8, 16, 32
 CPU_BUCKET_MIN = 16
 
@@ -171,11 +172,19 @@ def moe_cpu_buckets(layout: Layout) -> bool:
             and not layout.fp8_experts and not layout.moe_pad_to_capacity)
 
 
+def moe_cpu_device_buckets(layout: Layout) -> bool:
+    """Whether the experts' groups are padded to row buckets computed on the device (``models/ops/moe.py``:
+    ``bucket_sizes``): bf16 grouped experts on a CPU under compile, to the bound ``bucket_bound``."""
+    return (layout.device_type == "cpu" and layout.attention_dtype == "bfloat16" and layout.compile
+            and not layout.fp8_experts and not layout.moe_pad_to_capacity)
+
+
 def moe_groups_padded(layout: Layout) -> bool:
     """Whether the experts compute on groups padded with zero rows (``models/ops/moe.py``: ``pad_groups``):
-    CUDA's grouped kernels pad them to their alignment, a CPU's bf16 one to row buckets, pad-to-capacity to
-    the capacity."""
-    return layout.moe_pad_to_capacity or moe_group_align(layout) > 1 or moe_cpu_buckets(layout)
+    CUDA's grouped kernels pad them to their alignment, a CPU's bf16 one to row buckets (eager or compiled),
+    pad-to-capacity to the capacity."""
+    return (layout.moe_pad_to_capacity or moe_group_align(layout) > 1 or moe_cpu_buckets(layout)
+            or moe_cpu_device_buckets(layout))
 
 
 def moe_padded_rows_per_token(cfg: Qwen3Config, layout: Layout) -> float:
@@ -189,6 +198,8 @@ def moe_padded_rows_per_token(cfg: Qwen3Config, layout: Layout) -> float:
     if moe_cpu_buckets(layout):
         bucket = max(CPU_BUCKET_MIN, 2 ** max(int(rows * tokens / groups).bit_length() - 5, 0))
         return rows + groups * (bucket - 1) / 2 / tokens
+    if moe_cpu_device_buckets(layout):  # the bound the compiled kernel pads to, the last group taking the slack
+        return rows * 17 / 16 + groups * (CPU_BUCKET_MIN - 1) / tokens
     return rows + groups * (moe_group_align(layout) - 1) / tokens
 
 

@@ -92,14 +92,16 @@ class PaddedGroups(NamedTuple):
 
 
 def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, align: int,
-               group_rows: int | None = None, sizes: list[int] | None = None) -> PaddedGroups:
+               group_rows: int | None = None, sizes: list[int] | None = None,
+               buckets: bool = False) -> PaddedGroups:
     """Each expert's run of ``tokens`` (``counts`` [E] rows each) padded with zero rows to a multiple of
     ``align``, or to ``group_rows`` rounded up to it, or to ``sizes`` [E] (padded lengths known on the
-    host: the CPU's row buckets, ``bucket_rows``; the total is then their sum, no slack). Otherwise computed
-    on the device, no host read: the padded total is a bound known from the shapes (``N + E (align - 1)``
-    rounded up to ``align``; ``E group_rows`` for fixed groups) and the last expert's run takes the slack, so
-    every row the kernel reads belongs to a run (``torch._grouped_mm`` leaves rows past the last offset
-    unwritten)."""
+    host: the CPU's row buckets, ``bucket_rows``; the total is then their sum, no slack), or with
+    ``buckets`` to the row buckets computed on the device (``bucket_sizes``: under compile, where a host
+    read would break the graph). Otherwise computed on the device, no host read: the padded total is a bound
+    known from the shapes (``N + E (align - 1)`` rounded up to ``align``; ``E group_rows`` for fixed groups;
+    ``bucket_bound`` for buckets) and the last expert's run takes the slack, so every row the kernel reads
+    belongs to a run (``torch._grouped_mm`` leaves rows past the last offset unwritten)."""
     num_rows, num_experts = tokens.shape[0], counts.numel()
     device = counts.device
     if sizes is not None:
@@ -113,8 +115,11 @@ def pad_groups(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
         # constant tensor fails when the constant is symbolic (a capacity read on the host under compile)
         starts = torch.arange(num_experts, device=device, dtype=counts.dtype) * step
     else:
-        sizes = (counts + align - 1) // align * align
-        total = -(-(num_rows + num_experts * (align - 1)) // align) * align
+        if buckets:
+            sizes, total = bucket_sizes(counts), bucket_bound(num_rows, num_experts)
+        else:
+            sizes = (counts + align - 1) // align * align
+            total = -(-(num_rows + num_experts * (align - 1)) // align) * align
         sizes = torch.cat([sizes[:-1], (total - sizes[:-1].sum()).view(1)])
         starts = sizes.cumsum(0) - sizes
     expert_of_row = torch.arange(num_experts, device=device).repeat_interleave(counts, output_size=num_rows)
@@ -133,9 +138,10 @@ def _padded_call(kernel, tokens, counts, weights, gate, up, down, group_rows=Non
     (``pad_groups``: to the kernel's ``align``, or to ``group_rows``, or to the CPU's row buckets where the
     kernel has ``buckets``) with the padding rows' outputs left out."""
     buckets = getattr(kernel, "buckets", False) and group_rows is None
-    if kernel.align > 1 or group_rows is not None or buckets:
+    on_device = getattr(kernel, "device_buckets", False) and group_rows is None
+    if kernel.align > 1 or group_rows is not None or buckets or on_device:
         sizes = bucket_rows(counts) if buckets else None
-        padded = pad_groups(tokens, weights, counts, kernel.align, group_rows, sizes)
+        padded = pad_groups(tokens, weights, counts, kernel.align, group_rows, sizes, buckets=on_device)
         return kernel.compute(padded.tokens, padded.sizes, padded.weights, gate, up, down).index_select(
             0, padded.rows)
     return kernel.compute(tokens, counts, weights, gate, up, down)
@@ -175,12 +181,13 @@ class GroupedMM:
     boundary (an empty group stays empty; the last expert's run takes the slack up to the padded total); 1
     elsewhere (the CPU's kernel takes any runs). ``buckets``: each run padded to its row bucket
     (``bucket_rows``, counts read on the host: bf16 on a CPU, where that read costs nothing and the kernel
-    keeps state per row count)."""
+    keeps state per row count). ``device_buckets``: the same buckets computed on the device
+    (``bucket_sizes``, the last run taking the slack up to ``bucket_bound``): bf16 on a CPU under compile."""
 
     name = "grouped_mm"
 
-    def __init__(self, align: int = 1, buckets: bool = False) -> None:
-        self.align, self.buckets = align, buckets
+    def __init__(self, align: int = 1, buckets: bool = False, device_buckets: bool = False) -> None:
+        self.align, self.buckets, self.device_buckets = align, buckets, device_buckets
 
     __call__ = _padded_call
 
@@ -234,6 +241,26 @@ def bucket_rows(counts: torch.Tensor) -> list[int]:
     return sizes
 
 
+def bucket_sizes(counts: torch.Tensor) -> torch.Tensor:
+    """``bucket_rows`` computed on the device (no host read; integer ops that compile): the largest power of
+    two at most ``count`` by smearing its top bit down, over 16, at least ``CPU_BUCKET_MIN``."""
+    top = counts
+    for shift in (1, 2, 4, 8, 16, 32):
+        top = top | (top >> shift)
+    step = torch.clamp((top - (top >> 1)) >> 4, min=CPU_BUCKET_MIN)
+    return (counts + step - 1) // step * step
+
+
+def bucket_bound(num_rows: int, num_experts: int) -> int:
+    """The most rows ``num_rows`` split into ``num_experts`` runs take in row buckets, rounded up to
+    ``CPU_BUCKET_MIN``: a run of ``c`` rows gains at most ``max(CPU_BUCKET_MIN, c // 16) - 1`` (its bucket's
+    step is a power of two at most ``c / 16``, or the minimum), so ``N + E (CPU_BUCKET_MIN - 1) + N // 16``.
+    Every bucket is a multiple of ``CPU_BUCKET_MIN``, and so is the last run with the slack: its sizes are
+    multiples of 16 in a bounded range, which oneDNN's caches hold after a few steps."""
+    total = num_rows + num_experts * (CPU_BUCKET_MIN - 1) + num_rows // 16
+    return -(-total // CPU_BUCKET_MIN) * CPU_BUCKET_MIN
+
+
 def cpu_flags() -> frozenset[str]:
     """This machine's CPU feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there is none)."""
     try:
@@ -266,14 +293,18 @@ def experts_kernel(device_type: str, dtype: torch.dtype, linear: Linear = F.line
     fp32-upcasting matmul of a CPU without native bf16); NPUs have their own grouped matmul in torch_npu, not
     used yet. Elsewhere one matmul per expert through ``linear``. ``align``: rows each expert's run is padded
     to a multiple of (``GroupedMM``); by default ``GROUPED_MM_ALIGN`` for the grouped kernel on CUDA, else 1,
-    and in bf16 on a CPU each run rounded up to its row bucket (``bucket_rows``; not under compile, whose
-    graph would break at the host read: there the runs stay as they are).
+    and in bf16 on a CPU each run rounded up to its row bucket (``bucket_rows``; under compile, whose graph
+    would break at that host read, computed on the device: ``bucket_sizes``, the last run taking the slack
+    up to ``bucket_bound``). Unbucketed, the compiled step met new group shapes at most groups of
+    every step and oneDNN built a kernel for each: the tiny MoE's 642 expert products took 0.40-0.48 s
+    compiled against 0.23-0.35 s eager, 134 distinct shapes a step against 65 (bench/README.md, the
+    roofline against CPU training).
     ``compiled``: the layers run under ``torch.compile``, whose fake-tensor kernel of ``torch._grouped_mm``
     takes bf16 only (torch 2.13: 'Expected inputs of BF16 type'): fp32 experts keep the loop there."""
     if device_type in ("cuda", "cpu") and dtype == torch.bfloat16:
-        buckets = device_type == "cpu" and align is None and not compiled and CPU_BF16_BUCKETS
+        bucketed = device_type == "cpu" and align is None and CPU_BF16_BUCKETS
         return GroupedMM(align if align is not None else GROUPED_MM_ALIGN if device_type == "cuda" else 1,
-                         buckets=buckets)
+                         buckets=bucketed and not compiled, device_buckets=bucketed and compiled)
     if (device_type == "cpu" and dtype == torch.float32 and linear is F.linear and not compiled
             and cpu_grouped_fp32(flags)):
         return GroupedMM(align or 1)
