@@ -172,6 +172,11 @@ class Hardware:
     # ops move rows one at a time; ``simulate.roofline.trace.op_class`` names the classes); an op of a class
     # with no curve here is priced on ``bandwidth_curve``. Empty on the accelerators (no sourced figure)
     class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    # whether FSDP's all-gathers and reduce-scatters run beside the compute (on the device's side streams) or
+    # block the thread that issues them. A CPU has no streams: FSDP2 calls gloo without ``async_op`` and
+    # waits in ``Work.wait`` before the next op, the engine's CPU reduce-scatter is a plain all-reduce, so
+    # every dp collective adds to the step (the roofline's dp overlap does not apply)
+    overlaps_collectives: bool = True
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -386,7 +391,7 @@ DEVICES: dict[str, Hardware] = {
     "cpu": Hardware(
         "cpu", _cpu_memory_gib(), 2.4, 2.4, 5.0, 1.0, memory_bandwidth_gbps=10.0, intra_node_latency_us=50.0,
         inter_node_latency_us=100.0, compute_efficiency=0.07, runtime_reserved_gib=0.0, device_type="cpu",
-        matmul_efficiency=1.0, bandwidth_efficiency=1.0, compiled_launch_us=3.2,
+        matmul_efficiency=1.0, bandwidth_efficiency=1.0, compiled_launch_us=3.2, overlaps_collectives=False,
         source="this project's 2-core test machine: bf16 matmul 2.4 TFLOP/s (AMX, measured); fp32 steps measured "
                "no slower than bf16 ones, so fp32 uses the same peak; efficiency 0.07 from measured small-model "
                "training (vocabulary-sized elementwise work dominates, which a roofline does not see); memory is "

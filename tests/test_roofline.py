@@ -86,6 +86,20 @@ def test_collectives_use_the_link_model_and_fsdp_overlap():
     assert b.communication == pytest.approx(gather + (9 * gather - b.compute))  # the first, and the rest's excess
 
 
+
+def test_a_cpu_waits_for_every_dp_collective():
+    # a CPU has no side streams: FSDP2 waits for each gloo call on the computing thread, so the dp gathers
+    # count whole however much compute there is (an H100 hides all but the first, above)
+    trace = OpTrace()
+    trace.matmuls[("forward", "bfloat16", 1024, 1024, 1024, 1)] = 100
+    cpu = measured_cpu(1.0, 1.0, 20.0, 30.0, intra_node_gbps=1.0, intra_node_latency_us=300.0)
+    assert not cpu.overlaps_collectives and H100.overlaps_collectives
+    gather = 4e6 * 1 / 2 / 1e9 + 300e-6  # 4 MB over 2 ranks: half the buffer crosses the link, plus latency
+    b = price(trace, cpu, comm={("dp", "all_gather", 2): (40e6, 10)})
+    assert b.compute == pytest.approx(100 * 2 * 1024**3 / 1e12)  # 0.21 s: enough to hide 10 gathers on a GPU
+    assert b.communication == pytest.approx(b.communication_total) == pytest.approx(10 * gather)
+    assert b.step == pytest.approx(b.compute + 10 * gather + b.host)
+
 def test_fusion_model_prices_a_compiled_region_by_its_inputs_and_outputs():
     w = meta(4096, 4096)
     x0 = meta(4096, 4096)

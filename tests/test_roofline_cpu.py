@@ -84,7 +84,7 @@ def test_profiler_categories_of_the_bench(monkeypatch):
     assert op_category("Optimizer.step#AdamW.step") == "other"
     x, w = torch.randn(64, 64), torch.randn(64, 64)
     seconds = profiled_categories(lambda: (x @ w).relu().sum())
-    assert set(seconds) == {*CATEGORIES, "wall", "ops"}
+    assert set(seconds) == {*CATEGORIES, "wall", "ops", "collective_s", "cpu_s", "collectives"}
     assert seconds["ops"]["aten::mm"][1] == 1  # per event name: self seconds and calls
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
 
@@ -210,3 +210,40 @@ def test_probe_device_takes_the_measured_link_and_prices_a_collective_with_it():
     assert price(OpTrace(), hw, comm=comm).communication == pytest.approx(expected)
     unmeasured = _probe({}).hardware()
     assert (unmeasured.intra_node_gbps, unmeasured.intra_node_latency_us) == (5.0, 50.0)
+
+
+def test_collective_clock_gives_a_collectives_wait_to_communication(monkeypatch, tmp_path):
+    """The bench's clock times torch.distributed's Python collectives whole (call and wait: on gloo the wait is
+    no op, so the profiler put it outside every op) and names a profiler range after them; restored after."""
+    import torch.distributed as dist
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from roofline_cpu import CollectiveClock, profiled_categories
+
+    before = dist.all_reduce
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.ones(1024)
+        seconds = profiled_categories(lambda: (dist.all_reduce(x), dist.all_reduce(x)))
+        assert [c[:2] for c in seconds["collectives"]] == [("all_reduce", 4096)] * 2
+        assert all(c[3] >= c[2] for c in seconds["collectives"])  # entry and exit on the wall clock
+        assert seconds["collective_s"] > 0 and seconds["communication"] > 0
+        assert any("c10d collective" in name for name in seconds["ops"])
+        with CollectiveClock() as clock:
+            dist.all_reduce(x)
+        assert len(clock.calls) == 1
+    finally:
+        dist.destroy_process_group()
+    assert dist.all_reduce is before
+
+
+def test_collective_split_into_waiting_for_the_other_rank_and_transfer(monkeypatch):
+    """Two ranks' calls on the shared wall clock: rank 1 enters 3 s after rank 0 and both leave at 5 s: rank 0
+    waited 3 s for it, each transferred 2 s; a second call entered together, 1 s each."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from roofline_cpu import collective_split
+
+    ranks = [{"profiled": {"collectives": [("all_reduce", 8, 0.0, 5.0), ("all_gather_single", 8, 6.0, 7.0)]}},
+             {"profiled": {"collectives": [("all_reduce", 8, 3.0, 5.0), ("all_gather_single", 8, 6.0, 7.0)]}}]
+    assert collective_split(ranks) == [{"skew_s": 3.0, "transfer_s": 3.0, "calls": 2},
+                                       {"skew_s": 0.0, "transfer_s": 3.0, "calls": 2}]

@@ -30,7 +30,10 @@
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
   the last reduce-scatter of a step (one call of each kind, the average size), and whatever of the rest
   outlasts the step's compute; tp, cp, ep and pp
-  collectives are waited on by the compute that follows and count whole.
+  collectives are waited on by the compute that follows and count whole. On a device without side streams
+  (``Hardware.overlaps_collectives`` false: a CPU, where FSDP2 waits for each gloo call on the thread that
+  computes) the dp collectives count whole too: measured on 2 gloo processes, 10 all-reduces of 4 MB took
+  0.058 s of the caller's wall time, 0.008 of it inside the collective's op and the rest in its wait.
 * **host**: eager issues every op at ``launch_latency_us``; compiled, each matmul, attention call,
   collective and fused region of the compiled scope at ``compiled_launch_us``, and every op outside it at
   ``launch_latency_us``. An accelerator computes asynchronously, so only
@@ -190,7 +193,8 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     exposed = 0.0
     for axis, (total, edge) in comm_seconds(comm or {}, hardware, intra).items():
         out.communication_total += total
-        exposed += min(total, edge + max(0.0, total - edge - compute)) if axis == "dp" else total
+        hidden = axis == "dp" and hardware.overlaps_collectives
+        exposed += min(total, edge + max(0.0, total - edge - compute)) if hidden else total
     out.communication = exposed
     if compiled:
         # the compiled scope's matmuls, attention calls and fused regions, and the collectives, at the compiled
