@@ -160,9 +160,9 @@ def test_moe_layer_formula_matches_what_autograd_saves(dtype, kernel, norm):
     want = F.qwen3_layer_saved_bytes_per_token(256, 256, 128, 4, 2, 0, t=1, dtype_bytes=d) + moe
     counts = (4 * 8 if kernel == "grouped_mm" else 0) / seq  # the grouped kernel's int32 offsets
     assert measured == want + counts
-    # unpadded groups, as this kernel computes them: a compiled layer's (eager bf16 on a CPU pads them to row
-    # buckets, which the planner adds: tests/test_plan_moe_padding.py)
-    layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", device_type="cpu", compile=True)
+    # unpadded groups, as this kernel computes them: an NPU layout's (bf16 on a CPU pads them to row buckets,
+    # eager or compiled, which the planner adds: tests/test_plan_moe_padding.py, tests/test_roofline_moe.py)
+    layout = Layout(mixed_precision="bf16" if dtype == torch.bfloat16 else "fp32", device_type="npu", compile=True)
     assert saved_bytes_per_token(cfg, layout, "none", SPARSE) == want
     # MLP recompute keeps only the block's input: what it drops is the whole MoE term.
     assert recomputed_bytes_per_token(cfg, layout, "mlp", SPARSE) == moe
