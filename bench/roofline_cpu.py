@@ -14,13 +14,15 @@ batch). Each variant runs in fresh processes; per rank:
    ``simulate.roofline.RecordingMode`` with the step's collectives counted per mesh axis and the expert
    layers' group sizes as routing gave them; a compiled step recorded with dynamo off, its compiled modules
    marked as the compiled scope) and one untimed step;
-2. ``--steps`` timed steps: the measured step time is their median; after each,
-   ``simulate.probe.measure_cpu`` at the rank's thread count (both ranks at once under tp2 / dp2, so each
+2. ``--steps`` timed steps, the ranks lined up (a barrier) before each: the measured step time is their median;
+   after each, ``simulate.probe.measure_cpu`` at the rank's thread count (both ranks at once under tp2 / dp2, so each
    sees the memory bandwidth it shares): matmul TFLOP/s per dtype and shape class (square, skinny, tiny, the
    model's projections and its vocabulary head, the expert layer's grouped products at the recorded group
    sizes), causal SDPA, streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB);
 3. one step under ``torch.profiler``: self CPU time per op, summed by category (matmul, attention,
-   elementwise, communication, other);
+   elementwise, communication, other); torch.distributed's Python collectives timed whole
+   (``CollectiveClock``: gloo's wait is no op, the profiler alone would put it under "other"), and split
+   across the ranks into waiting for the later rank and transfer (``collective_split``);
 4. the recorded step priced on ``CpuProbe.hardware`` (the probes' medians; compiled with the roofline's
    fusion model): the predicted step time and its breakdown.
 
