@@ -124,7 +124,8 @@ def test_every_mistake_ends_in_one_line(tmp_path):
         "wiki2parquet": (["wiki2parquet", "--input", str(DUMP), "--output", "/proc/wiki.parquet"],
                          "--output /proc/wiki.parquet: cannot write there"),
         "generate": (["generate", "--model", str(run), "--prompt", "x"],
-                     f"{run} is a training output_path (sharded checkpoints step_N/), not a HuggingFace model; merge it"),
+                     f"{run} is a training output_path (sharded checkpoints step_N/), not a HuggingFace model; "
+                     "merge it"),
         "data_file": (["train", "--config", str(REPO / "examples" / "quickstart" / "pretrain_config.yaml"),
                        f"data_path={data_file}", "rank_size=1", "tp=1", "pp=1"],
                       f"data_path {data_file} is a file; give the folder"),
