@@ -106,7 +106,7 @@ def test_the_first_compile_is_a_start_up_phase(tmp_path):
 def test_every_mistake_ends_in_one_line(tmp_path):
     """Each mistake as typed, the six in one process (tests/_cli_cases.py: cli.main once per case, its output
     caught; a process each cost ~2.5 s of imports, 15 s in all on the 2-core CI). A process of its own runs one
-    of them (the first), so what an interpreter prints on start-up is seen too."""
+    of them (a train command's, which imports torch), so what an interpreter prints on start-up is seen too."""
     from tests._cli_cases import run_cases
 
     def one_line(code, stderr: str, message: str) -> None:
@@ -142,8 +142,8 @@ def test_every_mistake_ends_in_one_line(tmp_path):
     for name, (_, message) in mistakes.items():
         code, _, stderr = results[name]
         one_line(code, stderr, message)
-    alone = cli(*mistakes["wiki2parquet"][0])
-    one_line(alone.returncode, alone.stderr, mistakes["wiki2parquet"][1])
+    alone = cli(*mistakes["typo"][0])  # a train command: torch and the engine's imports, in a fresh interpreter
+    one_line(alone.returncode, alone.stderr, mistakes["typo"][1])
 
 
 def help_in_process(command: str, capsys: pytest.CaptureFixture) -> str:

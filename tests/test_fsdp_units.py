@@ -87,3 +87,30 @@ def test_under_expert_parallelism_the_last_layers_experts_are_not_freed_after_fo
     finally:
         dist.destroy_process_group()
         _clear_sharding_prop_cache()
+
+
+def test_with_multi_token_prediction_its_layer_is_the_one_kept():
+    """The multi-token-prediction layer runs forward last (after the main model's layers, before the loss)
+    and its backward comes first: it keeps its weights, the main model's last layer frees them. Read off
+    FSDP's configuration as above."""
+    hybrid = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"], "mtp_num_hidden_layers": 1}
+    cfg = dataclasses.replace(get_preset("qwen3.5-0.8b"), **hybrid)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        dims = ParallelDims.resolve(world_size=2)
+        mesh = dims.build_mesh("cpu")
+        part = build_stage(cfg, PartSpec(0, 1, stage_layer_ranges(cfg.num_hidden_layers, 1)[0]), cfg.vocab_size, 16,
+                           multi_token_prediction=True)
+        parallelize_stage(part, mesh, dims.dp_mesh(mesh), "fp32")
+
+        def freed(unit):
+            return unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+
+        assert [freed(layer) for layer in part.layers.values()] == [True] * 4
+        assert [freed(layer) for layer in part.mtp.layers.values()] == [False]
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()

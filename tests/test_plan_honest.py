@@ -173,6 +173,18 @@ def test_fsdp_collectives_hide_only_behind_the_compute_in_flight():
     assert S._dp_exposed(every, 0, 1.0, 8.0, 0.0, 0.0, 0.0) == pytest.approx(4 * ((1 - 1 / 3) + (1 - 2 / 3)))
 
 
+def test_a_cpu_hides_none_of_fsdps_collectives():
+    """A CPU waits for each of FSDP's gloo calls on the thread that computes (the roofline's
+    ``overlaps_collectives``): its exposed dp time is every gather and reduction, where an accelerator with
+    the same figures hides some behind compute."""
+    lay = Layout(dp=2, seq_length=1024, activation_checkpointing="none")
+    cpu = get_device("cpu")
+    hiding = dataclasses.replace(cpu, overlaps_collectives=True)
+    est, hidden = predict_step(SMALL, lay, cpu, Cluster(1, 2)), predict_step(SMALL, lay, hiding, Cluster(1, 2))
+    assert est.comm_time_s["dp"] > hidden.comm_time_s["dp"] > 0
+    assert est.step_time_s - hidden.step_time_s == pytest.approx(est.comm_time_s["dp"] - hidden.comm_time_s["dp"])
+
+
 def test_cross_node_fsdp_with_accumulation_is_not_assumed_hidden():
     """Qwen3-8B sharded over 4 nodes' 32 H100s with 8 micro-batches: the fp32 gradients reduce-scatter over
     the network behind one micro-batch's backward, so part of them shows in the step."""

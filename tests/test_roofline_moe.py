@@ -85,8 +85,9 @@ def test_compiled_cpu_experts_compute_on_bucketed_groups_with_the_same_values():
     """A CPU's bf16 experts under compile pad their groups to the row buckets on the device: the grouped
     products see the bucketed row counts (the last group the slack up to the bound), so oneDNN meets the few
     bucket shapes rather than a new shape per group and step; the outputs and all five gradients are bitwise
-    those of the unpadded groups (zero rows add nothing), and the padding compiles into one graph (no host
-    read)."""
+    those of the unpadded groups at these sizes (zero rows add nothing; in a larger group the padding can
+    change how the weight gradients' sums are blocked, their last bit: one bf16 ulp, seen at 1,533 rows, as
+    with the eager buckets), and the padding compiles into one graph (no host read)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from qwen3_pretrain.models.ops import moe as M

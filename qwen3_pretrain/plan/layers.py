@@ -166,8 +166,8 @@ def moe_group_align(layout: Layout) -> int:
 
 def moe_cpu_buckets(layout: Layout) -> bool:
     """Whether the experts' groups are padded to row buckets (``models/ops/moe.py``: ``bucket_rows``): bf16
-    grouped experts on a CPU, eager (a compiled layer keeps its groups as they are), unless padded to the
-    capacity (fixed groups already)."""
+    grouped experts on a CPU, eager (under compile the same buckets are computed on the device:
+    ``moe_cpu_device_buckets``), unless padded to the capacity (fixed groups already)."""
     return (layout.device_type == "cpu" and layout.attention_dtype == "bfloat16" and not layout.compile
             and not layout.fp8_experts and not layout.moe_pad_to_capacity)
 
@@ -192,7 +192,8 @@ def moe_padded_rows_per_token(cfg: Qwen3Config, layout: Layout) -> float:
     its ``k x load`` pairs, or ``k x`` the capacity factor padded to the capacity, plus the padding of its
     ``E / ep`` groups: CUDA's bound ``E (align - 1)`` per micro-batch (``pad_groups`` pads to it, the last
     group taking the slack); a CPU's row buckets half a bucket per group on average (the bucket of a group
-    of ``c`` rows is ``max(16, 2^(bits(c) - 5))`` rows: 3% of the rows at 1,024 a group)."""
+    of ``c`` rows is ``max(16, 2^(bits(c) - 5))`` rows: 3% of the rows at 1,024 a group); compiled, the bound
+    the kernel pads to (``bucket_bound``: ``N + 15 E + N / 16`` rows, the last group taking the slack)."""
     k, tokens, groups = cfg.num_experts_per_tok, layout.moe_tokens, cfg.num_experts / layout.ep
     rows = k * (layout.moe_capacity_factor if layout.moe_pad_to_capacity else layout.moe_rank_load)
     if moe_cpu_buckets(layout):

@@ -203,7 +203,10 @@ def _stage_times(cfg: Qwen3Config, layout: Layout, hardware: Hardware, cluster: 
                                                 comm.inter_link(hardware), comm.ep_on_node(layout, cluster))
     ep_time *= layout.moe_rank_load  # an all-to-all ends when its heaviest receiver has its pairs
     dp_bytes, gather, reduce, first, last = comm.dp_bytes_and_time(cfg, layout, shape, links)
-    exposed = comm.dp_exposed(layout, shape.stage, compute, gather, reduce, first, last)
+    # a CPU waits for each of FSDP's gloo calls on the computing thread (no side stream): nothing hides, as the
+    # roofline prices it (``Hardware.overlaps_collectives``)
+    exposed = comm.dp_exposed(layout, shape.stage, compute, gather, reduce, first, last) \
+        if hardware.overlaps_collectives else gather + reduce
     return dict(compute=compute, matmul=matmul, casts=casts, tp=tp_time, cp=cp_time, pp=pp_time, ep=ep_time,
                 dp=gather + reduce, dp_exposed=exposed,
                 bytes={"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes}, dp_bytes=dp_bytes,
