@@ -214,8 +214,8 @@ def op_class(name: str, ins: list, outs: list) -> str:
 
 
 # Gathers whose output holds exactly the source elements they read (one per index, whole rows for the row
-# gathers): the embedding lookup, ``index_select``, advanced indexing (``x[idx]``), ``take``
-_ROW_GATHERS = frozenset(("embedding", "index_select", "index", "take"))
+# gathers): ``gather``, the embedding lookup, ``index_select``, advanced indexing (``x[idx]``), ``take``
+_GATHERS = frozenset(("gather", "embedding", "index_select", "index", "take"))
 
 
 def _touched(name: str, args: tuple, outs: list) -> tuple[torch.Tensor | None, int]:
@@ -227,9 +227,7 @@ def _touched(name: str, args: tuple, outs: list) -> tuple[torch.Tensor | None, i
     ``embedding_dense_backward`` keeps its whole output: it zero-fills the [vocab, hidden] gradient before
     adding the rows into it, so the table's bytes are written."""
     args = tuple(a._local_tensor if isinstance(a, DTensor) else a for a in args)
-    if name == "gather" and len(args) > 2:
-        return args[0], args[2].numel() * args[0].element_size()
-    if name in _ROW_GATHERS and outs and isinstance(args[0], torch.Tensor):
+    if name in _GATHERS and outs and isinstance(args[0], torch.Tensor):
         return args[0], outs[0].numel() * args[0].element_size()
     if name.startswith(("scatter", "index_add")) and len(args) > 3:
         source = args[3] if isinstance(args[3], torch.Tensor) else args[2]  # a scattered scalar: the index's count
