@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -48,6 +51,42 @@ def test_autograd_saved_tensors_and_gradients_are_counted():
         # x.grad (1 MB) remains; y (1 MB) is still referenced
         assert mem.current_bytes == 2 * MB
         assert mem.peak_bytes >= 3 * MB
+
+
+def test_counted_bytes_are_the_live_storages_made_in_the_block_among_those_given():
+    before = torch.randn(250_000)  # 1 MB, created before: not counted
+    with MemoryTracker() as mem:
+        a, b = torch.empty(500_000), torch.empty(750_000)  # 2 MB, 3 MB
+        freed = torch.empty(1_000_000)
+        del freed
+        assert mem.counted_bytes(a, [a[1:], a.t()], before) == 2 * MB  # a's storage once; views add nothing
+        assert mem.counted_bytes([b, {"x": a}]) == 5 * MB
+        assert mem.counted_bytes(before, torch.empty(0)) == 0
+    with pytest.raises(RuntimeError, match="inside the 'with' block"):
+        mem.counted_bytes(a)
+
+
+class _SlowPops(dict):
+    """The counter's table, made to give up the interpreter in the middle of a free's update."""
+
+    def pop(self, *args):
+        time.sleep(0.001)
+        return super().pop(*args)
+
+
+def test_a_storage_freed_in_another_thread_is_subtracted():
+    """Tensors whose last reference goes in another thread (as gloo's worker lets go of a collective's
+    buffers) are freed by finalizers that run there, beside this thread's counting: no update is lost."""
+    with MemoryTracker() as mem:
+        mem._counter._sizes = _SlowPops(mem._counter._sizes)
+        for _ in range(5):
+            held = [torch.empty(2500) for _ in range(20)]
+            release = threading.Thread(target=held.clear)
+            release.start()
+            churn = [torch.empty(10) for _ in range(200)]  # counted here while the other thread frees
+            release.join()
+            del churn
+            assert mem.current_bytes == 0
 
 
 def test_storages_resized_in_place_are_followed():

@@ -22,6 +22,7 @@ created before it was entered unless passed to ``track()``.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Iterable
 
@@ -55,6 +56,11 @@ class _StorageCounter(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it
         self._finalizers: dict[int, weakref.finalize] = {}
+        # A storage's last reference may go in another thread (gloo's worker lets go of a finished
+        # collective's buffers there), so its finalizer can run beside this thread's counting: the lock
+        # keeps two updates of ``current`` from interleaving. Re-entrant: a finalizer may also run inside
+        # ``_count`` (a garbage collection it sets off).
+        self._lock = threading.RLock()
 
     def add(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage (once; a resize since the last look is applied)."""
@@ -64,14 +70,15 @@ class _StorageCounter(TorchDispatchMode):
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
         nbytes = storage.nbytes()
-        if key not in self._sizes:
-            # The storage's Python object lives exactly as long as the storage itself,
-            # so its finalizer marks the moment the memory goes back to the allocator.
-            self._finalizers[key] = weakref.finalize(storage, self._free, key)
-            self._sizes[key] = 0
-        self.current += nbytes - self._sizes[key]
-        self._sizes[key] = nbytes
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            if key not in self._sizes:
+                # The storage's Python object lives exactly as long as the storage itself,
+                # so its finalizer marks the moment the memory goes back to the allocator.
+                self._finalizers[key] = weakref.finalize(storage, self._free, key)
+                self._sizes[key] = 0
+            self.current += nbytes - self._sizes[key]
+            self._sizes[key] = nbytes
+            self.peak = max(self.peak, self.current)
 
     def resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """Follow ``storage``'s in-place resize from ``before`` bytes: a counted storage changes size,
@@ -83,15 +90,23 @@ class _StorageCounter(TorchDispatchMode):
             self._count(storage)
 
     def _free(self, key: int) -> None:
-        self.current -= self._sizes.pop(key, 0)
-        self._finalizers.pop(key, None)
+        with self._lock:
+            self.current -= self._sizes.pop(key, 0)
+            self._finalizers.pop(key, None)
+
+    def counted(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the counted storages among ``tensors``' (each storage once)."""
+        with self._lock:
+            keys = {t.untyped_storage()._cdata for t in tensors if t.device.type == "cpu"}
+            return sum(self._sizes.get(key, 0) for key in keys)
 
     def detach(self) -> None:
         """Stop following frees (the counts stay as they are)."""
-        for fin in self._finalizers.values():
-            fin.detach()
-        self._finalizers.clear()
-        self._sizes.clear()
+        with self._lock:
+            for fin in self._finalizers.values():
+                fin.detach()
+            self._finalizers.clear()
+            self._sizes.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -195,6 +210,16 @@ class MemoryTracker:
             return  # the device allocator already counts everything
         for tensor in _tensors_of(objects):
             self._counter.add(tensor)
+
+    def counted_bytes(self, *objects: Any) -> int:
+        """CPU only: the bytes of those storages behind ``objects``' tensors that this block created (or
+        ``track()`` registered) and that are still live, each storage once. With the tensors autograd saved
+        (``torch.autograd.graph.saved_tensors_hooks``) it is what a forward keeps for backward, unmoved by
+        buffers another thread has yet to let go of (gloo's worker holds a finished collective's for a
+        moment after the caller's wait returns, which ``current_bytes`` then includes)."""
+        if self._counter is None:
+            raise RuntimeError("MemoryTracker.counted_bytes() needs a CPU tracker, inside the 'with' block")
+        return self._counter.counted(_tensors_of(objects))
 
     @property
     def current_bytes(self) -> int:
