@@ -305,7 +305,8 @@ def worker(args: argparse.Namespace) -> None:
     probe = median_probe(probes)
     link = measure_link(recorder)
     if link:
-        probe = dataclasses.replace(probe, link_gbps=link["gbps"], link_latency_us=link["latency_us"])
+        probe = dataclasses.replace(probe, link_gbps=link["gbps"], link_latency_us=link["latency_us"],
+                                    straggler_share=measure_stragglers(recorder, statistics.median(walls)))
     host = json.loads(args.host_us)
     probe = dataclasses.replace(probe, engine_op_us=host["eager_us"], engine_compiled_us=host.get("compiled_us"))
     # The profiler's first start in a process takes a while, and not alike on every rank: a rank that starts
@@ -321,6 +322,15 @@ def worker(args: argparse.Namespace) -> None:
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted, "link": link}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def measure_stragglers(recorder: StepRecorder, step_s: float) -> float:
+    """The stragglers' share of a multi-process variant (``probe.straggler_share``) on the group of all its
+    ranks, at the step's own mean time between two of its collectives (the step over their number)."""
+    from qwen3_pretrain.simulate.probe import straggler_share
+
+    calls = sum(c for (_, _, n), (_, c) in recorder.comm_calls().items() if n > 1)
+    return straggler_share(None, step_s / max(calls, 1))
 
 
 def measure_link(recorder: StepRecorder) -> dict | None:
@@ -388,7 +398,7 @@ def probe_json(probe: CpuProbe) -> dict:
             "curve_mib": probe.curve_mib, "op_latency_us": probe.op_latency_us,
             "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
             "engine_compiled_us": probe.engine_compiled_us, "link_gbps": probe.link_gbps,
-            "link_latency_us": probe.link_latency_us}
+            "link_latency_us": probe.link_latency_us, "straggler_share": probe.straggler_share}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
@@ -520,7 +530,7 @@ def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dic
                        "grouped_share": hw.grouped_matmul_share, "bandwidth_curve": hw.bandwidth_curve,
                        "cache_bytes": hw.cache_bytes,
                        "launch_us": hw.launch_latency_us,
-                       "compiled_launch_us": hw.compiled_launch_us}}
+                       "compiled_launch_us": hw.compiled_launch_us, "straggler_share": hw.straggler_share}}
 
 
 # --- the driver ------------------------------------------------------------------------------------------
@@ -588,6 +598,7 @@ def profiler_view(result: dict) -> dict[str, float]:
     total = sum(counts.values()) or 1
     view = {cat: pred[cat] + pred["host"] * (1 - share) * counts[cat] / total for cat in counts}
     view["other"] = pred["host"] * share
+    view["communication"] += pred.get("waiting", 0.0)  # the profiler sees a rank's waiting in its collectives
     return view
 
 

@@ -177,6 +177,11 @@ class Hardware:
     # waits in ``Work.wait`` before the next op, the engine's CPU reduce-scatter is a plain all-reduce, so
     # every dp collective adds to the step (the roofline's dp overlap does not apply)
     overlaps_collectives: bool = True
+    # stragglers: the time a rank waits at its collectives for the group's last rank to arrive, as a share of
+    # its own time between them (the ranks' speeds jitter and differ). Measured on a CPU by the roofline's
+    # probe (``simulate.probe.straggler_share``: the same work on every rank at once, segment by segment); 0 on
+    # the accelerators: not modelled (no sourced figure)
+    straggler_share: float = 0.0
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -433,7 +438,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  compiled_launch_us: float | None = None, intra_node_gbps: float | None = None,
                  intra_node_latency_us: float | None = None,
                  bandwidth_curve: tuple[tuple[float, float], ...] = (), cache_bytes: float = 0.0,
-                 class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()) -> Hardware:
+                 class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (),
+                 straggler_share: float = 0.0) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -445,7 +451,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     bandwidth and latency) and the
     bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes) with the
     traffic its caches hold (``cache_bytes``), and per op class where its ops stream at other rates
-    (``class_curves``)."""
+    (``class_curves``), and the stragglers' share (``Hardware.straggler_share``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -457,7 +463,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         attention_efficiency=(attention_tflops / bf16_tflops) if attention_tflops else 1.0,
         matmul_shape_classes=shape_classes or ((1, 1.0),), fp32_shape_classes=fp32_shape_classes,
         grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
-        class_curves=tuple((k, tuple(c)) for k, c in class_curves),
+        class_curves=tuple((k, tuple(c)) for k, c in class_curves), straggler_share=straggler_share,
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         intra_node_latency_us=DEVICES["cpu"].intra_node_latency_us if intra_node_latency_us is None
         else intra_node_latency_us,

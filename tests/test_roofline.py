@@ -3,6 +3,7 @@ the compile fusion model on a known sequence, and simulate's priced output."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -99,6 +100,26 @@ def test_a_cpu_waits_for_every_dp_collective():
     assert b.compute == pytest.approx(100 * 2 * 1024**3 / 1e12)  # 0.21 s: enough to hide 10 gathers on a GPU
     assert b.communication == pytest.approx(b.communication_total) == pytest.approx(10 * gather)
     assert b.step == pytest.approx(b.compute + 10 * gather + b.host)
+
+def test_stragglers_stretch_a_multi_rank_step_by_the_measured_share():
+    # a CPU whose ranks wait, at their collectives, 10% of their own time between them for the last rank:
+    # the step gains 10% of its compute and host time, in its own term; one process has no collectives and
+    # waits for no one; an accelerator's share is 0 (not modelled)
+    trace = OpTrace()
+    trace.matmuls[("forward", "bfloat16", 1024, 1024, 1024, 1)] = 100
+    trace.host_ops["aten::mm"] = 100
+    cpu = measured_cpu(1.0, 1.0, 20.0, 30.0, intra_node_gbps=1.0, intra_node_latency_us=300.0,
+                       straggler_share=0.1)
+    comm = {("dp", "all_gather", 2): (40e6, 10)}
+    alone = price(trace, dataclasses.replace(cpu, straggler_share=0.0), comm=comm)
+    b = price(trace, cpu, comm=comm)
+    assert b.host == pytest.approx(100 * 30e-6) and b.compute == pytest.approx(100 * 2 * 1024**3 / 1e12)
+    assert b.waiting == pytest.approx(0.1 * (b.compute + b.host))
+    assert b.step == pytest.approx(alone.step + b.waiting) and alone.waiting == 0
+    assert price(trace, cpu).waiting == 0  # no collective
+    assert price(trace, cpu, comm={("dp", "all_gather", 2): (0, 0)}).waiting == 0  # none called
+    assert H100.straggler_share == 0 and price(trace, H100, comm=comm).waiting == 0
+
 
 def test_fusion_model_prices_a_compiled_region_by_its_inputs_and_outputs():
     w = meta(4096, 4096)

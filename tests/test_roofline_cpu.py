@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qwen3_pretrain.simulate.probe import CpuProbe, linear_tflops, measure_cpu, seconds_per_call
+from test_loss import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -210,6 +211,27 @@ def test_probe_device_takes_the_measured_link_and_prices_a_collective_with_it():
     assert price(OpTrace(), hw, comm=comm).communication == pytest.approx(expected)
     unmeasured = _probe({}).hardware()
     assert (unmeasured.intra_node_gbps, unmeasured.intra_node_latency_us) == (5.0, 50.0)
+
+
+def _straggle(rank: int, world_size: int, out: str) -> None:
+    from qwen3_pretrain.simulate.probe import straggler_share
+
+    if rank == 1:  # this rank computes each product twice: it takes twice as long for the same work
+        mm = torch.mm
+        torch.mm = lambda *a, **k: (mm(*a, **k), mm(*a, **k))[1]
+    Path(out, f"{rank}.txt").write_text(str(straggler_share(None, 0.02, repeats=8)))
+
+
+@pytest.mark.distributed
+def test_straggler_share_is_what_the_faster_rank_waits_over_both_ranks_time(tmp_path):
+    """Two gloo processes run the same work, one at half speed: the faster waits as long as it worked (t),
+    the slower not at all, over 3 t of their own time: a share of 1/3 (0.24 read beside a full test suite,
+    where the slower rank gets more of a core while the faster waits), the same on both ranks; no wait
+    would read 0, the wait over the faster rank's own time 1."""
+    run_distributed(2, _straggle, str(tmp_path))
+    shares = [float((tmp_path / f"{r}.txt").read_text()) for r in range(2)]
+    assert shares[0] == shares[1]
+    assert 0.15 < shares[0] < 0.45
 
 
 def test_collective_clock_gives_a_collectives_wait_to_communication(monkeypatch, tmp_path):

@@ -65,6 +65,9 @@ class CpuProbe:
     # message size): bus bandwidth GB/s and latency us; None: unmeasured (half the copy bandwidth, no latency)
     link_gbps: float | None = None
     link_latency_us: float | None = None
+    # the stragglers' share of a multi-process run (``straggler_share`` on its own group, at its step's own
+    # time between collectives); 0: one process, or unmeasured
+    straggler_share: float = 0.0
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -93,7 +96,8 @@ class CpuProbe:
           compiled kernel ``engine_compiled_us``, else one bare op's dispatch;
         * the link between two processes (gloo): measured on their own group at the step's message size
           where the caller did (``link_figures``: ``link_gbps``, ``link_latency_us``), else a ring step
-          copying each byte out of and into a socket buffer, half the copy bandwidth."""
+          copying each byte out of and into a socket buffer, half the copy bandwidth;
+        * the stragglers' share, where the caller measured it (``straggler_share``)."""
         from qwen3_pretrain.hardware import measured_cpu
 
         peaks = {d: self.trace_rate(trace, d) for d in DTYPES}
@@ -113,7 +117,8 @@ class CpuProbe:
             compiled_launch_us=self.engine_compiled_us or self.op_latency_us,
             intra_node_gbps=self.link_gbps or self.memory_gbps["copy"] / 2,
             intra_node_latency_us=self.link_latency_us,
-            bandwidth_curve=curve, cache_bytes=cache_bytes(curve), class_curves=class_curves)
+            bandwidth_curve=curve, cache_bytes=cache_bytes(curve), class_curves=class_curves,
+            straggler_share=self.straggler_share)
 
     def trace_rate(self, trace, dtype: str) -> float:
         """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
@@ -479,3 +484,40 @@ def link_figures(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloa
     n = group.size()
     transfer = max(large - small, large / 2)  # a message no slower than the small one: half its time as transfer
     return nbytes * bus_bandwidth_factor(kind, n) / transfer / 1e9, small * 1e6
+
+
+def straggler_share(group, segment_s: float, repeats: int = 24) -> float:
+    """What a rank of ``group`` waits, at a collective closing a stretch of ``segment_s`` seconds of its own
+    work, for the group's last rank to arrive, as a share of that work (``Hardware.straggler_share``; every
+    rank calls this at once). Each repeat lines the ranks up (a barrier), runs the same work on every rank
+    (bf16 256^3 products, as many as the slowest rank ran in ``segment_s`` on a first try) and compares the
+    ranks' durations: the share is the sum over repeats and ranks of (the slowest's duration - the rank's
+    own) over the sum of their own. It holds both the jitter of a rank's speed from stretch to stretch and
+    the ranks' steady differences (a core shared with more of the machine's other threads); no collective's
+    own time is in it."""
+    import torch.distributed as dist
+
+    a = torch.randn(256, 256, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    torch.mm(a, a, out=out)
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < min(segment_s, 0.05):
+        torch.mm(a, a, out=out)
+        count += 1
+    per_call = torch.tensor([(time.perf_counter() - start) / count], dtype=torch.float64)
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX, group=group)
+    calls = max(1, round(segment_s / float(per_call)))
+    n = dist.get_world_size(group)
+    waited = own = 0.0
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, a, out=out)
+        durations = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
+        dist.all_gather(durations, torch.tensor([time.perf_counter() - start], dtype=torch.float64), group=group)
+        times = [float(d) for d in durations]
+        waited += sum(max(times) - t for t in times)
+        own += sum(times)
+    return waited / own
+

@@ -38,6 +38,9 @@
   collective and fused region of the compiled scope at ``compiled_launch_us``, and every op outside it at
   ``launch_latency_us``. An accelerator computes asynchronously, so only
   host time beyond the device's is exposed; a CPU computes on its host, so there it adds.
+* **waiting** (stragglers): on a multi-rank layout, a rank's own time between its collectives (compute, and a
+  CPU's host) x ``Hardware.straggler_share``, what it waits at them for the group's last rank. A CPU's
+  share is measured (``simulate.probe.straggler_share``); the accelerators' is 0, not modelled.
 * **pipeline bubble**: the busy time x Megatron's bubble ratio ``(p - 1) / (v m)``
   (``plan.formulas.megatron_bubble_ratio``).
 """
@@ -78,6 +81,7 @@ class Breakdown:
     host: float = 0.0  # exposed
     bubble: float = 0.0
     communication_total: float = 0.0  # every collective's time, hidden or not
+    waiting: float = 0.0  # at the collectives, for the group's last rank (``Hardware.straggler_share``)
 
     @property
     def compute(self) -> float:
@@ -85,7 +89,7 @@ class Breakdown:
 
     @property
     def step(self) -> float:
-        return self.compute + self.communication + self.host + self.bubble
+        return self.compute + self.communication + self.host + self.bubble + self.waiting
 
     def to_json(self) -> dict:
         return {**{k: round(v, 6) for k, v in asdict(self).items()}, "step": round(self.step, 6)}
@@ -206,6 +210,10 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     else:
         host = sum(trace.host_ops.values()) * hardware.launch_latency_us * 1e-6
     out.host = host if hardware.device_type == "cpu" else max(0.0, host - compute - exposed)
+    if hardware.straggler_share and any(n > 1 and calls for (_, _, n), (_, calls) in (comm or {}).items()):
+        # a rank's own time between its collectives (compute and, on a CPU, its host's) stretched by what it
+        # waits there for the last rank of its group
+        out.waiting = hardware.straggler_share * (compute + (out.host if hardware.device_type == "cpu" else 0.0))
     if pp > 1:
         out.bubble = (compute + out.communication + out.host) * megatron_bubble_ratio(pp, microbatches, virtual)
     return out
