@@ -46,7 +46,7 @@ RUNS = {
     "moe-bf16-grouped-gemm": (1, dict(MOE_SETUP, mixed_precision="bf16"),
                               {STEP_READ: 1, "tolist at models/ops/moe.py bucket_rows": 8}),
     # 4 MoE layers x 2 micro-batches of the expert loop's token counts; none where fp32 experts run grouped
-    # (CPUs with AMX, models/ops/moe.py cpu_grouped_fp32)
+    # (CPUs with AMX or avx512_bf16, models/ops/moe.py cpu_grouped_fp32)
     "moe-fp32-experts": (1, MOE_SETUP, {STEP_READ: 1} if cpu_grouped_fp32() else
                          {STEP_READ: 1, "tolist at models/ops/moe.py sizes": 8}),
     # Gated DeltaNet on packed documents, the MTP layer trained, every layer recomputed

@@ -39,6 +39,7 @@ def _step(kernel, inputs):
 def test_rule_is_keyed_on_cpu_flags():
     amx, plain = frozenset({"avx512f", "amx_bf16", "amx_tile"}), frozenset({"avx2", "avx512f"})
     assert experts_kernel("cpu", torch.float32, flags=amx).name == "grouped_mm"
+    assert experts_kernel("cpu", torch.float32, flags=frozenset({"avx512f", "avx512_bf16"})).name == "grouped_mm"
     assert experts_kernel("cpu", torch.float32, flags=plain).name == "loop"
     # the fp32-upcasting matmul of a CPU without native bf16 keeps the loop; bf16 is grouped on any CPU
     assert experts_kernel("cpu", torch.float32, fp32_linear, flags=amx).name == "loop"

@@ -189,13 +189,15 @@ class Trainer(TrainerCheckpoints, TrainerLog):
         self.observer.mark(phase)
 
     def train_step(self) -> dict:
-        start = time.perf_counter()
         lr = lr_at(self.step, self.cfg)
         # The step's loss reduction also tells every rank whether any was asked to stop (SIGTERM/SIGINT).
         # No wait for the device here: the step read its figures after backward, which waited for everything
         # queued before (the previous step's update included), so a step's time is one period of the device's
         # work, and its update runs while the host prepares the next step.
         with self.observer.step(self.step + 1):  # phases, profiler window, hang watchdog, OOM snapshot
+            # timed from here, as its phases are: a profile window's start (the profiler's start-up, several
+            # ms on a CPU) is not the step's time, as its export at the end is not
+            start = time.perf_counter()
             batches = next(self.loader)
             self.observer.mark("data")
             result = self.engine.step(batches, lr, flag=self.stop_requested, bad_token=self.loader.bad_token,
