@@ -92,6 +92,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--denormals", choices=("flush", "keep"), default="flush",
                         help="denormal floats flushed to zero in every worker (the engine's default on a CPU, "
                              "cpu_flush_denormal) or computed as such (10-150x slower on x86)")
+    parser.add_argument("--link-statistic", choices=("mean", "median"), default="mean",
+                        help="2 processes: each collective kind's link fitted to its calls' mean time (what a "
+                             "step of many calls pays, their slow tail included) or their median")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host-us", help=argparse.SUPPRESS)
@@ -303,9 +306,11 @@ def worker(args: argparse.Namespace) -> None:
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   group_counts=recorder.group_counts, **probe_kernels(model, layout)))
     probe = median_probe(probes)
-    link = measure_link(recorder)
-    if link:
-        probe = dataclasses.replace(probe, link_gbps=link["gbps"], link_latency_us=link["latency_us"],
+    links = measure_links(recorder, args.link_statistic)
+    if links:
+        main = links[0]  # the kind that moved the most bytes: the link of kinds not measured
+        probe = dataclasses.replace(probe, link_gbps=main["gbps"], link_latency_us=main["latency_us"],
+                                    links={k["kind"]: (k["gbps"], k["latency_us"]) for k in links},
                                     straggler_share=measure_stragglers(recorder, statistics.median(walls)))
     host = json.loads(args.host_us)
     probe = dataclasses.replace(probe, engine_op_us=host["eager_us"], engine_compiled_us=host.get("compiled_us"))
@@ -320,7 +325,8 @@ def worker(args: argparse.Namespace) -> None:
     predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
-              "probe": probe_json(probe), "predicted": predicted, "link": link}
+              "probe": probe_json(probe), "predicted": predicted, "links": links,
+              "comm_calls": [[*key, *value] for key, value in recorder.comm_calls().items()]}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -333,21 +339,31 @@ def measure_stragglers(recorder: StepRecorder, step_s: float) -> float:
     return straggler_share(None, step_s / max(calls, 1))
 
 
-def measure_link(recorder: StepRecorder) -> dict | None:
-    """The link of a multi-process variant, measured on the group that carried most of the step's bytes, for
-    its most frequent kind at its average message in the dtype it moved (``probe.link_figures``; every rank
-    calls this at once): {"axis", "kind", "bytes", "gbps", "latency_us"}; None for one process."""
+def measure_links(recorder: StepRecorder, statistic: str = "mean") -> list[dict]:
+    """The links of a multi-process variant, one per collective kind the step ran over more than one rank
+    (all-reduce, all-gather, reduce-scatter: gloo reduces on the CPU, so they differ per byte), each measured
+    on the group that carried most of the kind's bytes at the kind's average message there, in the dtype it
+    moved (``probe.link_figures`` with ``statistic``; every rank calls this at once): [{"axis", "kind",
+    "bytes", "dtype", "gbps", "latency_us"}], the kind that moved the most bytes first; empty for one
+    process."""
     from qwen3_pretrain.simulate.probe import link_figures
 
-    calls = {k: v for k, v in recorder.comm_calls().items()
-             if k[1] in ("all_reduce", "all_gather", "reduce_scatter") and v[1] and k[2] > 1}
-    if not calls or not torch.distributed.is_initialized():
-        return None
-    (axis, kind, size), (nbytes, count) = max(calls.items(), key=lambda kv: (kv[1][0], kv[0]))
-    message = int(nbytes / count)
-    dtype = recorder.comm_dtypes.get(kind, torch.bfloat16)
-    gbps, latency = link_figures(recorder.group_of(axis, size), kind, message, dtype)
-    return {"axis": axis, "kind": kind, "bytes": message, "dtype": str(dtype), "gbps": gbps, "latency_us": latency}
+    if not torch.distributed.is_initialized():
+        return []
+    largest: dict[str, tuple] = {}  # kind -> ((axis, kind, size), (bytes, calls)) of its largest group
+    for key, value in sorted(recorder.comm_calls().items()):
+        if key[1] in ("all_reduce", "all_gather", "reduce_scatter") and value[1] and key[2] > 1:
+            if key[1] not in largest or value[0] > largest[key[1]][1][0]:
+                largest[key[1]] = (key, value)
+    out = []
+    for (axis, kind, size), (nbytes, count) in sorted(largest.values(), key=lambda kv: (-kv[1][0], kv[0])):
+        message = int(nbytes / count)
+        dtype = recorder.comm_dtypes.get(kind, torch.bfloat16)
+        gbps, latency = link_figures(recorder.group_of(axis, size), kind, message, dtype, iters=20,
+                                     statistic=statistic)
+        out.append({"axis": axis, "kind": kind, "bytes": message, "dtype": str(dtype), "gbps": gbps,
+                    "latency_us": latency, "statistic": statistic})
+    return out
 
 
 def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict:
@@ -398,7 +414,8 @@ def probe_json(probe: CpuProbe) -> dict:
             "curve_mib": probe.curve_mib, "op_latency_us": probe.op_latency_us,
             "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
             "engine_compiled_us": probe.engine_compiled_us, "link_gbps": probe.link_gbps,
-            "link_latency_us": probe.link_latency_us, "straggler_share": probe.straggler_share}
+            "link_latency_us": probe.link_latency_us, "links": probe.links,
+            "straggler_share": probe.straggler_share}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------

@@ -182,6 +182,21 @@ class Hardware:
     # probe (``simulate.probe.straggler_share``: the same work on every rank at once, segment by segment); 0 on
     # the accelerators: not modelled (no sourced figure)
     straggler_share: float = 0.0
+    # ((collective kind, bus GB/s, latency us), ...): a kind whose on-node link differs from
+    # ``intra_node_gbps`` / ``intra_node_latency_us``. A CPU's, measured per kind on the run's own group
+    # (gloo reduces on the CPU: its reduce-scatter and all-reduce of a 1 MiB bf16 buffer took 1.7 and 1.4x
+    # the all-gather's ring price on 2 processes); empty on the accelerators (NCCL's and HCCL's ring
+    # collectives share one bus bandwidth)
+    collective_links: tuple[tuple[str, float, float], ...] = ()
+
+    def link(self, kind: str, on_node: bool = True) -> tuple[float, float]:
+        """(bus bytes/s, latency s) of one ``kind`` of collective on a node's link (``on_node``) or across
+        nodes: ``collective_links``'s figures for the kind where it has them, else the device's."""
+        if not on_node:
+            return self.inter_node_gbps * GB, self.inter_node_latency_us * 1e-6
+        gbps, latency = next(((g, lat) for k, g, lat in self.collective_links if k == kind),
+                             (self.intra_node_gbps, self.intra_node_latency_us))
+        return gbps * GB, latency * 1e-6
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """The dense peak, TFLOP/s, of a matmul whose operands are ``dtype`` ("bf16"/"float16", "tf32",
@@ -439,7 +454,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  intra_node_latency_us: float | None = None,
                  bandwidth_curve: tuple[tuple[float, float], ...] = (), cache_bytes: float = 0.0,
                  class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (),
-                 straggler_share: float = 0.0) -> Hardware:
+                 straggler_share: float = 0.0,
+                 collective_links: tuple[tuple[str, float, float], ...] = ()) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -451,7 +467,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     bandwidth and latency) and the
     bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes) with the
     traffic its caches hold (``cache_bytes``), and per op class where its ops stream at other rates
-    (``class_curves``), and the stragglers' share (``Hardware.straggler_share``)."""
+    (``class_curves``), the stragglers' share (``Hardware.straggler_share``) and per collective kind its own
+    link where measured (``Hardware.collective_links``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -464,6 +481,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         matmul_shape_classes=shape_classes or ((1, 1.0),), fp32_shape_classes=fp32_shape_classes,
         grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
         class_curves=tuple((k, tuple(c)) for k, c in class_curves), straggler_share=straggler_share,
+        collective_links=tuple(tuple(link) for link in collective_links),
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         intra_node_latency_us=DEVICES["cpu"].intra_node_latency_us if intra_node_latency_us is None
         else intra_node_latency_us,

@@ -213,6 +213,57 @@ def test_probe_device_takes_the_measured_link_and_prices_a_collective_with_it():
     assert (unmeasured.intra_node_gbps, unmeasured.intra_node_latency_us) == (5.0, 50.0)
 
 
+def test_a_collective_kind_measured_on_its_own_is_priced_on_its_own_link():
+    """Gloo reduces on the CPU, so a run's kinds are measured each on its own (``CpuProbe.links``): a
+    reduce-scatter priced at its own figures, an all-gather at the run's main link, worked out by hand;
+    across nodes the kind's figures do not apply."""
+    from qwen3_pretrain.simulate.roofline import OpTrace, price
+
+    hw = _probe({}, link_gbps=2.0, link_latency_us=80.0, links={"reduce_scatter": (0.5, 300.0)}).hardware()
+    assert hw.collective_links == (("reduce_scatter", 0.5, 300.0),)
+    gather = {("tp", "all_gather", 2): (10 * 2**20, 10)}  # ten all-gathers of 1 MiB over 2 ranks
+    scatter = {("tp", "reduce_scatter", 2): (10 * 2**20, 10)}
+    # per call: bytes x (n - 1) / n / bus bandwidth + latency, on each kind's link
+    assert price(OpTrace(), hw, comm=gather).communication == pytest.approx(10 * (2**20 / 2 / 2e9 + 80e-6))
+    assert price(OpTrace(), hw, comm=scatter).communication == pytest.approx(10 * (2**20 / 2 / 0.5e9 + 300e-6))
+    assert price(OpTrace(), hw, comm={**gather, **scatter}).communication == pytest.approx(
+        price(OpTrace(), hw, comm=gather).communication + price(OpTrace(), hw, comm=scatter).communication)
+    across = price(OpTrace(), hw, comm=scatter, intra={"tp": False}).communication
+    assert across == pytest.approx(10 * (2**20 / 2 / (hw.inter_node_gbps * 1e9) + hw.inter_node_latency_us * 1e-6))
+
+
+def test_link_figures_fit_the_ring_model_to_two_timed_sizes(monkeypatch):
+    """``link_figures`` fits the planner's ring model (bus bandwidth, latency) to a kind's two timed sizes:
+    its latency is the 4 KiB call's time, and the model gives back the step's message's timed time; a message
+    under 64 KiB is timed at its own size for the latency and at 64 KiB for the bandwidth; the statistic
+    reaches the timing."""
+    import qwen3_pretrain.simulate.probe as probe
+    from qwen3_pretrain.plan.formulas import bus_bandwidth_factor, collective_seconds
+
+    timed = []
+
+    def fake(group, kind, nbytes, dtype, iters, statistic):  # a link of 300 us and 1 GB/s
+        timed.append((kind, nbytes, statistic))
+        return 300e-6 + nbytes * bus_bandwidth_factor(kind, 2) / 1e9
+
+    class Group:
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(probe, "collective_seconds_measured", fake)
+    gbps, latency = probe.link_figures(Group(), "reduce_scatter", 2**20, statistic="mean")
+    assert timed == [("reduce_scatter", 4096, "mean"), ("reduce_scatter", 2**20, "mean")]
+    assert latency * 1e-6 == pytest.approx(fake(None, "reduce_scatter", 4096, None, 0, ""))
+    assert collective_seconds("reduce_scatter", 2**20, 2, gbps * 1e9, latency * 1e-6) == pytest.approx(
+        fake(None, "reduce_scatter", 2**20, None, 0, ""))
+    timed.clear()
+    gbps, latency = probe.link_figures(Group(), "all_reduce", 1024)
+    assert timed == [("all_reduce", 1024, "median"), ("all_reduce", 65536, "median")]
+    assert latency * 1e-6 == pytest.approx(fake(None, "all_reduce", 1024, None, 0, ""))
+    assert collective_seconds("all_reduce", 65536, 2, gbps * 1e9, latency * 1e-6) == pytest.approx(
+        fake(None, "all_reduce", 65536, None, 0, ""))
+
+
 def _straggle(rank: int, world_size: int, out: str) -> None:
     from qwen3_pretrain.simulate.probe import straggler_share
 

@@ -65,6 +65,9 @@ class CpuProbe:
     # message size): bus bandwidth GB/s and latency us; None: unmeasured (half the copy bandwidth, no latency)
     link_gbps: float | None = None
     link_latency_us: float | None = None
+    # per collective kind the step ran, its own link where measured (``link_figures`` at the kind's own
+    # message): {kind: (bus GB/s, latency us)}; a kind not in it at ``link_gbps`` / ``link_latency_us``
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
     # the stragglers' share of a multi-process run (``straggler_share`` on its own group, at its step's own
     # time between collectives); 0: one process, or unmeasured
     straggler_share: float = 0.0
@@ -96,7 +99,8 @@ class CpuProbe:
           compiled kernel ``engine_compiled_us``, else one bare op's dispatch;
         * the link between two processes (gloo): measured on their own group at the step's message size
           where the caller did (``link_figures``: ``link_gbps``, ``link_latency_us``), else a ring step
-          copying each byte out of and into a socket buffer, half the copy bandwidth;
+          copying each byte out of and into a socket buffer, half the copy bandwidth; per collective kind
+          its own figures where measured (``links``: gloo reduces on the CPU);
         * the stragglers' share, where the caller measured it (``straggler_share``)."""
         from qwen3_pretrain.hardware import measured_cpu
 
@@ -118,7 +122,8 @@ class CpuProbe:
             intra_node_gbps=self.link_gbps or self.memory_gbps["copy"] / 2,
             intra_node_latency_us=self.link_latency_us,
             bandwidth_curve=curve, cache_bytes=cache_bytes(curve), class_curves=class_curves,
-            straggler_share=self.straggler_share)
+            straggler_share=self.straggler_share,
+            collective_links=tuple((kind, gbps, us) for kind, (gbps, us) in sorted(self.links.items())))
 
     def trace_rate(self, trace, dtype: str) -> float:
         """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
@@ -446,11 +451,13 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
 
 
 def collective_seconds_measured(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloat16,
-                                iters: int = 10) -> float:
+                                iters: int = 10, statistic: str = "median") -> float:
     """Seconds per call of one collective of ``kind`` ("all_reduce", "all_gather", "reduce_scatter") on a whole
     buffer of ``nbytes`` in ``dtype`` over ``group`` (every rank of it calls this at once), the slowest rank's
-    median over ``iters`` calls, each call closed by a barrier so that a rank's late start is not timed as the
-    transfer (what ``commbench`` measures for the planner, here at a step's own message sizes and dtype)."""
+    ``statistic`` ("median" or "mean") over ``iters`` calls, each call opened by a barrier so that a rank's late
+    start is not timed as the transfer (what ``commbench`` measures for the planner, here at a step's own
+    message sizes and dtype). The mean holds the calls' slow tail (gloo's worker threads scheduled late on
+    busy cores), which a step that runs many of them pays; the median does not."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
@@ -466,24 +473,28 @@ def collective_seconds_measured(group, kind: str, nbytes: int, dtype: torch.dtyp
         start = time.perf_counter()
         run()
         samples.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    slowest = torch.tensor([{"median": statistics.median, "mean": statistics.fmean}[statistic](samples)],
+                           dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest)
 
 
 def link_figures(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloat16,
-                 iters: int = 10) -> tuple[float, float]:
+                 iters: int = 10, statistic: str = "median") -> tuple[float, float]:
     """(bus bandwidth GB/s, latency us) of ``group``'s link, fitted to the planner's model (``plan.formulas.
     collective_seconds``: bytes x the kind's bus factor / bandwidth + latency) from two timed sizes: 4 KiB
-    (the latency) and ``nbytes`` (a step's message). On gloo both are the host's: loopback TCP, and the
-    reduction computed on the CPU in ``dtype``."""
+    (the latency) and ``nbytes`` (a step's message); a message under 64 KiB fits its latency at its own size
+    and its bandwidth at 64 KiB. On gloo both are the host's: loopback TCP, and the reduction computed on the
+    CPU in ``dtype``."""
     from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
-    small = collective_seconds_measured(group, kind, 4096, dtype, iters)
-    large = collective_seconds_measured(group, kind, nbytes, dtype, iters)
+    small_bytes, large_bytes = min(4096, nbytes), max(nbytes, 65536)
+    small = collective_seconds_measured(group, kind, small_bytes, dtype, iters, statistic)
+    large = collective_seconds_measured(group, kind, large_bytes, dtype, iters, statistic)
     n = group.size()
-    transfer = max(large - small, large / 2)  # a message no slower than the small one: half its time as transfer
-    return nbytes * bus_bandwidth_factor(kind, n) / transfer / 1e9, small * 1e6
+    # a message timed hardly slower than the small one (noise): a tenth of its time as transfer
+    transfer = max(large - small, large / 10)
+    return large_bytes * bus_bandwidth_factor(kind, n) / transfer / 1e9, small * 1e6
 
 
 def straggler_share(group, segment_s: float, repeats: int = 24) -> float:

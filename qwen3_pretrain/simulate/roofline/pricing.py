@@ -26,7 +26,9 @@
   3-4x slower than an fp32 multiply, a SiLU backward on a transposed view 20x); a fused region stays on the
   one curve. The accelerators keep one HBM figure and no class curves.
 * **collectives**: the planner's link model (``plan.formulas.collective_seconds``, the device's intra-
-  or inter-node bus bandwidth and latency per axis). Overlap, as the engine runs them: FSDP's (dp)
+  or inter-node bus bandwidth and latency per axis; on a node, a kind's own where the device has one,
+  ``Hardware.collective_links``: a CPU's gloo reduces on the CPU, its reduce-scatter and all-reduce slower
+  per byte than its all-gather). Overlap, as the engine runs them: FSDP's (dp)
   all-gathers and reduce-scatters run on side streams behind compute, except the first all-gather and
   the last reduce-scatter of a step (one call of each kind, the average size), and whatever of the rest
   outlasts the step's compute; tp, cp, ep and pp
@@ -176,9 +178,7 @@ def comm_seconds(comm: dict, hw: Hardware, intra: dict[str, bool] | None = None)
     for (axis, kind, n), (nbytes, calls) in comm.items():
         if calls == 0:
             continue
-        on_node = (intra or {}).get(axis, True)
-        bw = (hw.intra_node_gbps if on_node else hw.inter_node_gbps) * GB
-        latency = (hw.intra_node_latency_us if on_node else hw.inter_node_latency_us) * 1e-6
+        bw, latency = hw.link(kind, (intra or {}).get(axis, True))
         per_call = collective_seconds("p2p" if kind in _P2P else kind, nbytes / calls, n, bw, latency)
         total, edge = out.get(axis, (0.0, 0.0))
         edge += per_call if kind in ("all_gather", "reduce_scatter") else 0.0
