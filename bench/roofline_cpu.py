@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cpu import BATCH, HYBRID, MODEL, MOE, SEQ, free_port  # noqa: E402
 
 from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
-from qwen3_pretrain.simulate.probe import CpuProbe, cpu_name, measure_cpu  # noqa: E402
+from qwen3_pretrain.simulate.probe import CpuProbe, cpu_name, measure_cpu, minor_faults  # noqa: E402
 from qwen3_pretrain.simulate.roofline import RecordingMode  # noqa: E402
 from qwen3_pretrain.simulate.track import _KINDS as _COMM_KINDS  # noqa: E402
 
@@ -293,16 +293,17 @@ def worker(args: argparse.Namespace) -> None:
     recorder = record_step(trainer, step, mode == "compiled")
     step()
     # Steps and probes interleaved, so that both see the same spread of the machine's load; the medians of each.
-    walls, probes = [], []
+    walls, probes, faults = [], [], []
     for _ in range(args.steps):
         # the ranks lined up before each timed step: the probe after a step takes each rank its own time, and a
         # rank that started its next step sooner waited at its first collective for the other's probe (the
         # step timed 1.1-1.5 s on one rank against 0.5 on the other, both dp2 ranks' profiled walls 0.65)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        start = time.perf_counter()
+        start, taken = time.perf_counter(), minor_faults()
         step()
         walls.append(time.perf_counter() - start)
+        faults.append(minor_faults() - taken)
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   group_counts=recorder.group_counts, **probe_kernels(model, layout)))
     probe = median_probe(probes)
@@ -321,11 +322,13 @@ def worker(args: argparse.Namespace) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     profiled = profiled_categories(step)
+    recorder.trace.page_faults = int(statistics.median(faults))  # the timed steps' (compiled: not the recording's)
     predicted = predict_step(recorder, probe, mode == "compiled")
     predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
-              "probe": probe_json(probe), "predicted": predicted, "links": links,
+              "probe": probe_json(probe), "predicted": predicted, "links": links, "page_faults": faults,
+              "fault_split": dict(recorder.faults),
               "comm_calls": [[*key, *value] for key, value in recorder.comm_calls().items()]}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -359,7 +362,7 @@ def measure_links(recorder: StepRecorder, statistic: str = "mean") -> list[dict]
     for (axis, kind, size), (nbytes, count) in sorted(largest.values(), key=lambda kv: (-kv[1][0], kv[0])):
         message = int(nbytes / count)
         dtype = recorder.comm_dtypes.get(kind, torch.bfloat16)
-        gbps, latency = link_figures(recorder.group_of(axis, size), kind, message, dtype, iters=20,
+        gbps, latency = link_figures(recorder.group_of(axis, size), kind, message, dtype, iters=30,
                                      statistic=statistic)
         out.append({"axis": axis, "kind": kind, "bytes": message, "dtype": str(dtype), "gbps": gbps,
                     "latency_us": latency, "statistic": statistic})
@@ -404,7 +407,7 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
         bandwidth_by_size={k: [med(lambda p: p.bandwidth_by_size[k][i]) for i in range(len(v))]
                            for k, v in first.bandwidth_by_size.items()},
         op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
-        load_average=med(lambda p: p.load_average))
+        load_average=med(lambda p: p.load_average), page_fault_us=med(lambda p: p.page_fault_us))
 
 
 def probe_json(probe: CpuProbe) -> dict:
@@ -415,7 +418,7 @@ def probe_json(probe: CpuProbe) -> dict:
             "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
             "engine_compiled_us": probe.engine_compiled_us, "link_gbps": probe.link_gbps,
             "link_latency_us": probe.link_latency_us, "links": probe.links,
-            "straggler_share": probe.straggler_share}
+            "straggler_share": probe.straggler_share, "page_fault_us": probe.page_fault_us}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
@@ -452,6 +455,17 @@ class StepRecorder(RecordingMode):
             mem.sizes = _TeeCounter(self)
         self.op_calls: Counter = Counter()
         self.comm_dtypes: dict[str, torch.dtype] = {}  # collective kind -> the dtype it moved
+        # the recorded step's minor page faults by the profiler category of the op that took them ("other":
+        # outside every op), to spread the priced faults over the profiler's categories (``profiler_view``)
+        self.faults: Counter = Counter()
+
+    def __enter__(self):
+        self._faults_at_entry = minor_faults()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.faults["other"] += minor_faults() - self._faults_at_entry - sum(self.faults.values())
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
@@ -473,7 +487,10 @@ class StepRecorder(RecordingMode):
                 counts = [e - s for s, e in zip(ends, ends[1:])]
                 if counts not in self.group_counts:
                     self.group_counts.append(counts)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        faults = minor_faults()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.faults[op_category(f"aten::{self._op}")] += minor_faults() - faults
+        return out
 
     def group_of(self, axis: str, size: int):
         """The process group of ``size`` ranks the step's collectives on ``axis`` ran over (several mesh axes
@@ -547,7 +564,8 @@ def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dic
                        "grouped_share": hw.grouped_matmul_share, "bandwidth_curve": hw.bandwidth_curve,
                        "cache_bytes": hw.cache_bytes,
                        "launch_us": hw.launch_latency_us,
-                       "compiled_launch_us": hw.compiled_launch_us, "straggler_share": hw.straggler_share}}
+                       "compiled_launch_us": hw.compiled_launch_us, "straggler_share": hw.straggler_share,
+                       "page_fault_us": hw.page_fault_us, "page_faults": trace.page_faults}}
 
 
 # --- the driver ------------------------------------------------------------------------------------------
@@ -616,6 +634,11 @@ def profiler_view(result: dict) -> dict[str, float]:
     view = {cat: pred[cat] + pred["host"] * (1 - share) * counts[cat] / total for cat in counts}
     view["other"] = pred["host"] * share
     view["communication"] += pred.get("waiting", 0.0)  # the profiler sees a rank's waiting in its collectives
+    # a page fault is in the self time of the op that touched the page first: the priced faults spread as the
+    # recorded step's faults fell per category
+    split = {cat: n for cat, n in (result.get("fault_split") or {}).items() if n > 0} or {"elementwise": 1}
+    for cat, count in split.items():
+        view[cat] = view.get(cat, 0.0) + pred.get("page_faults", 0.0) * count / sum(split.values())
     return view
 
 

@@ -121,6 +121,20 @@ def test_stragglers_stretch_a_multi_rank_step_by_the_measured_share():
     assert H100.straggler_share == 0 and price(trace, H100, comm=comm).waiting == 0
 
 
+def test_a_cpu_step_pays_its_counted_page_faults():
+    # a real CPU step's counted minor page faults at the CPU's measured cost per fault, a term of its own in
+    # the step; an uncounted trace (fake tensors) or an accelerator (0 us, a caching allocator) pays none
+    trace = OpTrace()
+    trace.matmuls[("forward", "bfloat16", 1024, 1024, 1024, 1)] = 10
+    cpu = measured_cpu(1.0, 1.0, 20.0, 30.0, page_fault_us=1.5)
+    uncounted = price(trace, cpu)
+    trace.page_faults = 20_000
+    b = price(trace, cpu)
+    assert uncounted.page_faults == 0 and b.page_faults == pytest.approx(20_000 * 1.5e-6)
+    assert b.step == pytest.approx(uncounted.step + 0.03)
+    assert H100.page_fault_us == 0 and price(trace, H100).page_faults == 0
+
+
 def test_fusion_model_prices_a_compiled_region_by_its_inputs_and_outputs():
     w = meta(4096, 4096)
     x0 = meta(4096, 4096)
@@ -404,7 +418,9 @@ def test_reads_stream_from_memory_once_the_traffic_since_their_last_touch_outgro
 
 def test_memory_bound_ops_are_classed_by_what_they_do_and_dtype():
     """``op_class``: routing's gathers and sorts are ``index``; copies ``copy`` or, into another dtype,
-    ``cast``; arithmetic with a bf16 operand ``bf16``; the rest ``fp32``. The class is kept with the bytes."""
+    ``cast``; arithmetic with a bf16 operand ``bf16``, a transcendental of one ``bf16_math``, of fp32
+    ``fp32_math`` (in place too); other fp32 arithmetic in place ``inplace``; the rest ``fp32``. The class is
+    kept with the bytes."""
     x16, x32, idx = meta(64, 32), meta(64, 32, dtype=torch.float32), torch.empty(64, dtype=torch.int64, device="meta")
     sq16 = meta(32, 32)
     with RecordingMode() as rec:
@@ -414,6 +430,8 @@ def test_memory_bound_ops_are_classed_by_what_they_do_and_dtype():
         torch.nn.functional.silu(x16)
         x32 * x32
         x32.mul_(2.0)
+        x32.exp_()
+        torch.exp(x32)
         x32.to(torch.bfloat16)
         x16.clone()
         x16.t().contiguous()
@@ -427,6 +445,7 @@ def test_memory_bound_ops_are_classed_by_what_they_do_and_dtype():
     half, full = 64 * 32 * 2, 64 * 32 * 4
     assert classes == {"index": (2 * half + 64 * 8) + (2 * full + 64 * 32 * 8),  # sort writes int64 indices too
                        "bf16": 3 * half, "bf16_math": 2 * half, "fp32": 3 * full, "inplace": 2 * full,
+                       "fp32_math": 2 * full + 2 * full,  # exp in place and into a new tensor alike
                        "cast": full + half, "copy": 2 * half, "strided": 2 * half + 3 * full,
                        "strided_math": 3 * 32 * 32 * 2, "conv": (8 * 16 + 8 * 4 + 8 * 13) * 2}
 

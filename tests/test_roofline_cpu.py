@@ -39,10 +39,12 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert 0.05 < probe.op_latency_us < 10_000
     assert 0.05 < probe.autograd_op_latency_us < 100_000
     assert set(probe.bandwidth_by_size) == {"copy", "add_bf16", "mul_fp32", "cast", "index", "mul_inplace",
-                                            "silu_bf16", "strided", "strided_silu_bf16", "conv_bf16"}
+                                            "silu_bf16", "exp_fp32", "strided", "strided_silu_bf16",
+                                            "conv_bf16"}
     assert probe.curve_mib == (0.25, 1.0)
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
-    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 10 + 1
+    assert 0 < probe.page_fault_us < 1000  # Linux counts minor faults; a fresh page's first touch: about 1 us
+    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + 1
 
 
 def test_probe_restores_the_thread_count():

@@ -71,6 +71,8 @@ class CpuProbe:
     # the stragglers' share of a multi-process run (``straggler_share`` on its own group, at its step's own
     # time between collectives); 0: one process, or unmeasured
     straggler_share: float = 0.0
+    # microseconds a fresh page's first touch costs beyond a second (``page_fault_us``); 0: unmeasured
+    page_fault_us: float = 0.0
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -101,6 +103,7 @@ class CpuProbe:
           where the caller did (``link_figures``: ``link_gbps``, ``link_latency_us``), else a ring step
           copying each byte out of and into a socket buffer, half the copy bandwidth; per collective kind
           its own figures where measured (``links``: gloo reduces on the CPU);
+        * a page fault's cost (``page_fault_us``);
         * the stragglers' share, where the caller measured it (``straggler_share``)."""
         from qwen3_pretrain.hardware import measured_cpu
 
@@ -123,7 +126,8 @@ class CpuProbe:
             intra_node_latency_us=self.link_latency_us,
             bandwidth_curve=curve, cache_bytes=cache_bytes(curve), class_curves=class_curves,
             straggler_share=self.straggler_share,
-            collective_links=tuple((kind, gbps, us) for kind, (gbps, us) in sorted(self.links.items())))
+            collective_links=tuple((kind, gbps, us) for kind, (gbps, us) in sorted(self.links.items())),
+            page_fault_us=self.page_fault_us)
 
     def trace_rate(self, trace, dtype: str) -> float:
         """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
@@ -151,6 +155,8 @@ class CpuProbe:
                   + ", ".join(f"{v:.1f}" for v in rates) + " GB/s" for kind, rates in self.bandwidth_by_size.items()]
         lines.append(f"tiny op: {self.op_latency_us:.1f} us, under autograd (forward and backward, per op): "
                      f"{self.autograd_op_latency_us:.1f} us")
+        if self.page_fault_us:
+            lines.append(f"page fault: {self.page_fault_us:.2f} us")
         if self.engine_op_us is not None:
             lines.append(f"training step's host per op: {self.engine_op_us:.1f} us eager"
                          + (f", {self.engine_compiled_us:.1f} us per compiled kernel" if self.engine_compiled_us else ""))
@@ -297,7 +303,8 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
     working sets of ``sizes_mib`` MiB (the bytes one call moves): an fp32 copy, a bf16 add, an fp32 multiply
     and an fp32 -> bf16 cast (their median is the device's one curve), and one kernel per op class of the
     roofline's trace that streams at its own rate (``CLASS_KINDS``): a gather of bf16 rows in a random order
-    (routing's), an fp32 multiply in place (the optimizer's), a bf16 SiLU (transcendental functions), an
+    (routing's), an fp32 multiply in place (the optimizer's), a bf16 SiLU (transcendental functions), an fp32
+    exponential (the loss's, of its fp32 logits), an
     fp32 multiply and a bf16 SiLU backward of views whose last dim is strided (non-contiguous operands:
     scalar loops, 1 GB/s for the SiLU on the 2-core AMX Xeon) and the hybrid's depthwise bf16 convolution
     of a transposed input (about 1 GB/s there, 2-4x slower than of a contiguous one). A repeated call finds
@@ -305,7 +312,8 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
     MiB stream from L2 / L3, hundreds from memory.
     {kind: [GB/s per size]}; ``curve_points`` makes the device's curves of it."""
     out: dict[str, list[float]] = {k: [] for k in ("copy", "add_bf16", "mul_fp32", "cast", "index", "mul_inplace",
-                                                   "silu_bf16", "strided", "strided_silu_bf16", "conv_bf16")}
+                                                   "silu_bf16", "exp_fp32", "strided", "strided_silu_bf16",
+                                                   "conv_bf16")}
     for mib in sizes_mib:
         nbytes = mib * 2**20
         n32 = max(1, int(nbytes / 8))  # copy and cast move 4 + 4 or 4 + 2 bytes an element: numel from the copy's
@@ -316,6 +324,7 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
         m32 = max(1, int(nbytes / 12))  # a * b -> out in fp32
         a32, b32, o32 = torch.ones(m32), torch.ones(m32), torch.empty(m32)
         c16 = torch.empty(n32, dtype=torch.bfloat16)
+        e32 = torch.full((n32,), -1.0)  # the loss exponentiates logits less their maximum: at most 0
         # routing's row moves: bf16 rows of 256 (512 bytes) gathered in a random order, each row read and
         # written once, and its int64 index read
         rows = max(1, int(nbytes / (2 * 512 + 8)))
@@ -339,6 +348,7 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
                 ("index", rows * (2 * 512 + 8), lambda: torch.index_select(r16, 0, idx, out=g16)),
                 ("mul_inplace", 12 * m32, lambda: a32.mul_(b32)),
                 ("silu_bf16", 4 * n16, lambda: torch.ops.aten.silu.out(a16, out=o16)),
+                ("exp_fp32", 8 * n32, lambda: torch.exp(e32, out=dst)),
                 ("strided", 12 * t32.numel(), lambda: torch.mul(t32.transpose(1, 2), u32, out=d32)),
                 ("strided_silu_bf16", 6 * t16.numel(),
                  lambda: torch.ops.aten.silu_backward(grad16, t16.transpose(1, 2))),
@@ -351,7 +361,7 @@ def bandwidth_curve(sizes_mib: Iterable[float] = CURVE_MIB, min_seconds: float =
 # the roofline's op classes (``simulate.roofline.trace.op_class``) -> the ``bandwidth_curve`` kind that times
 # one of them; a fused region (compiled) keeps the median curve
 CLASS_KINDS = {"fp32": "mul_fp32", "bf16": "add_bf16", "copy": "copy", "cast": "cast", "index": "index",
-               "inplace": "mul_inplace", "bf16_math": "silu_bf16", "strided": "strided",
+               "inplace": "mul_inplace", "bf16_math": "silu_bf16", "fp32_math": "exp_fp32", "strided": "strided",
                "strided_math": "strided_silu_bf16", "conv": "conv_bf16"}
 # the kinds whose median per size is the device's one curve (a compiled region's, and any op class without
 # its own): the others time classes of their own, not a step's typical kernel
@@ -445,9 +455,39 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                         autograd_op_latency_us=autograd_op_latency_us(),
                         load_average=os.getloadavg()[0],
                         bandwidth_by_size=bandwidth_curve(curve_mib, min_seconds) if curve_mib else {},
-                        curve_mib=curve_mib)
+                        curve_mib=curve_mib, page_fault_us=page_fault_us())
     finally:
         torch.set_num_threads(before)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (``getrusage``); 0 where the platform has no ``resource``."""
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def page_fault_us(mib: int = 48, repeats: int = 3) -> float:
+    """Microseconds the first touch of one fresh page of memory costs beyond touching it again (the OS maps
+    and zeroes it: a minor page fault): a buffer of ``mib`` MiB, above glibc's largest mmap threshold (32
+    MiB) and so a fresh mapping, filled, then filled again; the difference over the faults the first fill
+    took, the median of ``repeats``. 1.3 us on a 2-core EPYC (a 4 KiB page: 0.3 us a KiB, against 0.04 for
+    the second fill). 0 where no fault is counted (no ``getrusage``, or huge pages)."""
+    samples = []
+    for _ in range(repeats):
+        buffer = torch.empty(mib * 2**20 // 4)
+        faults, start = minor_faults(), time.perf_counter()
+        buffer.fill_(1.0)
+        cold, faults = time.perf_counter() - start, minor_faults() - faults
+        start = time.perf_counter()
+        buffer.fill_(2.0)
+        warm = time.perf_counter() - start
+        del buffer
+        if faults > 0:
+            samples.append(max(0.0, cold - warm) / faults * 1e6)
+    return statistics.median(samples) if samples else 0.0
 
 
 def collective_seconds_measured(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloat16,

@@ -145,6 +145,10 @@ class OpTrace:
     # phase -> the ops of ``host_ops`` outside the compiled scope (collectives aside): eager under compile too
     outside_ops: Counter = field(default_factory=Counter)
     outside_kernels: int = 0  # matmul and attention calls outside the compiled scope
+    # the step's minor page faults (first touches of pages its allocator took from the OS), where counted on
+    # a real CPU step (getrusage); 0: none counted (fake tensors take none; an accelerator's tensors come
+    # from its caching allocator)
+    page_faults: int = 0
 
     def matmul_flops(self) -> float:
         return sum(2.0 * m * n * k * g * calls for (_, _, m, n, k, g), calls in self.matmuls.items())
@@ -166,8 +170,8 @@ NEVER = 127  # the reuse bucket of a read no recorded kernel's touch precedes
 
 # Op classes of the memory-bound ops (``op_class``), each with its own bandwidth curve where a device has one
 # (``Hardware.class_curves``): a CPU streams them at different rates per byte
-INDEX, CAST, COPY, STRIDED, STRIDED_MATH, CONV, INPLACE, BF16, BF16_MATH, FP32 = (
-    "index", "cast", "copy", "strided", "strided_math", "conv", "inplace", "bf16", "bf16_math", "fp32")
+INDEX, CAST, COPY, STRIDED, STRIDED_MATH, CONV, INPLACE, BF16, BF16_MATH, FP32_MATH, FP32 = (
+    "index", "cast", "copy", "strided", "strided_math", "conv", "inplace", "bf16", "bf16_math", "fp32_math", "fp32")
 # convolutions (the hybrid's short causal conv, depthwise): not a matmul in the trace, priced by their bytes
 _CONV_OPS = frozenset(("convolution", "convolution_backward", "_convolution", "mkldnn_convolution",
                        "_conv_depthwise2d", "conv1d", "slow_conv_dilated2d"))
@@ -196,8 +200,10 @@ def op_class(name: str, ins: list, outs: list) -> str:
     element: a transpose's ``contiguous``, arithmetic on a transposed view), ``cast`` (a copy into another
     dtype), ``copy`` (a copy, fill or concatenation in one dtype), ``bf16_math`` (a transcendental function
     or softmax of a bf16 or fp16 tensor), ``bf16`` (other arithmetic with a bf16 or fp16 operand: a CPU
-    converts it through fp32 and back), ``inplace`` (fp32 arithmetic that writes its first operand: each
-    cache line read is written back without a second fetch; the optimizer's) and ``fp32`` (the rest)."""
+    converts it through fp32 and back), ``fp32_math`` (a transcendental function or softmax of fp32
+    tensors, in place or not: the loss's exponential of its fp32 logits, on a CPU 3-5x an fp32 multiply's
+    time per byte), ``inplace`` (other fp32 arithmetic that writes its first operand: each cache line read
+    is written back without a second fetch; the optimizer's) and ``fp32`` (the rest)."""
     if name in _INDEX_OPS:
         return INDEX
     if name in _CONV_OPS:
@@ -210,6 +216,8 @@ def op_class(name: str, ins: list, outs: list) -> str:
         return CAST if len(dtypes) > 1 else COPY
     if any(t.dtype in _LOW for t in ins + outs):
         return BF16_MATH if name in _MATH_OPS else BF16
+    if name in _MATH_OPS:
+        return FP32_MATH
     return INPLACE if name.endswith("_") else FP32
 
 
