@@ -294,6 +294,7 @@ def worker(args: argparse.Namespace) -> None:
     step()
     # Steps and probes interleaved, so that both see the same spread of the machine's load; the medians of each.
     walls, probes, faults = [], [], []
+    released = ReleaseCounter(trainer)
     for _ in range(args.steps):
         # the ranks lined up before each timed step: the probe after a step takes each rank its own time, and a
         # rank that started its next step sooner waited at its first collective for the other's probe (the
@@ -306,6 +307,7 @@ def worker(args: argparse.Namespace) -> None:
         faults.append(minor_faults() - taken)
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   group_counts=recorder.group_counts, **probe_kernels(model, layout)))
+    released.close()  # the timed steps' releases only
     probe = median_probe(probes)
     links = measure_links(recorder, args.link_statistic)
     if links:
@@ -322,15 +324,42 @@ def worker(args: argparse.Namespace) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     profiled = profiled_categories(step)
-    recorder.trace.page_faults = int(statistics.median(faults))  # the timed steps' (compiled: not the recording's)
+    # the timed steps' (compiled: not the recording's)
+    recorder.trace.page_faults = int(statistics.median(faults))
+    recorder.trace.pages_released = int(statistics.median(released.pages)) if released.pages else 0
     predicted = predict_step(recorder, probe, mode == "compiled")
     predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted, "links": links, "page_faults": faults,
+              "pages_released": released.pages,
               "fault_split": dict(recorder.faults),
               "comm_calls": [[*key, *value] for key, value in recorder.comm_calls().items()]}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+class ReleaseCounter:
+    """The 4 KiB pages the trainer's per-step ``malloc_trim`` hands back (``HostMemory.after_step``), per step
+    (``pages``): its drop of the resident memory. Appends one entry per step; ``close`` restores the trainer."""
+
+    def __init__(self, trainer) -> None:
+        from qwen3_pretrain.train.host_memory import resident_bytes
+
+        self.pages: list[int] = []
+        self._memory = trainer.host_memory
+        self._after_step = self._memory.after_step
+
+        def counted() -> None:
+            before = resident_bytes()
+            self._after_step()
+            after = resident_bytes()
+            if before is not None and after is not None:
+                self.pages.append(max(0, before - after) // 4096)
+
+        self._memory.after_step = counted
+
+    def close(self) -> None:
+        self._memory.after_step = self._after_step
 
 
 def measure_stragglers(recorder: StepRecorder, step_s: float) -> float:
@@ -370,29 +399,48 @@ def measure_links(recorder: StepRecorder, statistic: str = "mean") -> list[dict]
 
 
 def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict:
-    """The tiny run's host cost per op (module docstring): eager, its median step time over its ops; compiled
-    (``args.host_us`` holding the eager figure), over its compiled scope's kernels what the ops outside the
-    scope at the eager cost leave."""
+    """The tiny run's host cost per op (module docstring): eager, its median step time less its collectives
+    over its ops; compiled (``args.host_us`` holding the eager figure), over its compiled scope's kernels what
+    the ops outside the scope at the eager cost leave. The collectives come off at their price on the links
+    measured here, per kind at the tiny step's own messages (``tiny_collectives``), as the timed step's are
+    priced: the roofline prices them on the link, and a tiny tp2 step's 59 calls (DTensor's functional
+    collectives, waited on inside ops) took a third of its time, which had counted as host."""
     from qwen3_pretrain.simulate.probe import host_us_per_op
 
     recorder = record_step(trainer, step, mode == "compiled")
     trace = recorder.trace
     ops = sum(trace.host_ops.values())
-    with CollectiveClock() as clock:  # the collectives' time off the host's (they are priced on the link)
-        out = {"ops": ops, "eager_us": host_us_per_op(step, ops, repeats=max(args.steps, 3),
-                                                       waited=lambda: clock.seconds)}
+    comm_s, links = tiny_collectives(recorder, args.link_statistic)
+    wall = host_us_per_op(step, ops, repeats=max(args.steps, 3)) * ops * 1e-6
+    out = {"ops": ops, "eager_us": max(wall - comm_s, 0.0) / max(ops, 1) * 1e6, "wall_s": wall,
+           "collectives_s": comm_s, "links": links}
     # the share of the host cost the profiler sees outside every op (the rest is inside the ops' self times)
     profiled = profiled_categories(step)
-    out["outside_share"] = profiled["other"] / max(profiled["wall"] - profiled["collective_s"], 1e-9)
+    host = max(profiled["wall"] - profiled["communication"], 1e-9)
+    out["outside_share"] = min(1.0, profiled["other"] / host)
     if mode == "compiled":
         eager_us = json.loads(args.host_us)["eager_us"]
         outside = sum(trace.outside_ops.values())
         kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values()) - trace.outside_kernels
                    + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in recorder.comm_calls().values()))
-        wall = out.pop("eager_us") * ops
-        out.update(eager_us=eager_us, compiled_us=max(wall - outside * eager_us, 0.0) / max(kernels, 1),
+        host_s = out.pop("eager_us") * ops * 1e-6
+        out.update(eager_us=eager_us, compiled_us=max(host_s - outside * eager_us * 1e-6, 0.0) / max(kernels, 1) * 1e6,
                    outside_ops=outside, kernels=kernels)
     return out
+
+
+def tiny_collectives(recorder: StepRecorder, statistic: str) -> tuple[float, list[dict]]:
+    """(seconds, links) of a recorded step's collectives priced on the links measured now on its own groups
+    (``measure_links``); (0, []) for one process."""
+    from qwen3_pretrain.hardware import measured_cpu
+    from qwen3_pretrain.simulate.roofline.pricing import comm_seconds
+
+    links = measure_links(recorder, statistic)
+    if not links:
+        return 0.0, []
+    hw = measured_cpu(1.0, 1.0, 1.0, 1.0, intra_node_gbps=links[0]["gbps"], intra_node_latency_us=links[0]["latency_us"],
+                      collective_links=tuple((k["kind"], k["gbps"], k["latency_us"]) for k in links))
+    return sum(total for total, _ in comm_seconds(recorder.comm_calls(), hw).values()), links
 
 
 def median_probe(probes: list[CpuProbe]) -> CpuProbe:
@@ -407,7 +455,8 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
         bandwidth_by_size={k: [med(lambda p: p.bandwidth_by_size[k][i]) for i in range(len(v))]
                            for k, v in first.bandwidth_by_size.items()},
         op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
-        load_average=med(lambda p: p.load_average), page_fault_us=med(lambda p: p.page_fault_us))
+        load_average=med(lambda p: p.load_average), page_fault_us=med(lambda p: p.page_fault_us),
+        page_release_us=med(lambda p: p.page_release_us))
 
 
 def probe_json(probe: CpuProbe) -> dict:
@@ -418,7 +467,8 @@ def probe_json(probe: CpuProbe) -> dict:
             "autograd_op_latency_us": probe.autograd_op_latency_us, "engine_op_us": probe.engine_op_us,
             "engine_compiled_us": probe.engine_compiled_us, "link_gbps": probe.link_gbps,
             "link_latency_us": probe.link_latency_us, "links": probe.links,
-            "straggler_share": probe.straggler_share, "page_fault_us": probe.page_fault_us}
+            "straggler_share": probe.straggler_share, "page_fault_us": probe.page_fault_us,
+            "page_release_us": probe.page_release_us}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
@@ -565,7 +615,9 @@ def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dic
                        "cache_bytes": hw.cache_bytes,
                        "launch_us": hw.launch_latency_us,
                        "compiled_launch_us": hw.compiled_launch_us, "straggler_share": hw.straggler_share,
-                       "page_fault_us": hw.page_fault_us, "page_faults": trace.page_faults}}
+                       "page_fault_us": hw.page_fault_us, "page_release_us": hw.page_release_us,
+                       "page_faults": trace.page_faults, "pages_released": trace.pages_released},
+            "page_release": trace.pages_released * hw.page_release_us * 1e-6}
 
 
 # --- the driver ------------------------------------------------------------------------------------------
@@ -634,11 +686,14 @@ def profiler_view(result: dict) -> dict[str, float]:
     view = {cat: pred[cat] + pred["host"] * (1 - share) * counts[cat] / total for cat in counts}
     view["other"] = pred["host"] * share
     view["communication"] += pred.get("waiting", 0.0)  # the profiler sees a rank's waiting in its collectives
-    # a page fault is in the self time of the op that touched the page first: the priced faults spread as the
-    # recorded step's faults fell per category
+    # a page's fault is in the self time of the op that touched it first: spread as the recorded step's faults
+    # fell per category; its release outside every op (``malloc_trim`` after the step, a buffer's ``free``)
+    faults = pred.get("page_faults", 0.0)
+    released = pred.get("page_release", 0.0)
+    view["other"] += released
     split = {cat: n for cat, n in (result.get("fault_split") or {}).items() if n > 0} or {"elementwise": 1}
     for cat, count in split.items():
-        view[cat] = view.get(cat, 0.0) + pred.get("page_faults", 0.0) * count / sum(split.values())
+        view[cat] = view.get(cat, 0.0) + (faults - released) * count / sum(split.values())
     return view
 
 

@@ -188,12 +188,14 @@ class Hardware:
     # the all-gather's ring price on 2 processes); empty on the accelerators (NCCL's and HCCL's ring
     # collectives share one bus bandwidth)
     collective_links: tuple[tuple[str, float, float], ...] = ()
-    # microseconds the OS takes to map and zero one fresh page of host memory at its first touch (a minor
-    # page fault), beyond touching it again: what a CPU step pays for each page its allocator takes from the
-    # OS (glibc maps every buffer over 32 MiB afresh; the engine's per-step ``malloc_trim`` hands the heap's
-    # free pages back). Measured on a CPU by ``simulate.probe.page_fault_us``; 0 on the accelerators (their
+    # microseconds one fresh 4 KiB page of host memory costs at its first touch (the OS mapping and zeroing
+    # it: a minor page fault) beyond a second touch, and handing one back (``madvise``/``munmap``): what a CPU
+    # step pays for the pages its allocator takes from the OS and returns (glibc maps every buffer over 32 MiB
+    # afresh; the engine's per-step ``malloc_trim`` hands the heap's free pages back, the next step faults
+    # them in again). Measured on a CPU by ``simulate.probe.page_costs``; 0 on the accelerators (their
     # tensors come from a caching allocator's device memory)
     page_fault_us: float = 0.0
+    page_release_us: float = 0.0
 
     def link(self, kind: str, on_node: bool = True) -> tuple[float, float]:
         """(bus bytes/s, latency s) of one ``kind`` of collective on a node's link (``on_node``) or across
@@ -462,7 +464,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (),
                  straggler_share: float = 0.0,
                  collective_links: tuple[tuple[str, float, float], ...] = (),
-                 page_fault_us: float = 0.0) -> Hardware:
+                 page_fault_us: float = 0.0, page_release_us: float = 0.0) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -475,8 +477,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes) with the
     traffic its caches hold (``cache_bytes``), and per op class where its ops stream at other rates
     (``class_curves``), the stragglers' share (``Hardware.straggler_share``), per collective kind its own
-    link where measured (``Hardware.collective_links``) and the cost of a page fault
-    (``Hardware.page_fault_us``)."""
+    link where measured (``Hardware.collective_links``) and the costs of a fresh page's fault and release
+    (``Hardware.page_fault_us``, ``page_release_us``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -490,6 +492,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
         class_curves=tuple((k, tuple(c)) for k, c in class_curves), straggler_share=straggler_share,
         collective_links=tuple(tuple(link) for link in collective_links), page_fault_us=page_fault_us,
+        page_release_us=page_release_us,
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         intra_node_latency_us=DEVICES["cpu"].intra_node_latency_us if intra_node_latency_us is None
         else intra_node_latency_us,

@@ -122,16 +122,17 @@ def test_stragglers_stretch_a_multi_rank_step_by_the_measured_share():
 
 
 def test_a_cpu_step_pays_its_counted_page_faults():
-    # a real CPU step's counted minor page faults at the CPU's measured cost per fault, a term of its own in
-    # the step; an uncounted trace (fake tensors) or an accelerator (0 us, a caching allocator) pays none
+    # a real CPU step's counted minor page faults and released pages at the CPU's measured costs, a term of
+    # its own in the step; an uncounted trace (fake tensors) or an accelerator (0 us, a caching allocator)
+    # pays none
     trace = OpTrace()
     trace.matmuls[("forward", "bfloat16", 1024, 1024, 1024, 1)] = 10
-    cpu = measured_cpu(1.0, 1.0, 20.0, 30.0, page_fault_us=1.5)
+    cpu = measured_cpu(1.0, 1.0, 20.0, 30.0, page_fault_us=1.5, page_release_us=0.25)
     uncounted = price(trace, cpu)
-    trace.page_faults = 20_000
+    trace.page_faults, trace.pages_released = 20_000, 8_000
     b = price(trace, cpu)
-    assert uncounted.page_faults == 0 and b.page_faults == pytest.approx(20_000 * 1.5e-6)
-    assert b.step == pytest.approx(uncounted.step + 0.03)
+    assert uncounted.page_faults == 0 and b.page_faults == pytest.approx(20_000 * 1.5e-6 + 8_000 * 0.25e-6)
+    assert b.step == pytest.approx(uncounted.step + 0.032)
     assert H100.page_fault_us == 0 and price(trace, H100).page_faults == 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen3_pretrain.simulate.probe import CpuProbe, linear_tflops, measure_cpu, seconds_per_call
+from qwen3_pretrain.simulate.probe import CpuProbe, linear_tflops, measure_cpu, minor_faults, seconds_per_call
 from test_loss import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_probe_figures_are_positive_and_plausible(probe):
                                             "conv_bf16"}
     assert probe.curve_mib == (0.25, 1.0)
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
-    assert 0 < probe.page_fault_us < 1000  # Linux counts minor faults; a fresh page's first touch: about 1 us
+    assert 0 < probe.page_release_us < 1000 and 0 < probe.page_fault_us < 1000  # Linux counts minor faults
     assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + 1
 
 
@@ -197,6 +197,47 @@ def test_bench_recorder_keeps_the_routings_group_sizes(monkeypatch):
         torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([0, 4, 12], dtype=torch.int32))
     assert recorder.group_counts == [[2, 7, 3], [0, 4, 8]]
     assert sum(recorder.trace.matmuls.values()) == 3
+
+
+def test_bench_recorder_counts_the_page_faults_of_the_op_that_touches_fresh_memory(monkeypatch):
+    """The bench's recorder gives each op the minor page faults taken while it ran, by the profiler's category
+    of the op: a fill of a fresh 8 MiB mapping (glibc maps a buffer of 8 MiB afresh until a larger one was
+    freed) is an elementwise op's faults, about a page each; a matmul into warm memory takes almost none."""
+    import mmap
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from roofline_cpu import StepRecorder
+
+    if not hasattr(mmap, "MADV_NOHUGEPAGE") or not minor_faults():
+        pytest.skip("no minor fault count or no madvise here")
+    region = mmap.mmap(-1, 8 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+    fresh = torch.frombuffer(region, dtype=torch.float32)
+    a, out = torch.randn(64, 64), torch.empty(64, 64)
+    torch.mm(a, a, out=out)
+    with StepRecorder() as recorder:
+        fresh.fill_(1.0)
+        torch.mm(a, a, out=out)
+    del fresh
+    region.close()
+    assert recorder.faults["elementwise"] >= 2048 * 0.9  # 8 MiB of 4 KiB pages
+    assert recorder.faults["matmul"] < 64
+
+
+def test_profiler_view_spreads_the_priced_faults_and_gives_their_release_to_the_time_outside_ops(monkeypatch):
+    """The bench's view of the prediction per profiler category: a page's fault lands in the op that touched
+    it first (spread as the recorded step's faults fell), its release outside every op."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from roofline_cpu import profiler_view
+
+    result = {"predicted": {"matmul": 0.1, "attention": 0.0, "elementwise": 0.2, "communication": 0.0,
+                            "host": 0.0, "page_faults": 0.04, "page_release": 0.01,
+                            "op_counts": {"matmul": 1, "attention": 0, "elementwise": 1, "communication": 0}},
+              "host_calibration": {"outside_share": 0.5}, "fault_split": {"elementwise": 3, "matmul": 1, "other": 0}}
+    view = profiler_view(result)
+    assert view["other"] == pytest.approx(0.01)  # the releases (malloc_trim after the step)
+    assert view["elementwise"] == pytest.approx(0.2 + 0.03 * 3 / 4)
+    assert view["matmul"] == pytest.approx(0.1 + 0.03 / 4)
 
 
 def test_probe_device_takes_the_measured_link_and_prices_a_collective_with_it():

@@ -43,11 +43,13 @@
 * **waiting** (stragglers): on a multi-rank layout, a rank's own time between its collectives (compute, and a
   CPU's host) x ``Hardware.straggler_share``, what it waits at them for the group's last rank. A CPU's
   share is measured (``simulate.probe.straggler_share``); the accelerators' is 0, not modelled.
-* **page faults** (a CPU's): the step's counted minor page faults (``OpTrace.page_faults``, where a real
-  step was counted) x ``Hardware.page_fault_us`` (a CPU's measured; 0 on the accelerators). On a 2-core
-  EPYC a dense bf16 step at the CPU bench's shapes took 62,000 faults at 1.3 us each, 9% of its time, with
-  the engine's per-step ``malloc_trim``, 16,000-26,000 without (the loss's buffers over 32 MiB, mapped
-  afresh every step).
+* **page faults** (a CPU's): the step's counted minor page faults and released pages (``OpTrace.page_faults``,
+  ``pages_released``, where a real step was counted) at ``Hardware.page_fault_us`` and ``page_release_us``
+  (a fresh 4 KiB page's first touch and its release, a CPU's measured; 0 on the accelerators). On a 2-core
+  EPYC a dense bf16 step at the CPU bench's shapes took about 20,000 faults with the engine's per-step
+  ``malloc_trim`` and 1,100 without, and ran 3.5-5% slower with it. A transparent huge page's fault counts
+  as one at a small page's cost: not modelled (it costs 75 us to 2.6 ms, as the kernel finds a free 2 MiB
+  page or compacts memory for one).
 * **pipeline bubble**: the busy time x Megatron's bubble ratio ``(p - 1) / (v m)``
   (``plan.formulas.megatron_bubble_ratio``).
 """
@@ -89,7 +91,7 @@ class Breakdown:
     bubble: float = 0.0
     communication_total: float = 0.0  # every collective's time, hidden or not
     waiting: float = 0.0  # at the collectives, for the group's last rank (``Hardware.straggler_share``)
-    page_faults: float = 0.0  # the OS mapping fresh host pages at their first touch (a CPU's)
+    page_faults: float = 0.0  # the OS mapping fresh host pages at their first touch and taking them back (a CPU's)
 
     @property
     def compute(self) -> float:
@@ -220,7 +222,7 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
         # a rank's own time between its collectives (compute and, on a CPU, its host's) stretched by what it
         # waits there for the last rank of its group
         out.waiting = hardware.straggler_share * (compute + (out.host if hardware.device_type == "cpu" else 0.0))
-    out.page_faults = trace.page_faults * hardware.page_fault_us * 1e-6
+    out.page_faults = (trace.page_faults * hardware.page_fault_us + trace.pages_released * hardware.page_release_us) * 1e-6
     if pp > 1:
         out.bubble = (compute + out.communication + out.host) * megatron_bubble_ratio(pp, microbatches, virtual)
     return out

@@ -145,10 +145,11 @@ class OpTrace:
     # phase -> the ops of ``host_ops`` outside the compiled scope (collectives aside): eager under compile too
     outside_ops: Counter = field(default_factory=Counter)
     outside_kernels: int = 0  # matmul and attention calls outside the compiled scope
-    # the step's minor page faults (first touches of pages its allocator took from the OS), where counted on
-    # a real CPU step (getrusage); 0: none counted (fake tensors take none; an accelerator's tensors come
-    # from its caching allocator)
+    # the step's minor page faults (first touches of pages its allocator took from the OS) and the 4 KiB pages
+    # it handed back, where counted on a real CPU step (getrusage; the resident memory ``malloc_trim`` drops);
+    # 0: none counted (fake tensors take none; an accelerator's tensors come from its caching allocator)
     page_faults: int = 0
+    pages_released: int = 0
 
     def matmul_flops(self) -> float:
         return sum(2.0 * m * n * k * g * calls for (_, _, m, n, k, g), calls in self.matmuls.items())
