@@ -43,8 +43,10 @@ def test_probe_figures_are_positive_and_plausible(probe):
                                             "conv_bf16"}
     assert probe.curve_mib == (0.25, 1.0)
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
-    assert 0 < probe.page_release_us < 1000 and 0 < probe.page_fault_us < 1000  # Linux counts minor faults
-    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + 1
+    # a fresh page's fault and release: about 1 and 0.25 us; 0 where the platform cannot measure them
+    assert 0 <= probe.page_release_us < 1000 and 0 <= probe.page_fault_us < 1000
+    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + (
+        1 if probe.page_fault_us else 0)
 
 
 def test_probe_restores_the_thread_count():
@@ -211,7 +213,11 @@ def test_bench_recorder_counts_the_page_faults_of_the_op_that_touches_fresh_memo
     if not hasattr(mmap, "MADV_NOHUGEPAGE") or not minor_faults():
         pytest.skip("no minor fault count or no madvise here")
     region = mmap.mmap(-1, 8 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_NOHUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    except OSError:
+        region.close()
+        pytest.skip("this kernel has no transparent huge pages to decline")
     fresh = torch.frombuffer(region, dtype=torch.float32)
     a, out = torch.randn(64, 64), torch.empty(64, 64)
     torch.mm(a, a, out=out)
@@ -222,6 +228,18 @@ def test_bench_recorder_counts_the_page_faults_of_the_op_that_touches_fresh_memo
     region.close()
     assert recorder.faults["elementwise"] >= 2048 * 0.9  # 8 MiB of 4 KiB pages
     assert recorder.faults["matmul"] < 64
+
+
+def test_page_costs_of_a_fresh_page_are_measured_where_linux_counts_them():
+    """``page_costs``: a fresh 4 KiB page's first touch beyond a second, and its release, microseconds: both
+    above 0 where the kernel counts minor faults and lets a mapping decline huge pages (0.7-1.5 and 0.2-0.3
+    us on a 2-core EPYC), and below a millisecond."""
+    from qwen3_pretrain.simulate.probe import page_costs
+
+    fault, release = page_costs(mib=8)
+    if (fault, release) == (0.0, 0.0) and not minor_faults():
+        pytest.skip("no minor fault count here")
+    assert 0 < fault < 1000 and 0 < release < 1000
 
 
 def test_profiler_view_spreads_the_priced_faults_and_gives_their_release_to_the_time_outside_ops(monkeypatch):
@@ -278,8 +296,8 @@ def test_a_collective_kind_measured_on_its_own_is_priced_on_its_own_link():
 def test_link_figures_fit_the_ring_model_to_two_timed_sizes(monkeypatch):
     """``link_figures`` fits the planner's ring model (bus bandwidth, latency) to a kind's two timed sizes:
     its latency is the 4 KiB call's time, and the model gives back the step's message's timed time; a message
-    under 64 KiB is timed at its own size for the latency and at 64 KiB for the bandwidth; the statistic
-    reaches the timing."""
+    under 4 KiB is timed at its own size for the latency, one under 64 KiB at 64 KiB for the bandwidth; the
+    statistic reaches the timing."""
     import qwen3_pretrain.simulate.probe as probe
     from qwen3_pretrain.plan.formulas import bus_bandwidth_factor, collective_seconds
 

@@ -26,6 +26,7 @@ tiny shapes, where the arithmetic is negligible (``host_us_per_op``), and hands 
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -477,13 +478,25 @@ def page_costs(mib: int = 32, repeats: int = 3) -> tuple[float, float]:
     touch (the OS maps and zeroes it: a minor page fault), and handing it back (``madvise(MADV_DONTNEED)``,
     what ``malloc_trim`` and ``free`` of a mapped buffer do). An anonymous mapping of ``mib`` MiB with huge
     pages declined, filled twice and released; the medians of ``repeats``. About 0.75 and 0.25 us on a 2-core
-    EPYC. (0, 0) where the platform counts no minor faults or has no ``madvise``. A huge page's fault is not
+    EPYC. (0, 0) where the platform counts no minor faults or cannot decline huge pages (not Linux, or a
+    kernel without them). A huge page's fault is not
     measured: it cost 75 us to 2.6 ms there, as the kernel found a free 2 MiB page or compacted memory for
     one."""
     import mmap
 
     if not hasattr(mmap, "MADV_NOHUGEPAGE") or not hasattr(mmap, "MADV_DONTNEED") or not minor_faults():
         return 0.0, 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a parallel fill waits for any of its threads a busy machine deschedules
+    try:
+        return _page_costs(mib, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _page_costs(mib: int, repeats: int) -> tuple[float, float]:
+    import mmap
+
     faults_us, release_us = [], []
     for _ in range(repeats):
         region = mmap.mmap(-1, mib * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -493,13 +506,17 @@ def page_costs(mib: int = 32, repeats: int = 3) -> tuple[float, float]:
             faults, start = minor_faults(), time.perf_counter()
             view.fill_(1.0)
             cold, faults = time.perf_counter() - start, minor_faults() - faults
-            start = time.perf_counter()
-            view.fill_(2.0)
-            warm = time.perf_counter() - start
+            warm = math.inf
+            for value in (2.0, 3.0):  # the faster of two warm fills: one preempted fill would read no fault cost
+                start = time.perf_counter()
+                view.fill_(value)
+                warm = min(warm, time.perf_counter() - start)
             del view
             start = time.perf_counter()
             region.madvise(mmap.MADV_DONTNEED)
             released = time.perf_counter() - start
+        except OSError:  # a kernel built without transparent huge pages refuses the advice
+            return 0.0, 0.0
         finally:
             region.close()
         if faults > 0:
@@ -541,8 +558,8 @@ def link_figures(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloa
                  iters: int = 10, statistic: str = "median") -> tuple[float, float]:
     """(bus bandwidth GB/s, latency us) of ``group``'s link, fitted to the planner's model (``plan.formulas.
     collective_seconds``: bytes x the kind's bus factor / bandwidth + latency) from two timed sizes: 4 KiB
-    (the latency) and ``nbytes`` (a step's message); a message under 64 KiB fits its latency at its own size
-    and its bandwidth at 64 KiB. On gloo both are the host's: loopback TCP, and the reduction computed on the
+    (the latency) and ``nbytes`` (a step's message); a message under 4 KiB is timed at its own size for the
+    latency, and one under 64 KiB at 64 KiB for the bandwidth. On gloo both are the host's: loopback TCP, and the reduction computed on the
     CPU in ``dtype``."""
     from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
