@@ -442,7 +442,8 @@ def tiny_collectives(recorder: StepRecorder, statistic: str) -> tuple[float, lis
     links = measure_links(recorder, statistic)
     if not links:
         return 0.0, []
-    hw = measured_cpu(1.0, 1.0, 1.0, 1.0, intra_node_gbps=links[0]["gbps"], intra_node_latency_us=links[0]["latency_us"],
+    hw = measured_cpu(1.0, 1.0, 1.0, 1.0, intra_node_gbps=links[0]["gbps"],
+                      intra_node_latency_us=links[0]["latency_us"],
                       collective_links=tuple((k["kind"], k["gbps"], k["latency_us"]) for k in links))
     return sum(total for total, _ in comm_seconds(recorder.comm_calls(), hw).values()), links
 

@@ -159,7 +159,8 @@ class CpuProbe:
         lines.append(f"tiny op: {self.op_latency_us:.1f} us, under autograd (forward and backward, per op): "
                      f"{self.autograd_op_latency_us:.1f} us")
         if self.page_fault_us:
-            lines.append(f"fresh 4 KiB page: {self.page_fault_us:.2f} us its fault, {self.page_release_us:.2f} its release")
+            lines.append(f"fresh 4 KiB page: {self.page_fault_us:.2f} us its fault, "
+                         f"{self.page_release_us:.2f} its release")
         if self.engine_op_us is not None:
             lines.append(f"training step's host per op: {self.engine_op_us:.1f} us eager"
                          + (f", {self.engine_compiled_us:.1f} us per compiled kernel" if self.engine_compiled_us else ""))
@@ -559,8 +560,8 @@ def link_figures(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloa
     """(bus bandwidth GB/s, latency us) of ``group``'s link, fitted to the planner's model (``plan.formulas.
     collective_seconds``: bytes x the kind's bus factor / bandwidth + latency) from two timed sizes: 4 KiB
     (the latency) and ``nbytes`` (a step's message); a message under 4 KiB is timed at its own size for the
-    latency, and one under 64 KiB at 64 KiB for the bandwidth. On gloo both are the host's: loopback TCP, and the reduction computed on the
-    CPU in ``dtype``."""
+    latency, and one under 64 KiB at 64 KiB for the bandwidth. On gloo both are the host's: loopback TCP,
+    and the reduction computed on the CPU in ``dtype``."""
     from qwen3_pretrain.plan.formulas import bus_bandwidth_factor
 
     small_bytes, large_bytes = min(4096, nbytes), max(nbytes, 65536)

@@ -16,7 +16,9 @@ page faults per dense bf16 step at the benchmark's shapes against 7,000 untrimme
 of a step's CPU time. At the roofline bench's shapes (its vocabulary cut to 16,384, so a shorter step) a
 dense eager step ran 3.5-5% slower with the trim (0.855 / 0.878 s against 0.826 / 0.836, about 20,000
 faults against 500-2,100, transparent huge pages on as the CLI sets them) and 12% without huge pages
-(0.924 against 0.827 s, 62,000 faults against 16,000-26,000). By default (``growth`` 0) it runs after every step, which keeps resident memory flat;
+(0.924 against 0.827 s, 62,000 faults against 16,000-26,000).
+
+By default (``growth`` 0) it runs after every step, which keeps resident memory flat;
 with ``growth`` a fraction it runs only after a step whose resident memory exceeds the one measured after
 the first step since the last trim (the working set at its natural level) by more than that fraction of it
 (and at least 64 MiB): steady memory is then never trimmed, growing memory is trimmed every few steps and

@@ -222,7 +222,8 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
         # a rank's own time between its collectives (compute and, on a CPU, its host's) stretched by what it
         # waits there for the last rank of its group
         out.waiting = hardware.straggler_share * (compute + (out.host if hardware.device_type == "cpu" else 0.0))
-    out.page_faults = (trace.page_faults * hardware.page_fault_us + trace.pages_released * hardware.page_release_us) * 1e-6
+    out.page_faults = (trace.page_faults * hardware.page_fault_us
+                       + trace.pages_released * hardware.page_release_us) * 1e-6
     if pp > 1:
         out.bubble = (compute + out.communication + out.host) * megatron_bubble_ratio(pp, microbatches, virtual)
     return out
