@@ -217,21 +217,16 @@ def tiny_tflops(batch: int, side: int, dtype: torch.dtype, min_seconds: float = 
     return 2 * batch * side**3 / seconds_per_call(lambda: torch.bmm(a, b), min_seconds) / 1e12
 
 
-def host_us_per_op(step: Callable[[], object], ops: int, repeats: int = 3,
-                   waited: Callable[[], float] | None = None) -> float:
+def host_us_per_op(step: Callable[[], object], ops: int, repeats: int = 3) -> float:
     """Microseconds per op of ``step`` (a training step at tiny shapes, which dispatches ``ops`` ops): its
     median wall time over ``repeats`` calls over ``ops``. At tiny shapes the arithmetic is negligible, so this is
-    the host's cost per op: the dispatcher, autograd, the engine's Python and hooks. ``waited``: a clock of
-    the seconds spent inside collectives so far (read before and after each call), taken off each call's
-    wall time: the roofline prices the collectives on their own link model, and on 2 gloo processes a tiny
-    step's 20-odd calls at 0.2-0.4 ms of latency each would otherwise count twice."""
+    the host's cost per op: the dispatcher, autograd, the engine's Python and hooks. A multi-process step's
+    collectives are in it: the caller takes them off (the CPU bench at their price on the measured links)."""
     walls = []
     for _ in range(repeats):
-        before = waited() if waited is not None else 0.0
         start = time.perf_counter()
         step()
-        wall = time.perf_counter() - start
-        walls.append(wall - ((waited() - before) if waited is not None else 0.0))
+        walls.append(time.perf_counter() - start)
     return statistics.median(walls) / max(ops, 1) * 1e6
 
 
