@@ -172,6 +172,12 @@ class Hardware:
     # ops move rows one at a time; ``simulate.roofline.trace.op_class`` names the classes); an op of a class
     # with no curve here is priced on ``bandwidth_curve``. Empty on the accelerators (no sourced figure)
     class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    # TFLOP/s of a batched triangular solve (``linalg_solve_triangular``, the Gated DeltaNet's chunk inverse: a
+    # batch of 64 x 64 unit-lower systems against the identity) on its n^2 k FLOPs a system. A CPU's measured
+    # (``simulate.probe``: LAPACK solves each small system on its own, at a tenth of the fp32 GEMM's rate on
+    # the 2-core EPYC); None: priced as a matmul of those FLOPs in the smallest shape class (the
+    # accelerators': no sourced figure)
+    solve_tflops: float | None = None
     # whether FSDP's all-gathers and reduce-scatters run beside the compute (on the device's side streams) or
     # block the thread that issues them. A CPU has no streams: FSDP2 calls gloo without ``async_op`` and
     # waits in ``Work.wait`` before the next op, the engine's CPU reduce-scatter is a plain all-reduce, so
@@ -235,6 +241,15 @@ class Hardware:
                 f = math.log(nbytes / s0) / math.log(s1 / s0)
                 return (r0 + f * (r1 - r0)) * GB
         return curve[-1][1] * GB
+
+    def class_peak(self, op_class: str) -> float | None:
+        """Bytes per second at the fastest point of ``op_class``'s curve (``class_curves``; ``bandwidth_curve``'s
+        for a class without one): an op of that class whose data the caches hold, where its arithmetic, not
+        the memory, sets the pace. None on a device without class curves."""
+        if not self.class_curves:
+            return None
+        curve = next((c for name, c in self.class_curves if name == op_class), self.bandwidth_curve)
+        return max(rate for _, rate in curve) * GB if curve else None
 
     def shape_classes(self, dtype: str = "bfloat16") -> tuple[tuple[int, float], ...]:
         """The roofline's matmul shape classes on this device for ``dtype`` matmuls (``MATMUL_SHAPE_CLASSES``
@@ -464,7 +479,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (),
                  straggler_share: float = 0.0,
                  collective_links: tuple[tuple[str, float, float], ...] = (),
-                 page_fault_us: float = 0.0, page_release_us: float = 0.0) -> Hardware:
+                 page_fault_us: float = 0.0, page_release_us: float = 0.0,
+                 solve_tflops: float | None = None) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -477,8 +493,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     bandwidth by working-set size (``Hardware.bandwidth_curve``: (bytes, GB/s) by ascending bytes) with the
     traffic its caches hold (``cache_bytes``), and per op class where its ops stream at other rates
     (``class_curves``), the stragglers' share (``Hardware.straggler_share``), per collective kind its own
-    link where measured (``Hardware.collective_links``) and the costs of a fresh page's fault and release
-    (``Hardware.page_fault_us``, ``page_release_us``)."""
+    link where measured (``Hardware.collective_links``), the costs of a fresh page's fault and release
+    (``Hardware.page_fault_us``, ``page_release_us``) and a triangular solve's rate (``Hardware.solve_tflops``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -492,7 +508,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
         class_curves=tuple((k, tuple(c)) for k, c in class_curves), straggler_share=straggler_share,
         collective_links=tuple(tuple(link) for link in collective_links), page_fault_us=page_fault_us,
-        page_release_us=page_release_us,
+        page_release_us=page_release_us, solve_tflops=solve_tflops,
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         intra_node_latency_us=DEVICES["cpu"].intra_node_latency_us if intra_node_latency_us is None
         else intra_node_latency_us,

@@ -479,9 +479,55 @@ def test_each_op_class_is_priced_on_its_own_curve_where_the_device_has_one():
     assert hw.bandwidth_at(MiB, "bf16") == pytest.approx(10e9) and hw.bandwidth_at(MiB, "fp32") == pytest.approx(30e9)
     assert hw.bandwidth_at(MiB) == pytest.approx(30e9)
     assert price(rec.trace, hw).elementwise == pytest.approx(3 * MiB / 10e9 + 3 * MiB / 30e9)
-    # compiled: one fused region (each input read once: 2 MiB, both outputs written: 2 MiB) on the one curve
-    assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(4 * MiB / 30e9)
+    # compiled: one fused region (each input read once: 2 MiB, both outputs written: 2 MiB) on the one curve, or
+    # its ops' arithmetic at their classes' fastest rates where that is longer, as here (the bf16 add's 10 GB/s)
+    assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(3 * MiB / 10e9 + 3 * MiB / 30e9)
     assert H100.class_curves == () and H100.bandwidth_at(MiB, "bf16") == pytest.approx(BW)
+
+
+def test_a_fused_region_costs_at_least_its_ops_arithmetic_where_the_device_has_class_curves():
+    """Fusion saves a region's traffic between its ops, not their arithmetic: on a device with class curves (a
+    CPU's) the compiled regions of a phase take the longer of their traffic and their ops' bytes one at a time,
+    each at its class's fastest rate; an accelerator (no class curves) pays the traffic only. By hand."""
+    MiB = 2**20
+    x, y = meta(MiB // 4, dtype=torch.float32), meta(MiB // 4, dtype=torch.float32)  # 1 MiB each
+    with RecordingMode() as rec:
+        z = x * y
+        z * z  # one region: reads x and y, writes the last product; z stays inside
+    mem = rec.trace.memory["forward"]
+    assert mem.regions == 1 and dict(mem.fused_ops) == {"fp32": 6 * MiB}  # 3 MiB per op, one at a time
+    traffic = 3 * MiB / 30e9
+    for peak, expected in ((20.0, 6 * MiB / 20e9), (120.0, traffic)):  # arithmetic longer / traffic longer
+        curve = ((MiB, peak), (64 * MiB, 5.0))  # the class's fastest point is its cached one
+        hw = measured_cpu(1.0, 1.0, 5.0, 1.0, bandwidth_curve=((MiB, 30.0),), class_curves=(("fp32", curve),))
+        assert hw.class_peak("fp32") == pytest.approx(peak * 1e9)
+        assert price(rec.trace, hw, compiled=True).elementwise == pytest.approx(expected)
+    assert H100.class_peak("fp32") is None
+    assert price(rec.trace, H100, compiled=True).elementwise == pytest.approx(3 * MiB / BW)
+
+
+def test_a_triangular_solve_is_priced_by_its_flops_and_splits_the_fused_regions():
+    """``linalg_solve_triangular`` (the Gated DeltaNet's chunk inverse): ``n^2 k`` FLOPs a system at the
+    device's measured solve rate, else as a matmul of the smallest shape class; under compile a kernel of its
+    own between two fused regions, not memory-bound bytes. By hand."""
+    a, b = meta(8, 64, 64, dtype=torch.float32), meta(8, 64, 32, dtype=torch.float32)
+    c = meta(8, 32, 64, dtype=torch.float32)
+    with RecordingMode() as rec:
+        y = b * 2  # region 1
+        x = torch.linalg.solve_triangular(a, y, upper=False)  # 8 systems of 64 x 64, 32 right-hand sides
+        torch.linalg.solve_triangular(a, c, upper=False, left=False)  # X A = C: C's 32 rows are the sides
+        x + 1  # region 2
+    trace = rec.trace
+    assert dict(trace.solves) == {("forward", "float32", 8, 64, 32): 2}
+    assert trace.memory["forward"].regions == 2 and trace.memory["forward"].ops == 2
+    flops = 2 * 8 * 64 * 64 * 32
+    assert trace.solve_flops() == flops
+    cpu = measured_cpu(1.0, 0.5, 5.0, 1.0, solve_tflops=0.01)
+    assert price(trace, cpu).matmul == pytest.approx(flops / 0.01e12)
+    # no measured rate: a matmul of the fp32 peak in the smallest shape class
+    share = H100.shape_classes("float32")[0][1]
+    expected = flops / (H100.fp32_peak_tflops * 1e12 * H100.matmul_efficiency * share)
+    assert price(trace, H100).matmul == pytest.approx(expected)
 
 
 def test_a_convolution_under_compile_is_a_kernel_of_its_own_on_its_class_curve():

@@ -92,6 +92,24 @@ def test_profiler_categories_of_the_bench(monkeypatch):
     assert set(seconds) == {*CATEGORIES, "wall", "ops", "collective_s", "cpu_s", "collectives"}
     assert seconds["ops"]["aten::mm"][1] == 1  # per event name: self seconds and calls
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
+    assert op_category("aten::linalg_solve_triangular") == "matmul"  # priced with the matmuls
+
+
+def test_profiled_steps_take_each_categorys_median_and_the_middle_steps_details(monkeypatch):
+    """Several profiled steps: each category, the wall and the CPU time at their median over the steps, each
+    independently; the per-op times and collectives of the middle step (the same step on every rank)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import roofline_cpu
+    from roofline_cpu import CATEGORIES
+
+    runs = iter([{**dict.fromkeys(CATEGORIES, 0.0), "matmul": m, "other": o, "wall": w, "collective_s": 0.0,
+                  "cpu_s": w, "ops": {"aten::mm": (m, i)}, "collectives": [("all_reduce", 8, i, i + 1)]}
+                 for i, (m, o, w) in enumerate(((0.5, 0.9, 2.0), (0.3, 0.1, 1.0), (0.4, 0.2, 3.0)))])
+    monkeypatch.setattr(roofline_cpu, "profiled_categories", lambda step: next(runs))
+    out = roofline_cpu.profiled_steps(lambda: None, 3)
+    assert (out["matmul"], out["other"], out["wall"], out["cpu_s"]) == (0.4, 0.2, 2.0, 2.0)
+    assert out["ops"] == {"aten::mm": (0.3, 1)} and out["collectives"] == [("all_reduce", 8, 1, 2)]
+    assert out["repeats"] == 3
 
 
 def test_bench_recorder_counts_matmuls_into_buffers_and_the_probe_device_prices_them(monkeypatch):

@@ -76,6 +76,9 @@ class CpuProbe:
     # 0: unmeasured
     page_fault_us: float = 0.0
     page_release_us: float = 0.0
+    # TFLOP/s of the triangular solves the caller asked for (``solve_tflops``, at a trace's own shapes); None:
+    # none asked (a solve priced as a matmul of the smallest shape class)
+    solve_tflops: float | None = None
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -107,6 +110,7 @@ class CpuProbe:
           copying each byte out of and into a socket buffer, half the copy bandwidth; per collective kind
           its own figures where measured (``links``: gloo reduces on the CPU);
         * a fresh page's fault and release (``page_fault_us``, ``page_release_us``);
+        * a triangular solve's rate where the caller measured one (``solve_tflops``);
         * the stragglers' share, where the caller measured it (``straggler_share``)."""
         from qwen3_pretrain.hardware import measured_cpu
 
@@ -130,7 +134,8 @@ class CpuProbe:
             bandwidth_curve=curve, cache_bytes=cache_bytes(curve), class_curves=class_curves,
             straggler_share=self.straggler_share,
             collective_links=tuple((kind, gbps, us) for kind, (gbps, us) in sorted(self.links.items())),
-            page_fault_us=self.page_fault_us, page_release_us=self.page_release_us)
+            page_fault_us=self.page_fault_us, page_release_us=self.page_release_us,
+            solve_tflops=self.solve_tflops)
 
     def trace_rate(self, trace, dtype: str) -> float:
         """TFLOP/s of ``trace``'s ``dtype`` ("bf16"/"fp32") matmuls with no side under 128 and one group: each
@@ -215,6 +220,18 @@ def tiny_tflops(batch: int, side: int, dtype: torch.dtype, min_seconds: float = 
     """TFLOP/s of a batch of ``side``-cubed products (``bmm``, 2 batch side^3 FLOPs)."""
     a, b = torch.randn(batch, side, side, dtype=dtype), torch.randn(batch, side, side, dtype=dtype)
     return 2 * batch * side**3 / seconds_per_call(lambda: torch.bmm(a, b), min_seconds) / 1e12
+
+
+def solve_tflops(batch: int, n: int, k: int, dtype: torch.dtype = torch.float32,
+                 min_seconds: float = 0.02) -> float:
+    """TFLOP/s (``n^2 k`` FLOPs a system) of ``linalg_solve_triangular`` over a batch of ``batch`` unit-lower
+    ``n x n`` systems against ``k`` right-hand sides: the identity expanded over the batch where ``k == n``, as
+    the Gated DeltaNet's chunk inverse solves (models/ops/gated_delta.py)."""
+    a = torch.randn(batch, n, n).tril(-1).mul_(0.1).to(dtype)
+    b = torch.eye(n, dtype=dtype).expand(batch, n, n) if k == n else torch.randn(batch, n, k, dtype=dtype)
+    seconds = seconds_per_call(lambda: torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True),
+                               min_seconds)
+    return float(batch) * n * n * k / seconds / 1e12
 
 
 def host_us_per_op(step: Callable[[], object], ops: int, repeats: int = 3) -> float:
@@ -412,6 +429,7 @@ def autograd_op_latency_us(length: int = 32) -> float:
 def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None = None,
                 grouped: Iterable[tuple[int, int, int, int]] = (), group_counts: Iterable[Iterable[int]] = (),
                 attention: tuple[int, int, int, int, int] | None = None,
+                solves: Iterable[tuple[str, int, int, int]] = (),
                 square: int = 1024, skinny: tuple[int, int, int] = (2048, 256, 256), tiny: tuple[int, int] = (32, 64),
                 min_seconds: float = 0.02, memory_mib: int = 128,
                 curve_mib: Iterable[float] = CURVE_MIB) -> CpuProbe:
@@ -423,8 +441,9 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
     ``group_counts`` (per-group row counts as the model's routing gave them: those of ``experts`` groups are
     timed; equal groups where none has);
     ``attention``: (batch, heads, kv heads, seq, head_dim) of causal SDPA, bf16 shape class ``"attention"``;
-    ``tiny``: (batch, side) of the ``"tiny"`` class's batched products; ``curve_mib``: the working sets of
-    ``bandwidth_curve`` (empty: not measured).
+    ``solves``: (dtype, batch, n, k) of triangular solves (``solve_tflops``; the rate over them all:
+    their FLOPs over their time); ``tiny``: (batch, side) of the ``"tiny"`` class's batched products;
+    ``curve_mib``: the working sets of ``bandwidth_curve`` (empty: not measured).
     About 15 s at ``min_seconds`` 0.01 on the 2-core Xeon at load 4, most of it the bandwidth curves (10 kernels
     at 5 sizes; 4-6 s idle with the defaults before the op classes' kernels).
     Measure at the thread count the priced work runs at: with more threads than the cores free at the
@@ -448,6 +467,14 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                                                                                  counts)
         if attention:
             tflops[("bf16", "attention")] = attention_tflops(*attention, min_seconds=min_seconds)
+        solve_rate = None
+        flops = seconds = 0.0
+        for dtype, batch, n, k in sorted(set(solves)):
+            work = float(batch) * n * n * k
+            flops += work
+            seconds += work / (solve_tflops(batch, n, k, getattr(torch, dtype), min_seconds) * 1e12)
+        if seconds:
+            solve_rate = flops / seconds / 1e12
         curve_mib = tuple(curve_mib)
         costs = page_costs()
         return CpuProbe(cpu=cpu_name(), threads=torch.get_num_threads(), matmul_tflops=tflops,
@@ -455,7 +482,8 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                         autograd_op_latency_us=autograd_op_latency_us(),
                         load_average=os.getloadavg()[0],
                         bandwidth_by_size=bandwidth_curve(curve_mib, min_seconds) if curve_mib else {},
-                        curve_mib=curve_mib, page_fault_us=costs[0], page_release_us=costs[1])
+                        curve_mib=curve_mib, page_fault_us=costs[0], page_release_us=costs[1],
+                        solve_tflops=solve_rate)
     finally:
         torch.set_num_threads(before)
 

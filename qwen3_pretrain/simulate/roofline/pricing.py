@@ -6,7 +6,9 @@
   not a measurement; a CPU's classes are measured by ``simulate.probe``), or its operands' bytes at memory
   bandwidth where that is longer (a skinny matmul is memory-bound). A grouped matmul is priced per group
   (the trace keeps one group's sizes): its class is one group's smallest side, times the device's
-  ``grouped_matmul_share`` (a CPU runs it as a loop of small products).
+  ``grouped_matmul_share`` (a CPU runs it as a loop of small products). Triangular solves count here too:
+  ``n^2 k`` FLOPs a system at ``Hardware.solve_tflops`` (a CPU's measured), else as a matmul of the smallest
+  shape class.
 * **attention** (SDPA's fused kernels): forward ``4 b h sq skv d`` FLOPs, half of it under a causal
   mask; backward 2.5 times the forward (it recomputes the scores: five products against two), at the
   device's ``attention_efficiency`` of the dtype's peak (0.5 on accelerators, FlashAttention's; a CPU's
@@ -16,6 +18,9 @@
 * **memory-bound ops**: bytes at ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``; eager one op at a
   time; compiled, the fused regions inside the compiled scope (the decoder layers ``compile: true``
   compiles, ``trace.py``) and the ops outside it (embedding, loss, optimizer, FSDP's copies) one at a time.
+  A fused region saves the traffic between its ops, not their arithmetic: on a device with class curves (a
+  CPU's) a phase's regions take at least each of their ops' bytes at its class's fastest rate
+  (``fused_compute_seconds``: with its data in the caches an op's pace is its arithmetic's).
   Where the device has a ``bandwidth_curve`` (a CPU's, measured by ``simulate.probe``: its caches stream a
   few MiB 1.5-3x faster than memory, when they are in its caches), each op's or fused region's bytes at
   the rate of its own size where its caches hold them: its writes, and its reads of tensors some kernel
@@ -61,7 +66,7 @@ from dataclasses import asdict, dataclass
 
 from qwen3_pretrain.hardware import GB, MATMUL_SHAPE_CLASSES, Hardware
 from qwen3_pretrain.plan.formulas import collective_seconds, megatron_bubble_ratio
-from qwen3_pretrain.simulate.roofline.trace import OpTrace, bucket_bytes
+from qwen3_pretrain.simulate.roofline.trace import FUSED, OpTrace, bucket_bytes
 
 # smallest matmul side -> share of the large-GEMM efficiency on an accelerator (hardware.py has the figures)
 SHAPE_CLASSES = MATMUL_SHAPE_CLASSES
@@ -123,6 +128,21 @@ def _matmul_seconds(trace: OpTrace, hw: Hardware) -> float:
     return total
 
 
+def _solve_seconds(trace: OpTrace, hw: Hardware) -> float:
+    """Triangular solves: ``n^2 k`` FLOPs a system at ``Hardware.solve_tflops``, else as a matmul of those FLOPs
+    in the device's smallest shape class."""
+    total = 0.0
+    for (_, dtype, batch, n, k), calls in trace.solves.items():
+        flops = float(batch) * n * n * k
+        if hw.solve_tflops:
+            rate = hw.solve_tflops * 1e12
+        else:
+            peak = hw.matmul_tflops(dtype) or hw.peak_tflops
+            rate = peak * 1e12 * hw.matmul_efficiency * matmul_shape_share(1, 1, 1, hw.shape_classes(dtype))
+        total += calls * flops / rate
+    return total
+
+
 def attention_flops(b: int, h: int, sq: int, skv: int, d: int, causal: bool, backward: bool) -> float:
     """Executed FLOPs of one fused attention call (module docstring)."""
     forward = 4.0 * b * h * sq * skv * d * (0.5 if causal else 1.0)
@@ -145,7 +165,8 @@ def memory_seconds(trace: OpTrace, hw: Hardware, compiled: bool = False) -> floa
     """Seconds of the memory-bound ops: eager each op's bytes, compiled the fused regions' and the ops'
     outside the compiled scope. On a device with a ``bandwidth_curve``, the bytes the trace has sizes for
     at ``sizes_seconds``; bytes a trace has no sizes for, and every byte on a device without a curve, at
-    ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
+    ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``. Compiled, on a device with class curves, a phase's
+    fused regions take at least their ops' arithmetic (``fused_compute_seconds``)."""
     flat = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
     kinds = ("fused", "outside") if compiled else ("eager",)
     seconds = 0.0
@@ -155,7 +176,27 @@ def memory_seconds(trace: OpTrace, hw: Hardware, compiled: bool = False) -> floa
             priced, nbytes = sizes_seconds(m.sizes, hw, kinds)
             seconds += priced
             moved -= nbytes
+            if compiled:
+                # max(regions' traffic, their arithmetic): the traffic is in ``priced`` already
+                regions = {k: v for k, v in m.sizes.items() if k[0] == "fused" and k[3] == FUSED}
+                seconds += max(0.0, fused_compute_seconds(m.fused_ops, hw) - sizes_seconds(regions, hw, ("fused",))[0])
         seconds += max(0.0, moved) / flat
+    return seconds
+
+
+def fused_compute_seconds(fused_ops: dict, hw: Hardware) -> float:
+    """The arithmetic of a phase's fused regions (``MemoryOps.fused_ops``: their ops' bytes one at a time, by
+    op class) on a device with class curves: each op's bytes at its class's fastest rate (``Hardware.class_peak``,
+    the op with its data in the caches, where its arithmetic sets the pace). A fused kernel saves the traffic
+    between its ops, not their arithmetic: on the 2-core EPYC the compiled layers' kernels of the CPU bench's
+    dense, MoE and hybrid steps took 0.04, 0.08 and 0.08-0.12 s, their fused bytes priced 0.006, 0.015 and
+    0.018, their ops at their classes' fastest rates 0.052, 0.084 and 0.10. 0 on a device without class
+    curves (an accelerator's vector units outrun its memory on these ops)."""
+    seconds = 0.0
+    for op_class, nbytes in fused_ops.items():
+        rate = hw.class_peak(op_class)
+        if rate:
+            seconds += nbytes / rate
     return seconds
 
 
@@ -199,7 +240,8 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     """The step time of ``trace`` on ``hardware`` by category (module docstring). ``comm``:
     {(axis, kind, group size): (whole-buffer bytes, calls)} per step (``track.CommCounter.calls_by_size``);
     ``intra``: which axes stay inside a node; ``pp``, ``microbatches``, ``virtual``: the pipeline."""
-    out = Breakdown(matmul=_matmul_seconds(trace, hardware), attention=_attention_seconds(trace, hardware))
+    out = Breakdown(matmul=_matmul_seconds(trace, hardware) + _solve_seconds(trace, hardware),
+                    attention=_attention_seconds(trace, hardware))
     out.elementwise = memory_seconds(trace, hardware, compiled)
     compute = out.compute
     exposed = 0.0
@@ -212,7 +254,8 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
         # the compiled scope's matmuls, attention calls and fused regions, and the collectives, at the compiled
         # launch cost; every op outside the scope at the eager one
         outside = sum(trace.outside_ops.values())
-        kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values()) - trace.outside_kernels
+        kernels = (sum(trace.matmuls.values()) + sum(trace.solves.values()) + sum(trace.attention.values())
+                   - trace.outside_kernels
                    + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in (comm or {}).values()))
         host = kernels * hardware.compiled_launch_us * 1e-6 + outside * hardware.launch_latency_us * 1e-6
     else:

@@ -12,6 +12,9 @@ needs, summed on the fly:
   (rows per group, or the contracted size per group for the weight gradient,
   the groups of equal size: a fake tensor has no offsets to read) and its
   group count;
+* **triangular solves** (``linalg_solve_triangular``, the Gated DeltaNet's
+  chunk inverse): calls by (phase, dtype, batch, n, k), ``n^2 k`` FLOPs per
+  system; under compile a kernel of its own, like a matmul;
 * **attention** (SDPA's fused kernels, forward and backward): calls by (phase,
   kernel, dtype, batch, heads, q_len, kv_len, head_dim, causal). SDPA's math
   kernel decomposes into ``bmm`` and softmax before dispatch and lands in the
@@ -22,7 +25,9 @@ needs, summed on the fly:
   them (below), with the op and fused-region counts the host term needs, and
   the same bytes by the size of the kernel that moves them (a power-of-two
   bucket per op or fused region: a CPU streams a cache-sized working set
-  faster than a memory-sized one);
+  faster than a memory-sized one), and the compiled scope's ops one at a time
+  by op class (``MemoryOps.fused_ops``: the per-element work a fused kernel
+  still does);
 * **collectives** are not kept here: ``track.CommCounter`` counts them.
 
 Views and other metadata-only ops (their results alias an input), ``empty``
@@ -51,14 +56,16 @@ around its all-gathers included).
 
 **Fusion model** (priced when the config compiles): a maximal run of
 consecutive memory-bound ops between two ops of another kind (matmul,
-attention, collective, convolution: a convolution is a kernel of its own) is
-one fused region, which reads each storage it did not
+attention, collective, triangular solve, convolution: a convolution is a
+kernel of its own) is one fused region, which reads each storage it did not
 produce once and writes each storage it produced that no later op of the
 region reads. Inductor does not fuse across matmuls or collectives, and fuses
 a pointwise chain and its reductions into few kernels; the model
 under-counts a region's writes where an intermediate is also saved for
 backward (the partitioner writes those) and over-counts where inductor splits a
-region. It needs no graph: the same trace prices eager and compiled.
+region. Fusion saves the traffic, not the arithmetic: the region's ops still
+compute every element (``MemoryOps.fused_ops``, which a CPU's pricing
+charges). It needs no graph: the same trace prices eager and compiled.
 
 ``TraceRecorder`` is the recording itself, callable from a dispatch mode that
 already exists (``track.StepMemTracker`` on fake tensors); ``RecordingMode``
@@ -93,6 +100,8 @@ _ADDED = {aten.addmm.default, aten.baddbmm.default, aten.addmm.out, aten.addmm_.
 # the overloads (``.default``), which dispatch sees, not the packets
 _GROUPED = {getattr(getattr(aten, name, None), "default", None) for name in ("_grouped_mm", "_scaled_grouped_mm")} - {None}
 _SCALED = {aten._scaled_mm.default} if hasattr(aten, "_scaled_mm") else set()
+# triangular solves: compute-bound, a kernel of their own under compile too (inductor calls the library's)
+_SOLVES = {aten.linalg_solve_triangular.default, aten.linalg_solve_triangular.out}
 
 
 def _attention_ops() -> dict:
@@ -126,6 +135,10 @@ class MemoryOps:
     ops: int = 0
     regions: int = 0
     outside_bytes: float = 0.0  # ops outside the compiled scope, one at a time (in ``eager_bytes`` too)
+    # the compiled scope's memory-bound ops one at a time, by op class (``op_class``) -> bytes: the work a fused
+    # kernel still does per element (convolutions aside), priced at each class's fastest rate on a device with
+    # class curves (``pricing.memory_seconds``)
+    fused_ops: Counter = field(default_factory=Counter)
     # the same bytes by how many one kernel moves: (how, size bucket, reuse bucket, op class) -> bytes,
     # ``how`` "eager" (every op), "fused" (each fused region's total) or "outside"; size bucket
     # ``size_bucket``: a device whose bandwidth depends on the working set (a CPU's caches,
@@ -139,12 +152,15 @@ class OpTrace:
     """A step's ops, aggregated (module docstring). ``scale(f)`` stands for ``f`` such steps."""
 
     matmuls: Counter = field(default_factory=Counter)  # (phase, dtype, m, n, k, groups) -> calls
+    # triangular solves (``linalg_solve_triangular``): (phase, dtype, batch, n, k) -> calls, a batch of n x n
+    # systems against k right-hand sides each, n^2 k FLOPs a system
+    solves: Counter = field(default_factory=Counter)
     attention: Counter = field(default_factory=Counter)  # (phase, kernel, dtype, b, h, sq, skv, d, causal) -> calls
     memory: dict[str, MemoryOps] = field(default_factory=lambda: {p: MemoryOps() for p in PHASES})
     host_ops: Counter = field(default_factory=Counter)  # phase -> every op that launches work (matmuls too)
     # phase -> the ops of ``host_ops`` outside the compiled scope (collectives aside): eager under compile too
     outside_ops: Counter = field(default_factory=Counter)
-    outside_kernels: int = 0  # matmul and attention calls outside the compiled scope
+    outside_kernels: int = 0  # matmul, solve and attention calls outside the compiled scope
     # the step's minor page faults (first touches of pages its allocator took from the OS) and the 4 KiB pages
     # it handed back, where counted on a real CPU step (getrusage; the resident memory ``malloc_trim`` drops);
     # 0: none counted (fake tensors take none; an accelerator's tensors come from its caching allocator)
@@ -154,10 +170,15 @@ class OpTrace:
     def matmul_flops(self) -> float:
         return sum(2.0 * m * n * k * g * calls for (_, _, m, n, k, g), calls in self.matmuls.items())
 
+    def solve_flops(self) -> float:
+        return sum(float(b) * n * n * k * calls for (_, _, b, n, k), calls in self.solves.items())
+
     def to_json(self) -> dict:
         return {"matmul_calls": sum(self.matmuls.values()), "matmul_tflop": round(self.matmul_flops() / 1e12, 3),
+                "solve_calls": sum(self.solves.values()), "solve_tflop": round(self.solve_flops() / 1e12, 3),
                 "attention_calls": sum(self.attention.values()),
-                "memory_ops": {p: {k: v for k, v in vars(m).items() if k != "sizes"} for p, m in self.memory.items()},
+                "memory_ops": {p: {k: v for k, v in vars(m).items() if k not in ("sizes", "fused_ops")}
+                               for p, m in self.memory.items()},
                 "host_ops": dict(self.host_ops),
                 "outside_compiled_ops": dict(self.outside_ops)}
 
@@ -460,6 +481,12 @@ class TraceRecorder:
             trace.outside_kernels += not inside
             self._touch(ins + outs)
             return
+        if func in _SOLVES:
+            self.close_region()
+            self._solve(func, args, kwargs or {}, phase)
+            trace.outside_kernels += not inside
+            self._touch(ins + outs)
+            return
         attention = _ATTENTION.get(func)
         if attention is not None:
             self.close_region()
@@ -498,6 +525,7 @@ class TraceRecorder:
             mem.fused_bytes += moved
             mem.regions += 1
             return
+        mem.fused_ops[cls] += moved
         if phase != self._region_phase:
             self.close_region()
             self._region_phase = phase
@@ -549,6 +577,16 @@ class TraceRecorder:
                 groups = b.shape[0] if b.dim() == 3 else (a.shape[0] if a.dim() == 3 else 1)
                 m //= max(groups, 1)
         self.trace.matmuls[(phase, dtype, int(m), int(n), int(k), int(groups))] += 1
+
+    def _solve(self, func, args, kwargs, phase: str) -> None:
+        a, b = args[0], args[1]
+        if isinstance(a, DTensor):
+            a, b = a._local_tensor, b._local_tensor
+        n = int(a.shape[-1])
+        left = _argument(func, args, kwargs, "left")
+        k = int(b.shape[-1] if left in (None, True) else b.shape[-2])  # right: X A = B, B's rows
+        batch = b.numel() // max(n * k, 1)
+        self.trace.solves[(phase, str(b.dtype).replace("torch.", ""), int(batch), n, k)] += 1
 
     def _attention(self, kind, func, args, kwargs, phase: str) -> None:
         kernel, backward = kind
