@@ -174,7 +174,7 @@ class Hardware:
     class_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     # TFLOP/s of a batched triangular solve (``linalg_solve_triangular``, the Gated DeltaNet's chunk inverse: a
     # batch of 64 x 64 unit-lower systems against the identity) on its n^2 k FLOPs a system. A CPU's measured
-    # (``simulate.probe``: LAPACK solves each small system on its own, at a tenth of the fp32 GEMM's rate on
+    # (``simulate.probe``: LAPACK solves each small system on its own, at an eighth of the fp32 GEMM's rate on
     # the 2-core EPYC); None: priced as a matmul of those FLOPs in the smallest shape class (the
     # accelerators': no sourced figure)
     solve_tflops: float | None = None
