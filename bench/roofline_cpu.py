@@ -18,7 +18,8 @@ batch). Each variant runs in fresh processes; per rank:
    after each, ``simulate.probe.measure_cpu`` at the rank's thread count (both ranks at once under tp2 / dp2, so each
    sees the memory bandwidth it shares): matmul TFLOP/s per dtype and shape class (square, skinny, tiny, the
    model's projections and its vocabulary head, the expert layer's grouped products at the recorded group
-   sizes), causal SDPA, streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB);
+   sizes), causal SDPA, the triangular solves at the trace's own shapes (the hybrid's chunk inverse),
+   streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB);
 3. ``--profiled-steps`` steps under ``torch.profiler``: self CPU time per op, summed by category (matmul,
    attention, elementwise, communication, other), each category's median over the steps; torch.distributed's
    Python collectives timed whole (``CollectiveClock``: gloo's wait is no op, the profiler alone would put it
@@ -431,6 +432,7 @@ def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict
     collectives, waited on inside ops) had counted as host (0.053 s of a 0.219 s tiny step). The tiny step's
     own page faults stay in the host figure (under 1% of it)."""
     from qwen3_pretrain.simulate.probe import host_us_per_op
+    from qwen3_pretrain.simulate.roofline.pricing import compiled_kernels
 
     recorder = record_step(trainer, step, mode == "compiled")
     trace = recorder.trace
@@ -451,8 +453,7 @@ def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict
     if mode == "compiled":
         eager_us = json.loads(args.host_us)["eager_us"]
         outside = sum(trace.outside_ops.values())
-        kernels = (sum(trace.matmuls.values()) + sum(trace.attention.values()) - trace.outside_kernels
-                   + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in recorder.comm_calls().values()))
+        kernels = compiled_kernels(trace, recorder.comm_calls())
         host_s = out.pop("eager_us") * ops * 1e-6
         out.update(eager_us=eager_us, compiled_us=max(host_s - outside * eager_us * 1e-6, 0.0) / max(kernels, 1) * 1e6,
                    outside_ops=outside, kernels=kernels)

@@ -524,10 +524,22 @@ def test_a_triangular_solve_is_priced_by_its_flops_and_splits_the_fused_regions(
     assert trace.solve_flops() == flops
     cpu = measured_cpu(1.0, 0.5, 5.0, 1.0, solve_tflops=0.01)
     assert price(trace, cpu).matmul == pytest.approx(flops / 0.01e12)
-    # no measured rate: a matmul of the fp32 peak in the smallest shape class
+    # no measured rate: a matmul of the fp32 peak in the smallest shape class, or the bytes (the systems, the
+    # right-hand sides, the results) at memory bandwidth where longer, as on the H100 at these small sizes
+    moved = 2 * 4 * 8 * (64 * 64 + 2 * 64 * 32)
     share = H100.shape_classes("float32")[0][1]
-    expected = flops / (H100.fp32_peak_tflops * 1e12 * H100.matmul_efficiency * share)
-    assert price(trace, H100).matmul == pytest.approx(expected)
+    compute = flops / (H100.fp32_peak_tflops * 1e12 * H100.matmul_efficiency * share)
+    assert moved / BW > compute
+    assert price(trace, H100).matmul == pytest.approx(moved / BW)
+    faster = dataclasses.replace(H100, memory_bandwidth_gbps=H100.memory_bandwidth_gbps * 100)
+    assert price(trace, faster).matmul == pytest.approx(compute)
+    # compiled, each solve a kernel of its own beside the two regions: 4 launches
+    launch = measured_cpu(1.0, 0.5, 5.0, 1.0, compiled_launch_us=10.0)
+    assert price(trace, launch, compiled=True).host == pytest.approx(4 * 10e-6)
+    # batch dims broadcast: one set of right-hand sides against 8 systems is 8 solves
+    with RecordingMode() as rec:
+        torch.linalg.solve_triangular(a, meta(64, 32, dtype=torch.float32), upper=False)
+    assert dict(rec.trace.solves) == {("forward", "float32", 8, 64, 32): 1}
 
 
 def test_a_convolution_under_compile_is_a_kernel_of_its_own_on_its_class_curve():

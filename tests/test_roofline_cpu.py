@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def probe() -> CpuProbe:
     return measure_cpu(shapes=[(256, 64, 128)], threads=1, square=256, skinny=(512, 64, 64), min_seconds=0.005,
                        memory_mib=16, grouped=[(256, 4, 64, 64)], group_counts=[[100, 50, 0, 110], [64, 64, 64]],
-                       attention=(1, 4, 2, 128, 32), curve_mib=(0.25, 1.0))
+                       attention=(1, 4, 2, 128, 32), curve_mib=(0.25, 1.0), solves=[("float32", 4, 16, 16)])
 
 
 def test_probe_figures_are_positive_and_plausible(probe):
@@ -45,7 +45,10 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
     # a fresh page's fault and release: about 1 and 0.25 us; 0 where the platform cannot measure them
     assert 0 <= probe.page_release_us < 1000 and 0 <= probe.page_fault_us < 1000
-    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + (
+    assert 0 < probe.solve_tflops < 100 and probe.hardware().solve_tflops == probe.solve_tflops
+    assert measure_cpu(threads=1, square=64, skinny=(64, 64, 64), min_seconds=0.001, memory_mib=1,
+                       curve_mib=()).solve_tflops is None  # none asked: a solve priced as a tiny matmul
+    assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + 1 + (
         1 if probe.page_fault_us else 0)
 
 

@@ -163,6 +163,8 @@ class CpuProbe:
                   + ", ".join(f"{v:.1f}" for v in rates) + " GB/s" for kind, rates in self.bandwidth_by_size.items()]
         lines.append(f"tiny op: {self.op_latency_us:.1f} us, under autograd (forward and backward, per op): "
                      f"{self.autograd_op_latency_us:.1f} us")
+        if self.solve_tflops:
+            lines.append(f"triangular solve: {self.solve_tflops:.4f} TFLOP/s")
         if self.page_fault_us:
             lines.append(f"fresh 4 KiB page: {self.page_fault_us:.2f} us its fault, "
                          f"{self.page_release_us:.2f} its release")

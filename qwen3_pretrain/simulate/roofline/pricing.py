@@ -8,7 +8,7 @@
   (the trace keeps one group's sizes): its class is one group's smallest side, times the device's
   ``grouped_matmul_share`` (a CPU runs it as a loop of small products). Triangular solves count here too:
   ``n^2 k`` FLOPs a system at ``Hardware.solve_tflops`` (a CPU's measured), else as a matmul of the smallest
-  shape class.
+  shape class, or their operands' bytes at memory bandwidth where longer.
 * **attention** (SDPA's fused kernels): forward ``4 b h sq skv d`` FLOPs, half of it under a causal
   mask; backward 2.5 times the forward (it recomputes the scores: five products against two), at the
   device's ``attention_efficiency`` of the dtype's peak (0.5 on accelerators, FlashAttention's; a CPU's
@@ -130,16 +130,18 @@ def _matmul_seconds(trace: OpTrace, hw: Hardware) -> float:
 
 def _solve_seconds(trace: OpTrace, hw: Hardware) -> float:
     """Triangular solves: ``n^2 k`` FLOPs a system at ``Hardware.solve_tflops``, else as a matmul of those FLOPs
-    in the device's smallest shape class."""
+    in the device's smallest shape class; or their operands' bytes at memory bandwidth where longer."""
+    bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
     total = 0.0
     for (_, dtype, batch, n, k), calls in trace.solves.items():
         flops = float(batch) * n * n * k
+        moved = _BYTES.get(dtype, 4) * batch * (n * n + 2 * n * k)  # the systems, the right-hand sides, the result
         if hw.solve_tflops:
             rate = hw.solve_tflops * 1e12
         else:
             peak = hw.matmul_tflops(dtype) or hw.peak_tflops
             rate = peak * 1e12 * hw.matmul_efficiency * matmul_shape_share(1, 1, 1, hw.shape_classes(dtype))
-        total += calls * flops / rate
+        total += calls * max(flops / rate, moved / bandwidth)
     return total
 
 
@@ -251,13 +253,10 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
         exposed += min(total, edge + max(0.0, total - edge - compute)) if hidden else total
     out.communication = exposed
     if compiled:
-        # the compiled scope's matmuls, attention calls and fused regions, and the collectives, at the compiled
-        # launch cost; every op outside the scope at the eager one
+        # the compiled scope's kernels at the compiled launch cost; every op outside the scope at the eager one
         outside = sum(trace.outside_ops.values())
-        kernels = (sum(trace.matmuls.values()) + sum(trace.solves.values()) + sum(trace.attention.values())
-                   - trace.outside_kernels
-                   + sum(m.regions for m in trace.memory.values()) + sum(c for _, c in (comm or {}).values()))
-        host = kernels * hardware.compiled_launch_us * 1e-6 + outside * hardware.launch_latency_us * 1e-6
+        host = (compiled_kernels(trace, comm) * hardware.compiled_launch_us
+                + outside * hardware.launch_latency_us) * 1e-6
     else:
         host = sum(trace.host_ops.values()) * hardware.launch_latency_us * 1e-6
     out.host = host if hardware.device_type == "cpu" else max(0.0, host - compute - exposed)
@@ -270,6 +269,14 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
     if pp > 1:
         out.bubble = (compute + out.communication + out.host) * megatron_bubble_ratio(pp, microbatches, virtual)
     return out
+
+
+def compiled_kernels(trace: OpTrace, comm: dict | None = None) -> int:
+    """The kernels a compiled step launches from its compiled scope, each at ``compiled_launch_us``: its
+    matmuls, solves and attention calls, its fused regions (and convolutions), and the step's collectives."""
+    return (sum(trace.matmuls.values()) + sum(trace.solves.values()) + sum(trace.attention.values())
+            - trace.outside_kernels + sum(m.regions for m in trace.memory.values())
+            + sum(calls for _, calls in (comm or {}).values()))
 
 
 def throughput(breakdown: Breakdown, tokens_per_device: float, model_flops_per_token: float,

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -177,8 +178,8 @@ class OpTrace:
         return {"matmul_calls": sum(self.matmuls.values()), "matmul_tflop": round(self.matmul_flops() / 1e12, 3),
                 "solve_calls": sum(self.solves.values()), "solve_tflop": round(self.solve_flops() / 1e12, 3),
                 "attention_calls": sum(self.attention.values()),
-                "memory_ops": {p: {k: v for k, v in vars(m).items() if k not in ("sizes", "fused_ops")}
-                               for p, m in self.memory.items()},
+                "memory_ops": {p: {**{k: v for k, v in vars(m).items() if k not in ("sizes", "fused_ops")},
+                                   "fused_op_bytes": dict(m.fused_ops)} for p, m in self.memory.items()},
                 "host_ops": dict(self.host_ops),
                 "outside_compiled_ops": dict(self.outside_ops)}
 
@@ -579,13 +580,11 @@ class TraceRecorder:
         self.trace.matmuls[(phase, dtype, int(m), int(n), int(k), int(groups))] += 1
 
     def _solve(self, func, args, kwargs, phase: str) -> None:
-        a, b = args[0], args[1]
-        if isinstance(a, DTensor):
-            a, b = a._local_tensor, b._local_tensor
+        a, b = (x._local_tensor if isinstance(x, DTensor) else x for x in args[:2])
         n = int(a.shape[-1])
         left = _argument(func, args, kwargs, "left")
         k = int(b.shape[-1] if left in (None, True) else b.shape[-2])  # right: X A = B, B's rows
-        batch = b.numel() // max(n * k, 1)
+        batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))  # the batch dims broadcast
         self.trace.solves[(phase, str(b.dtype).replace("torch.", ""), int(batch), n, k)] += 1
 
     def _attention(self, kind, func, args, kwargs, phase: str) -> None:
