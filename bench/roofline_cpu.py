@@ -19,7 +19,9 @@ batch). Each variant runs in fresh processes; per rank:
    sees the memory bandwidth it shares): matmul TFLOP/s per dtype and shape class (square, skinny, tiny, the
    model's projections and its vocabulary head, the expert layer's grouped products at the recorded group
    sizes), causal SDPA, the triangular solves at the trace's own shapes (the hybrid's chunk inverse),
-   streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB);
+   streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB); on 2 processes, each collective
+   kind's link on its own group at its own message (``measure_links``), the median fit over the steps
+   (``median_links``);
 3. ``--profiled-steps`` steps under ``torch.profiler``: self CPU time per op, summed by category (matmul,
    attention, elementwise, communication, other), each category's median over the steps; torch.distributed's
    Python collectives timed whole (``CollectiveClock``: gloo's wait is no op, the profiler alone would put it
@@ -317,7 +319,7 @@ def worker(args: argparse.Namespace) -> None:
     recorder = record_step(trainer, step, mode == "compiled")
     step()
     # Steps and probes interleaved, so that both see the same spread of the machine's load; the medians of each.
-    walls, probes, faults = [], [], []
+    walls, probes, faults, link_runs = [], [], [], []
     released = ReleaseCounter(trainer)
     for _ in range(args.steps):
         # the ranks lined up before each timed step: the probe after a step takes each rank its own time, and a
@@ -332,9 +334,10 @@ def worker(args: argparse.Namespace) -> None:
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   group_counts=recorder.group_counts, **probe_kernels(model, layout),
                                   solves=[key[1:] for key in recorder.trace.solves]))
+        link_runs.append(measure_links(recorder, args.link_statistic))
     released.close()  # the timed steps' releases only
     probe = median_probe(probes)
-    links = measure_links(recorder, args.link_statistic)
+    links = median_links(link_runs)
     if links:
         main = links[0]  # the kind that moved the most bytes: the link of kinds not measured
         probe = dataclasses.replace(probe, link_gbps=main["gbps"], link_latency_us=main["latency_us"],
@@ -418,9 +421,25 @@ def measure_links(recorder: StepRecorder, statistic: str = "mean") -> list[dict]
         dtype = recorder.comm_dtypes.get(kind, torch.bfloat16)
         gbps, latency = link_figures(recorder.group_of(axis, size), kind, message, dtype, iters=30,
                                      statistic=statistic)
-        out.append({"axis": axis, "kind": kind, "bytes": message, "dtype": str(dtype), "gbps": gbps,
+        out.append({"axis": axis, "kind": kind, "ranks": size, "bytes": message, "dtype": str(dtype), "gbps": gbps,
                     "latency_us": latency, "statistic": statistic})
     return out
+
+
+def median_links(runs: list[list[dict]]) -> list[dict]:
+    """``measure_links``'s fits of several runs (one after each timed step) made one: per collective kind, the
+    run whose fit prices the kind's own message at the median of the runs' prices, that run's bandwidth and
+    latency together (one fit after the timed steps moved a row's priced communication by up to 40% between two
+    runs of the bench: a 4 KiB all-gather's latency measured 0.4-3.3 ms)."""
+    from qwen3_pretrain.plan.formulas import collective_seconds
+
+    def priced(fit: dict) -> float:
+        return collective_seconds(fit["kind"], fit["bytes"], fit["ranks"], fit["gbps"] * 1e9, fit["latency_us"] * 1e-6)
+
+    runs = [run for run in runs if run]
+    if not runs:
+        return []
+    return [sorted((run[i] for run in runs), key=priced)[len(runs) // 2] for i in range(len(runs[0]))]
 
 
 def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict:

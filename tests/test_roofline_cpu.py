@@ -98,6 +98,23 @@ def test_profiler_categories_of_the_bench(monkeypatch):
     assert op_category("aten::linalg_solve_triangular") == "matmul"  # priced with the matmuls
 
 
+def test_median_links_keep_per_kind_the_fit_whose_price_of_its_message_is_the_median(monkeypatch):
+    """Per collective kind, the run whose fitted link prices the kind's message at the median of the runs'
+    prices, that run's bandwidth and latency together (not the median of each figure on its own)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from roofline_cpu import median_links
+
+    def fit(kind, gbps, latency_us):
+        return {"axis": "tp", "kind": kind, "ranks": 2, "bytes": 2**20, "gbps": gbps, "latency_us": latency_us}
+
+    # all-gather of 1 MiB on 2 ranks moves half of it: 0.5 MiB / bandwidth + latency
+    runs = [[fit("all_gather", 1.0, 100.0), fit("all_reduce", 1.0, 5000.0)],  # 0.62 ms; 6.05 ms
+            [fit("all_gather", 0.1, 10.0), fit("all_reduce", 2.0, 100.0)],  # 5.25 ms; 0.62 ms
+            [fit("all_gather", 10.0, 1000.0), fit("all_reduce", 0.5, 200.0)]]  # 1.05 ms; 2.30 ms
+    assert median_links(runs) == [runs[2][0], runs[2][1]]
+    assert median_links([[], []]) == [] and median_links([]) == []
+
+
 def test_profiled_steps_take_each_categorys_median_and_the_middle_steps_details(monkeypatch):
     """Several profiled steps: each category, the wall and the CPU time at their median over the steps, each
     independently; the per-op times and collectives of the middle step (the same step on every rank)."""
