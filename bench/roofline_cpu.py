@@ -219,16 +219,22 @@ def profiled_categories(step) -> dict[str, float]:
     return seconds
 
 
-def profiled_steps(step, repeats: int) -> dict:
-    """``profiled_categories`` over ``repeats`` steps, the ranks lined up before each: each category's, the wall's
-    and the CPU time's median (one profiled step's categories moved by 10-40% between runs at a load of 2 on 2
-    cores: a descheduled rank's gap lands in "other" or in its collectives' waits); the per-op times and the
-    collectives of the middle step, the same step on every rank (``collective_split`` matches them)."""
+def profiled_runs(step, repeats: int) -> list[dict]:
+    """``profiled_categories`` of ``repeats`` steps (one at least), the ranks lined up before each."""
     runs = []
     for _ in range(max(repeats, 1)):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         runs.append(profiled_categories(step))
+    return runs
+
+
+def profiled_steps(step, repeats: int) -> dict:
+    """``profiled_categories`` over ``repeats`` steps, the ranks lined up before each: each category's, the wall's
+    and the CPU time's median (one profiled step's categories moved by 10-40% between runs at a load of 2 on 2
+    cores: a descheduled rank's gap lands in "other" or in its collectives' waits); the per-op times and the
+    collectives of the middle step, the same step on every rank (``collective_split`` matches them)."""
+    runs = profiled_runs(step, repeats)
     out = dict(runs[len(runs) // 2])
     for key in (*CATEGORIES, "wall", "collective_s", "cpu_s"):
         out[key] = statistics.median(r[key] for r in runs)
@@ -462,13 +468,8 @@ def host_calibration(trainer, step, mode: str, args: argparse.Namespace) -> dict
            "collectives_s": comm_s, "links": links}
     # the share of the host cost the profiler sees outside every op (the rest is inside the ops' self times), the
     # median over the profiled steps
-    shares = []
-    for _ in range(max(args.profiled_steps, 1)):
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        profiled = profiled_categories(step)
-        shares.append(min(1.0, profiled["other"] / max(profiled["wall"] - profiled["communication"], 1e-9)))
-    out["outside_share"] = statistics.median(shares)
+    out["outside_share"] = statistics.median(min(1.0, run["other"] / max(run["wall"] - run["communication"], 1e-9))
+                                             for run in profiled_runs(step, args.profiled_steps))
     if mode == "compiled":
         eager_us = json.loads(args.host_us)["eager_us"]
         outside = sum(trace.outside_ops.values())

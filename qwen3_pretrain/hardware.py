@@ -233,7 +233,7 @@ class Hardware:
         curve = next((c for name, c in self.class_curves if name == op_class), self.bandwidth_curve) \
             if op_class is not None else self.bandwidth_curve
         if not curve:
-            return self.memory_bandwidth_gbps * GB * self.bandwidth_efficiency
+            return self.streaming_bandwidth
         if nbytes <= curve[0][0]:
             return curve[0][1] * GB
         for (s0, r0), (s1, r1) in zip(curve, curve[1:]):
@@ -241,6 +241,12 @@ class Hardware:
                 f = math.log(nbytes / s0) / math.log(s1 / s0)
                 return (r0 + f * (r1 - r0)) * GB
         return curve[-1][1] * GB
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes per second a streaming kernel reaches on a device without a ``bandwidth_curve``:
+        ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``."""
+        return self.memory_bandwidth_gbps * GB * self.bandwidth_efficiency
 
     def class_peak(self, op_class: str) -> float | None:
         """Bytes per second at the fastest point of ``op_class``'s curve (``class_curves``; ``bandwidth_curve``'s

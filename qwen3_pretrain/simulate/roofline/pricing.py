@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from qwen3_pretrain.hardware import GB, MATMUL_SHAPE_CLASSES, Hardware
+from qwen3_pretrain.hardware import MATMUL_SHAPE_CLASSES, Hardware
 from qwen3_pretrain.plan.formulas import collective_seconds, megatron_bubble_ratio
 from qwen3_pretrain.simulate.roofline.trace import FUSED, OpTrace, bucket_bytes
 
@@ -111,7 +111,7 @@ class Breakdown:
 
 
 def _matmul_seconds(trace: OpTrace, hw: Hardware) -> float:
-    bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    bandwidth = hw.streaming_bandwidth
     total = 0.0
     for (_, dtype, m, n, k, groups), calls in trace.matmuls.items():
         classes = hw.shape_classes(dtype)
@@ -131,7 +131,7 @@ def _matmul_seconds(trace: OpTrace, hw: Hardware) -> float:
 def _solve_seconds(trace: OpTrace, hw: Hardware) -> float:
     """Triangular solves: ``n^2 k`` FLOPs a system at ``Hardware.solve_tflops``, else as a matmul of those FLOPs
     in the device's smallest shape class; or their operands' bytes at memory bandwidth where longer."""
-    bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    bandwidth = hw.streaming_bandwidth
     total = 0.0
     for (_, dtype, batch, n, k), calls in trace.solves.items():
         flops = float(batch) * n * n * k
@@ -152,7 +152,7 @@ def attention_flops(b: int, h: int, sq: int, skv: int, d: int, causal: bool, bac
 
 
 def _attention_seconds(trace: OpTrace, hw: Hardware) -> float:
-    bandwidth = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    bandwidth = hw.streaming_bandwidth
     total = 0.0
     for (_, kernel, dtype, b, h, sq, skv, d, causal), calls in trace.attention.items():
         backward = kernel.endswith("_backward")
@@ -169,7 +169,7 @@ def memory_seconds(trace: OpTrace, hw: Hardware, compiled: bool = False) -> floa
     at ``sizes_seconds``; bytes a trace has no sizes for, and every byte on a device without a curve, at
     ``memory_bandwidth_gbps`` x ``bandwidth_efficiency``. Compiled, on a device with class curves, a phase's
     fused regions take at least their ops' arithmetic (``fused_compute_seconds``)."""
-    flat = hw.memory_bandwidth_gbps * GB * hw.bandwidth_efficiency
+    flat = hw.streaming_bandwidth
     kinds = ("fused", "outside") if compiled else ("eager",)
     seconds = 0.0
     for m in trace.memory.values():

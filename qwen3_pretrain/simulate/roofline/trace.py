@@ -476,22 +476,8 @@ class TraceRecorder:
         for i in _written_arguments(func):  # in-place and out= ops (foreach, fused AdamW) write these
             if i < len(args):
                 _tensors(args[i], outs)
-        if func in _MATMULS or func in _GROUPED or func in _SCALED:
+        if self._kernel(func, args, kwargs or {}, out, phase):  # a kernel of its own: ends the open fused region
             self.close_region()
-            self._matmul(func, args, out, phase)
-            trace.outside_kernels += not inside
-            self._touch(ins + outs)
-            return
-        if func in _SOLVES:
-            self.close_region()
-            self._solve(func, args, kwargs or {}, phase)
-            trace.outside_kernels += not inside
-            self._touch(ins + outs)
-            return
-        attention = _ATTENTION.get(func)
-        if attention is not None:
-            self.close_region()
-            self._attention(attention, func, args, kwargs or {}, phase)
             trace.outside_kernels += not inside
             self._touch(ins + outs)
             return
@@ -578,6 +564,18 @@ class TraceRecorder:
                 groups = b.shape[0] if b.dim() == 3 else (a.shape[0] if a.dim() == 3 else 1)
                 m //= max(groups, 1)
         self.trace.matmuls[(phase, dtype, int(m), int(n), int(k), int(groups))] += 1
+
+    def _kernel(self, func, args, kwargs, out, phase: str) -> bool:
+        """Record ``func`` where it is a matmul, a triangular solve or a fused attention call; whether it was."""
+        if func in _MATMULS or func in _GROUPED or func in _SCALED:
+            self._matmul(func, args, out, phase)
+        elif func in _SOLVES:
+            self._solve(func, args, kwargs, phase)
+        elif func in _ATTENTION:
+            self._attention(_ATTENTION[func], func, args, kwargs, phase)
+        else:
+            return False
+        return True
 
     def _solve(self, func, args, kwargs, phase: str) -> None:
         a, b = (x._local_tensor if isinstance(x, DTensor) else x for x in args[:2])
