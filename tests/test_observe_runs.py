@@ -51,7 +51,9 @@ def _run(tmp_path, nproc: int, env: dict | None = None, timeout: int = 240, **ov
 def _assert_phases_add_up(records: list[dict]) -> None:
     for rec in records[1:]:  # the first step's time holds the allocator's and the loader's warm-up
         total = sum(rec[k] for k in PHASE_KEYS)
-        assert abs(total - rec["step_time_s"]) <= 0.05 * rec["step_time_s"], (rec["step"], total, rec)
+        # 5% of the step, or 5 ms: the marks' placement against the trainer's clock, a few ms on a loaded host
+        bound = max(0.05 * rec["step_time_s"], 0.005)
+        assert abs(total - rec["step_time_s"]) <= bound, (rec["step"], total, rec)
 
 
 def test_one_process_phases_profile_and_parse_log(tmp_path):
