@@ -94,7 +94,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation)")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (151936: Qwen3's)")
-    parser.add_argument("--json", help="also write every variant's per-rank results to this file")
+    parser.add_argument("--json", help="also write every round's per-variant, per-rank results to this file")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds: every variant run this many times in fresh processes, one round after "
+                             "another (a variant's runs spread over the whole bench); the table of each "
+                             "cell's median over the rounds and how far its profiled seconds moved")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="run nothing: the tables of these --json files' rounds, together")
     parser.add_argument("--denormals", choices=("flush", "keep"), default="flush",
                         help="denormal floats flushed to zero in every worker (the engine's default on a CPU, "
                              "cpu_flush_denormal) or computed as such (10-150x slower on x86)")
@@ -753,6 +759,109 @@ def profiler_view(result: dict) -> dict[str, float]:
     return view
 
 
+# The targets: a predicted step within 25% of the measured one; a category within 30% of the profiler's, or both
+# under 5 ms (a category of a few ops, where a millisecond is 30%)
+STEP_TARGET, CELL_TARGET, CELL_FLOOR_S = 0.25, 0.30, 0.005
+
+
+def cell_agrees(profiled: float, predicted: float) -> bool:
+    """A category's prediction within ``CELL_TARGET`` of the profiler's seconds, or both under ``CELL_FLOOR_S``."""
+    if profiled < CELL_FLOOR_S and predicted < CELL_FLOOR_S:
+        return True
+    return profiled > 0 and abs(predicted - profiled) <= CELL_TARGET * profiled
+
+
+def variant_cells(ranks: list[dict]) -> dict:
+    """Rank 0's figures of one run of a variant: measured and predicted step seconds, and per category the
+    profiler's seconds and the prediction's (``profiler_view``)."""
+    r = ranks[0]
+    view = profiler_view(r)
+    return {"step_s": r["step_s"], "predicted_s": r["predicted"]["step_s"],
+            "cells": {cat: (r["profiled"][cat], view[cat]) for cat in CATEGORIES}}
+
+
+def median_cells(runs: list[dict]) -> dict:
+    """A variant's ``variant_cells`` over its runs (rounds): each figure's median on its own, and per category
+    "spread", the profiled seconds' max over min across the runs (1 where every run's is under
+    ``CELL_FLOOR_S``: a millisecond's move there is no signal; inf where one run measured 0)."""
+    def spread(values):
+        if max(values) < CELL_FLOOR_S:
+            return 1.0
+        return max(values) / min(values) if min(values) > 0 else float("inf")
+
+    out = {"runs": len(runs), "step_s": statistics.median(r["step_s"] for r in runs),
+           "predicted_s": statistics.median(r["predicted_s"] for r in runs), "cells": {}, "spread": {}}
+    for cat in CATEGORIES:
+        profiled = [r["cells"][cat][0] for r in runs]
+        out["cells"][cat] = (statistics.median(profiled), statistics.median(r["cells"][cat][1] for r in runs))
+        out["spread"][cat] = spread(profiled)
+    return out
+
+
+def tally(summary: dict[str, dict]) -> dict:
+    """Against the targets, over variants' ``median_cells`` (or one run's ``variant_cells``): the step ratios,
+    and per category the cells that agree (``cell_agrees``) of those counted, a 1-process communication cell
+    not counted; "reproducible": per category the cells whose profiled seconds moved by at most
+    ``CELL_TARGET`` over the runs, and of those the ones that agree."""
+    ratios = [v["predicted_s"] / v["step_s"] for v in summary.values()]
+    out = {"steps": [sum(abs(x - 1) <= STEP_TARGET for x in ratios), len(ratios)], "ratios": ratios,
+           "cells": {}, "reproducible": {}}
+    for cat in CATEGORIES:
+        agree = total = rep = rep_agree = 0
+        for name, v in summary.items():
+            if cat == "communication" and name.endswith("-1p"):
+                continue
+            ok = cell_agrees(*v["cells"][cat])
+            agree, total = agree + ok, total + 1
+            if v.get("spread", {}).get(cat, 1.0) <= 1 + CELL_TARGET:
+                rep, rep_agree = rep + 1, rep_agree + ok
+        out["cells"][cat] = [agree, total]
+        out["reproducible"][cat] = [rep_agree, rep]
+    return out
+
+
+def print_tally(summary: dict[str, dict]) -> None:
+    t = tally(summary)
+    ratios = t["ratios"]
+    print(f"steps within {STEP_TARGET:.0%}: {t['steps'][0]}/{t['steps'][1]} (ratios {min(ratios):.2f}-"
+          f"{max(ratios):.2f}, median {statistics.median(ratios):.2f}); per category within {CELL_TARGET:.0%} "
+          "(or both under 5 ms): " + ", ".join(f"{c} {a}/{n}" for c, (a, n) in t["cells"].items()))
+    if any("spread" in v for v in summary.values()):
+        print(f"cells whose profiled seconds moved by at most {CELL_TARGET:.0%} over the rounds, and of those "
+              "within the target: " + ", ".join(f"{c} {a}/{n}" for c, (a, n) in t["reproducible"].items()))
+
+
+def print_median_table(summary: dict[str, dict]) -> None:
+    """Per variant over its rounds: the medians of ``print_table``'s figures, and per category the profiled
+    seconds' spread (max / min over the rounds)."""
+    head = f"{'variant':<20} {'runs':>4} {'meas s':>6} {'pred s':>6} {'ratio':>5}"
+    for cat in CATEGORIES:
+        head += f" {cat[:11]:>19}"
+    print(head + "   (per category: profiler s / predicted s, x the profiled seconds' max/min)")
+    for name, v in summary.items():
+        line = (f"{name:<20} {v['runs']:>4} {v['step_s']:>6.3f} {v['predicted_s']:>6.3f} "
+                f"{v['predicted_s'] / v['step_s']:>5.2f}")
+        for cat in CATEGORIES:
+            (prof, pred), spread = v["cells"][cat], v["spread"][cat]
+            line += f" {prof:>6.3f}/{pred:<6.3f}x{spread:<5.2f}"
+        print(line)
+
+
+def load_rounds(paths: list[str]) -> list[dict[str, list[dict]]]:
+    """The rounds of ``--json`` files, in order (a file of one round written before rounds: that round)."""
+    rounds = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        rounds.extend(data["rounds"] if "rounds" in data else [data])
+    return rounds
+
+
+def summarize(rounds: list[dict[str, list[dict]]]) -> dict[str, dict]:
+    """Each variant's ``median_cells`` over the rounds that ran it, in the order first run."""
+    names = list(dict.fromkeys(name for rows in rounds for name in rows))
+    return {name: median_cells([variant_cells(rows[name]) for rows in rounds if name in rows]) for name in names}
+
+
 def print_table(rows: dict[str, list[dict]]) -> None:
     """Rank 0's row per variant: the load average before and after it, measured and predicted step; per
     category the profiler's seconds / the prediction's (``profiler_view``)."""
@@ -771,49 +880,77 @@ def print_table(rows: dict[str, list[dict]]) -> None:
         print(line)
 
 
+def print_results(rounds: list[dict[str, list[dict]]]) -> None:
+    """Each round's table, then (several rounds) the medians' table; the tally against the targets."""
+    for i, rows in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"round {i + 1}:")
+        print_table(rows)
+        if len(rounds) > 1:
+            print_tally({name: variant_cells(ranks) for name, ranks in rows.items()})
+    if len(rounds) > 1:
+        print(f"median over the {len(rounds)} rounds:")
+        print_median_table(summarize(rounds))
+    print_tally(summarize(rounds) if len(rounds) > 1 else {n: variant_cells(r) for n, r in rounds[0].items()})
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
+    if args.summarize:
+        print_results(load_rounds(args.summarize))
+        return 0
     names = [f"{m}-{mode}-{lay}" for m in args.models.split(",") for mode in args.modes.split(",")
              for lay in args.layouts.split(",")]
     print(f"cpu: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    rows: dict[str, list[dict]] = {}
-    hosts: dict[str, dict] = {}  # variant -> its rank 0's host calibration
+    rounds: list[dict[str, list[dict]]] = []
     with tempfile.TemporaryDirectory(prefix="roofline_cpu_") as tmp:
         data = synthetic_data(Path(tmp) / "data", args.vocab)
         tiny_data = synthetic_data(Path(tmp) / "tiny_data", TINY_VOCAB)
-        for name in names:
-            model, mode, layout = name.split("-")
-            eager = f"{model}-eager-{layout}"
-            if eager not in hosts:
-                hosts[eager] = run_variant(eager, args, tiny_data, Path(tmp), tiny=True)[0]
-            if mode == "compiled":
-                hosts[name] = run_variant(name, args, tiny_data, Path(tmp), hosts[eager], tiny=True)[0]
-            load = os.getloadavg()[0]
-            rows[name] = run_variant(name, args, data, Path(tmp), hosts[name])
-            for r, split in zip(rows[name], collective_split(rows[name])):
-                r["load"] = [load, os.getloadavg()[0]]
-                r["host_calibration"] = hosts[name]
-                r["collective_split"] = split
-            r = rows[name][0]
-            if any(x["calls"] for x in (q["collective_split"] for q in rows[name])):
-                print(f"  {name}: the profiled step's collectives per rank (waiting for the other / transfer, s): "
-                      + ", ".join(f"{q['collective_split']['skew_s']:.3f} / {q['collective_split']['transfer_s']:.3f}"
-                                  for q in rows[name]) + f"; priced {r['predicted']['communication_total']:.3f}",
-                      flush=True)
-            print(f"  {name}: measured {r['step_s']:.3f} s, predicted {r['predicted']['step_s']:.3f} s, load "
-                  f"{r['load'][0]:.1f}-{r['load'][1]:.1f}; host {json.dumps(hosts[name])}; device "
-                  f"{json.dumps(r['predicted']['device'])}; probe {json.dumps(r['probe'])}", flush=True)
-            if args.json:  # after each variant: a later variant's failure keeps the earlier ones
-                Path(args.json).write_text(json.dumps(rows, indent=1))
+        for i in range(max(args.repeats, 1)):
+            if args.repeats > 1:
+                print(f"round {i + 1} of {args.repeats}", flush=True)
+            rounds.append({})
+            run_round(names, args, data, tiny_data, Path(tmp) / f"round{i}", rounds)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_results(rounds)
     return 0
+
+
+def run_round(names: list[str], args: argparse.Namespace, data: str, tiny_data: str, tmp: Path,
+              rounds: list[dict]) -> None:
+    """Every variant once, each with host calibrations of its own, into ``rounds[-1]``; the JSON rewritten
+    after each variant (a later variant's failure keeps the earlier ones)."""
+    tmp.mkdir()
+    rows = rounds[-1]
+    hosts: dict[str, dict] = {}  # variant -> its rank 0's host calibration
+    for name in names:
+        model, mode, layout = name.split("-")
+        eager = f"{model}-eager-{layout}"
+        if eager not in hosts:
+            hosts[eager] = run_variant(eager, args, tiny_data, tmp, tiny=True)[0]
+        if mode == "compiled":
+            hosts[name] = run_variant(name, args, tiny_data, tmp, hosts[eager], tiny=True)[0]
+        load = os.getloadavg()[0]
+        rows[name] = run_variant(name, args, data, tmp, hosts[name])
+        for r, split in zip(rows[name], collective_split(rows[name])):
+            r["load"] = [load, os.getloadavg()[0]]
+            r["host_calibration"] = hosts[name]
+            r["collective_split"] = split
+        r = rows[name][0]
+        if any(x["calls"] for x in (q["collective_split"] for q in rows[name])):
+            print(f"  {name}: the profiled step's collectives per rank (waiting for the other / transfer, s): "
+                  + ", ".join(f"{q['collective_split']['skew_s']:.3f} / {q['collective_split']['transfer_s']:.3f}"
+                              for q in rows[name]) + f"; priced {r['predicted']['communication_total']:.3f}",
+                  flush=True)
+        print(f"  {name}: measured {r['step_s']:.3f} s, predicted {r['predicted']['step_s']:.3f} s, load "
+              f"{r['load'][0]:.1f}-{r['load'][1]:.1f}; host {json.dumps(hosts[name])}; device "
+              f"{json.dumps(r['predicted']['device'])}; probe {json.dumps(r['probe'])}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rounds": rounds}, indent=1))
 
 
 if __name__ == "__main__":

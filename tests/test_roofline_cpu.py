@@ -7,6 +7,7 @@ sorting torch.profiler's events into the categories the prediction has.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -419,3 +420,54 @@ def test_collective_split_into_waiting_for_the_other_rank_and_transfer(monkeypat
              {"profiled": {"collectives": [("all_reduce", 8, 3.0, 5.0), ("all_gather_single", 8, 6.0, 7.0)]}}]
     assert collective_split(ranks) == [{"skew_s": 3.0, "transfer_s": 3.0, "calls": 2},
                                        {"skew_s": 0.0, "transfer_s": 3.0, "calls": 2}]
+
+
+def _run_row(step_s, predicted_s, cells, outside_share=1.0):
+    """A bench result of one rank whose profiler view is ``cells`` {category: (profiled, predicted)}: the
+    prediction's host term 0, so that ``profiler_view`` gives each category's predicted seconds unchanged."""
+    from roofline_cpu import CATEGORIES
+
+    cells = {cat: cells.get(cat, (0.0, 0.0)) for cat in CATEGORIES}
+    predicted = {cat: cells[cat][1] for cat in CATEGORIES if cat != "other"}
+    predicted.update(step_s=predicted_s, host=0.0, op_counts=dict.fromkeys(predicted, 1))
+    return [{"step_s": step_s, "predicted": predicted, "profiled": {cat: v[0] for cat, v in cells.items()},
+             "host_calibration": {"outside_share": outside_share}}]
+
+
+def test_rounds_median_each_cell_and_the_tally_counts_the_targets_and_the_reproducible_cells(monkeypatch, tmp_path):
+    """Several rounds of a variant: each figure's median over the rounds on its own, the profiled seconds' max
+    over min per category; the tally: steps within 25%, cells within 30% (both under 5 ms agree; a 1-process
+    communication cell not counted), and which cells reproduce within 30% over the rounds."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from roofline_cpu import load_rounds, summarize, tally
+
+    rounds = [{"a-eager-1p": _run_row(1.0, 0.9, {"matmul": (0.50, 0.45), "elementwise": (0.10, 0.20),
+                                                  "communication": (0.001, 0.0)}),
+               "a-eager-tp2": _run_row(1.0, 0.70, {"matmul": (0.30, 0.30), "communication": (0.10, 0.12)})},
+              {"a-eager-1p": _run_row(1.2, 1.0, {"matmul": (0.60, 0.50), "elementwise": (0.30, 0.25),
+                                                  "communication": (0.004, 0.0)})},
+              {"a-eager-1p": _run_row(1.1, 1.4, {"matmul": (0.55, 0.48), "elementwise": (0.20, 0.21),
+                                                  "communication": (0.002, 0.0)})}]
+    # one file of an older bench (a single round, no "rounds" key) and one of two rounds
+    (tmp_path / "one.json").write_text(json.dumps(rounds[0]))
+    (tmp_path / "two.json").write_text(json.dumps({"rounds": rounds[1:]}))
+    assert load_rounds([str(tmp_path / "one.json"), str(tmp_path / "two.json")]) == rounds
+    summary = summarize(rounds)
+    assert list(summary) == ["a-eager-1p", "a-eager-tp2"]
+    one = summary["a-eager-1p"]
+    assert (one["runs"], one["step_s"], one["predicted_s"]) == (3, 1.1, 1.0)
+    assert one["cells"]["matmul"] == (0.55, 0.48) and one["cells"]["elementwise"] == (0.20, 0.21)
+    assert one["spread"]["matmul"] == pytest.approx(0.60 / 0.50)
+    assert one["spread"]["elementwise"] == pytest.approx(3.0)
+    assert one["spread"]["communication"] == 1.0  # every run under 5 ms
+    assert summary["a-eager-tp2"]["runs"] == 1
+    t = tally(summary)
+    assert t["steps"] == [1, 2]  # 1.0 / 1.1 within 25%, 0.70 not
+    assert t["cells"]["matmul"] == [2, 2]  # 0.48 of 0.55: 13% off
+    assert t["cells"]["elementwise"] == [2, 2]  # tp2: both 0 (under 5 ms)
+    assert t["cells"]["communication"] == [1, 1]  # the 1-process cell not counted; 0.12 of 0.10: 20%
+    # reproducible: elementwise of 1p moved 3x, so only tp2's counts
+    assert t["reproducible"]["elementwise"] == [1, 1] and t["reproducible"]["matmul"] == [2, 2]
+    # one round: a cell 35% off disagrees
+    single = tally({"a-eager-1p": summarize([rounds[0]])["a-eager-1p"]})
+    assert single["cells"]["elementwise"] == [0, 1] and single["cells"]["matmul"] == [1, 1]
