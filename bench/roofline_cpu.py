@@ -68,8 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cpu import BATCH, HYBRID, MODEL, MOE, SEQ, free_port  # noqa: E402
 
 from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
-from qwen3_pretrain.simulate.probe import CpuProbe, cpu_name, measure_cpu, minor_faults  # noqa: E402
+from qwen3_pretrain.simulate.probe import (  # noqa: E402
+    HUGE_PAGE, CpuProbe, cpu_name, huge_page_faults, huge_resident_bytes, measure_cpu, minor_faults)
 from qwen3_pretrain.simulate.roofline import RecordingMode  # noqa: E402
+from qwen3_pretrain.simulate.roofline.pricing import page_seconds  # noqa: E402
 from qwen3_pretrain.simulate.track import _KINDS as _COMM_KINDS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,10 +208,12 @@ def profiled_categories(step) -> dict[str, float]:
     whole wall time, "cpu_s" the process's CPU time over the step (every thread: gloo's, the data loader's)."""
     from torch.profiler import ProfilerActivity, profile
 
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     with CollectiveClock() as clock, profile(activities=[ProfilerActivity.CPU]) as prof:
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, faults, huge = time.perf_counter(), time.process_time(), minor_faults(), huge_page_faults()
         step()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        faults, huge = minor_faults() - faults, huge_page_faults() - huge
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     ops = {}
     for event in prof.key_averages():
@@ -222,6 +226,9 @@ def profiled_categories(step) -> dict[str, float]:
     seconds["wall"] = wall
     seconds["collective_s"], seconds["cpu_s"], seconds["collectives"] = clock.seconds, cpu, clock.calls
     seconds["ops"] = ops  # self seconds and calls per event name
+    # the step's minor page faults, and of them the huge pages (the machine's count over the ranks, which
+    # profile at once): a profiled step took 2-3 times a timed step's at the bench's shapes
+    seconds["faults"], seconds["huge_faults"] = faults, min(faults, round(huge / ranks))
     return seconds
 
 
@@ -242,7 +249,7 @@ def profiled_steps(step, repeats: int) -> dict:
     collectives of the middle step, the same step on every rank (``collective_split`` matches them)."""
     runs = profiled_runs(step, repeats)
     out = dict(runs[len(runs) // 2])
-    for key in (*CATEGORIES, "wall", "collective_s", "cpu_s"):
+    for key in (*CATEGORIES, "wall", "collective_s", "cpu_s", "faults", "huge_faults"):
         out[key] = statistics.median(r[key] for r in runs)
     out["repeats"] = len(runs)
     return out
@@ -331,7 +338,7 @@ def worker(args: argparse.Namespace) -> None:
     recorder = record_step(trainer, step, mode == "compiled")
     step()
     # Steps and probes interleaved, so that both see the same spread of the machine's load; the medians of each.
-    walls, probes, faults, link_runs = [], [], [], []
+    walls, probes, faults, huge, link_runs = [], [], [], [], []
     released = ReleaseCounter(trainer)
     for _ in range(args.steps):
         # the ranks lined up before each timed step: the probe after a step takes each rank its own time, and a
@@ -339,10 +346,12 @@ def worker(args: argparse.Namespace) -> None:
         # step timed 1.1-1.5 s on one rank against 0.5 on the other, both dp2 ranks' profiled walls 0.65)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        start, taken = time.perf_counter(), minor_faults()
+        start, taken, huge_taken = time.perf_counter(), minor_faults(), huge_page_faults()
         step()
         walls.append(time.perf_counter() - start)
         faults.append(minor_faults() - taken)
+        # the machine's count, over the ranks that stepped at once (each rank's own is not counted)
+        huge.append(min(faults[-1], round((huge_page_faults() - huge_taken) / nproc)))
         probes.append(measure_cpu(probe_shapes(model, layout, args.vocab), min_seconds=0.01,
                                   group_counts=recorder.group_counts, **probe_kernels(model, layout),
                                   solves=[key[1:] for key in recorder.trace.solves]))
@@ -364,37 +373,46 @@ def worker(args: argparse.Namespace) -> None:
     profiled = profiled_steps(step, args.profiled_steps)
     # the timed steps' (compiled: not the recording's)
     recorder.trace.page_faults = int(statistics.median(faults))
+    recorder.trace.huge_page_faults = int(statistics.median(huge))
     recorder.trace.pages_released = int(statistics.median(released.pages)) if released.pages else 0
+    recorder.trace.huge_pages_released = int(statistics.median(released.huge)) if released.huge else 0
     predicted = predict_step(recorder, probe, mode == "compiled")
+    # the profiled steps' own faults at the same costs: what the profiler's categories hold
+    predicted["profiled_page_faults"] = page_seconds(
+        dataclasses.replace(recorder.trace, page_faults=int(profiled["faults"]),
+                            huge_page_faults=int(profiled["huge_faults"])), probe.hardware(recorder.trace))[0]
     predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted, "links": links, "page_faults": faults,
-              "pages_released": released.pages,
-              "fault_split": dict(recorder.faults),
+              "huge_page_faults": huge, "pages_released": released.pages, "huge_pages_released": released.huge,
+              "fault_split": recorder.fault_seconds(probe, nproc),
               "comm_calls": [[*key, *value] for key, value in recorder.comm_calls().items()]}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 class ReleaseCounter:
     """The pages (of the OS's page size, the probe's release unit) the trainer's per-step ``malloc_trim`` hands
-    back (``HostMemory.after_step``), per step (``pages``): its drop of the resident memory. Appends one entry
-    per step; ``close`` restores the trainer. A released transparent huge page counts as its small pages,
-    its fault as one: not modelled."""
+    back (``HostMemory.after_step``), per step (``pages``): its drop of the resident memory; of it, the
+    transparent huge pages (``huge``: the drop of the process's ``AnonHugePages``, in 2 MiB pages). Appends one
+    entry per step; ``close`` restores the trainer."""
 
     def __init__(self, trainer) -> None:
         from qwen3_pretrain.train.host_memory import resident_bytes
 
         self.pages: list[int] = []
+        self.huge: list[int] = []
         self._memory = trainer.host_memory
         self._after_step = self._memory.after_step
 
         def counted() -> None:
-            before = resident_bytes()
+            before, huge_before = resident_bytes(), huge_resident_bytes()
             self._after_step()
-            after = resident_bytes()
+            after, huge_after = resident_bytes(), huge_resident_bytes()
             if before is not None and after is not None:
                 self.pages.append(max(0, before - after) // mmap.PAGESIZE)
+            if huge_before is not None and huge_after is not None:
+                self.huge.append(max(0, huge_before - huge_after) // HUGE_PAGE)
 
         self._memory.after_step = counted
 
@@ -514,7 +532,8 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
                            for k, v in first.bandwidth_by_size.items()},
         op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
         load_average=med(lambda p: p.load_average), page_fault_us=med(lambda p: p.page_fault_us),
-        page_release_us=med(lambda p: p.page_release_us),
+        page_release_us=med(lambda p: p.page_release_us), huge_page_fault_us=med(lambda p: p.huge_page_fault_us),
+        huge_page_release_us=med(lambda p: p.huge_page_release_us),
         solve_tflops=med(lambda p: p.solve_tflops) if first.solve_tflops else None)
 
 
@@ -527,7 +546,8 @@ def probe_json(probe: CpuProbe) -> dict:
             "engine_compiled_us": probe.engine_compiled_us, "link_gbps": probe.link_gbps,
             "link_latency_us": probe.link_latency_us, "links": probe.links,
             "straggler_share": probe.straggler_share, "page_fault_us": probe.page_fault_us,
-            "page_release_us": probe.page_release_us, "solve_tflops": probe.solve_tflops}
+            "page_release_us": probe.page_release_us, "huge_page_fault_us": probe.huge_page_fault_us,
+            "huge_page_release_us": probe.huge_page_release_us, "solve_tflops": probe.solve_tflops}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
@@ -565,16 +585,30 @@ class StepRecorder(RecordingMode):
         self.op_calls: Counter = Counter()
         self.comm_dtypes: dict[str, torch.dtype] = {}  # collective kind -> the dtype it moved
         # the recorded step's minor page faults by the profiler category of the op that took them ("other":
-        # outside every op), to spread the priced faults over the profiler's categories (``profiler_view``)
+        # outside every op), to spread the priced faults over the profiler's categories (``profiler_view``);
+        # the machine's huge pages faulted in meanwhile, the same way (``fault_seconds``)
         self.faults: Counter = Counter()
+        self.huge_faults: Counter = Counter()
 
     def __enter__(self):
         self._faults_at_entry = minor_faults() - sum(self.faults.values())  # a recorder entered again adds up
+        self._huge_at_entry = huge_page_faults() - sum(self.huge_faults.values())
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.faults["other"] += minor_faults() - self._faults_at_entry - sum(self.faults.values())
+        self.huge_faults["other"] += huge_page_faults() - self._huge_at_entry - sum(self.huge_faults.values())
         return super().__exit__(*exc)
+
+    def fault_seconds(self, probe: CpuProbe, ranks: int = 1) -> dict[str, float]:
+        """The recorded step's page faults' seconds per profiler category at ``probe``'s costs: a category's
+        huge pages (the machine's count over the ``ranks`` that recorded at once, at most its faults) at the
+        huge page's cost, the rest at the small page's (what ``profiler_view`` spreads the priced faults by)."""
+        out = {}
+        for cat, count in self.faults.items():
+            huge = min(count, self.huge_faults.get(cat, 0) / ranks)
+            out[cat] = ((count - huge) * probe.page_fault_us + huge * probe.huge_page_fault_us) * 1e-6
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
@@ -596,9 +630,11 @@ class StepRecorder(RecordingMode):
                 counts = [e - s for s, e in zip(ends, ends[1:])]
                 if counts not in self.group_counts:
                     self.group_counts.append(counts)
-        faults = minor_faults()
+        faults, huge = minor_faults(), huge_page_faults()
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        self.faults[op_category(f"aten::{self._op}")] += minor_faults() - faults
+        category = op_category(f"aten::{self._op}")
+        self.faults[category] += minor_faults() - faults
+        self.huge_faults[category] += huge_page_faults() - huge
         return out
 
     def group_of(self, axis: str, size: int):
@@ -676,8 +712,10 @@ def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dic
                        "launch_us": hw.launch_latency_us,
                        "compiled_launch_us": hw.compiled_launch_us, "straggler_share": hw.straggler_share,
                        "page_fault_us": hw.page_fault_us, "page_release_us": hw.page_release_us,
-                       "page_faults": trace.page_faults, "pages_released": trace.pages_released},
-            "page_release": trace.pages_released * hw.page_release_us * 1e-6}
+                       "huge_page_fault_us": hw.huge_page_fault_us, "huge_page_release_us": hw.huge_page_release_us,
+                       "page_faults": trace.page_faults, "pages_released": trace.pages_released,
+                       "huge_page_faults": trace.huge_page_faults, "huge_pages_released": trace.huge_pages_released},
+            "page_release": page_seconds(trace, hw)[1]}
 
 
 # --- the driver ------------------------------------------------------------------------------------------
@@ -748,14 +786,15 @@ def profiler_view(result: dict) -> dict[str, float]:
     view = {cat: pred[cat] + pred["host"] * (1 - share) * counts[cat] / total for cat in counts}
     view["other"] = pred["host"] * share
     view["communication"] += pred.get("waiting", 0.0)  # the profiler sees a rank's waiting in its collectives
-    # a page's fault is in the self time of the op that touched it first: spread as the recorded step's faults
-    # fell per category; its release outside every op (``malloc_trim`` after the step, a buffer's ``free``)
-    faults = pred.get("page_faults", 0.0)
+    # a page's fault is in the self time of the op that touched it first: the profiled steps' own faults
+    # ("profiled_page_faults"; a profiled step takes more than a timed one), spread as the recorded step's
+    # faults' seconds fell per category; its release outside every op (``malloc_trim`` after the step)
     released = pred.get("page_release", 0.0)
+    faults = pred.get("profiled_page_faults", pred.get("page_faults", 0.0) - released)
     view["other"] += released
     split = {cat: n for cat, n in (result.get("fault_split") or {}).items() if n > 0} or {"elementwise": 1}
     for cat, count in split.items():
-        view[cat] = view.get(cat, 0.0) + (faults - released) * count / sum(split.values())
+        view[cat] = view.get(cat, 0.0) + faults * count / sum(split.values())
     return view
 
 

@@ -46,11 +46,14 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
     # a fresh page's fault and release: about 1 and 0.25 us; 0 where the platform cannot measure them
     assert 0 <= probe.page_release_us < 1000 and 0 <= probe.page_fault_us < 1000
+    # a huge page's: 110-140 and 6-8 us there; 0 where the kernel gave none
+    assert 0 <= probe.huge_page_fault_us < 100_000 and 0 <= probe.huge_page_release_us < 100_000
+    assert probe.hardware().huge_page_fault_us == probe.huge_page_fault_us
     assert 0 < probe.solve_tflops < 100 and probe.hardware().solve_tflops == probe.solve_tflops
     assert measure_cpu(threads=1, square=64, skinny=(64, 64, 64), min_seconds=0.001, memory_mib=1,
                        curve_mib=()).solve_tflops is None  # none asked: a solve priced as a tiny matmul
     assert len(probe.rows()) == 1 + len(probe.matmul_tflops) + len(probe.memory_gbps) + 11 + 1 + 1 + (
-        1 if probe.page_fault_us else 0)
+        1 if probe.page_fault_us else 0) + (1 if probe.huge_page_fault_us else 0)
 
 
 def test_probe_restores_the_thread_count():
@@ -93,7 +96,8 @@ def test_profiler_categories_of_the_bench(monkeypatch):
     assert op_category("Optimizer.step#AdamW.step") == "other"
     x, w = torch.randn(64, 64), torch.randn(64, 64)
     seconds = profiled_categories(lambda: (x @ w).relu().sum())
-    assert set(seconds) == {*CATEGORIES, "wall", "ops", "collective_s", "cpu_s", "collectives"}
+    assert set(seconds) == {*CATEGORIES, "wall", "ops", "collective_s", "cpu_s", "collectives", "faults",
+                            "huge_faults"}
     assert seconds["ops"]["aten::mm"][1] == 1  # per event name: self seconds and calls
     assert seconds["matmul"] > 0 and seconds["elementwise"] > 0 and seconds["communication"] == 0
     assert op_category("aten::linalg_solve_triangular") == "matmul"  # priced with the matmuls
@@ -124,11 +128,13 @@ def test_profiled_steps_take_each_categorys_median_and_the_middle_steps_details(
     from roofline_cpu import CATEGORIES
 
     runs = iter([{**dict.fromkeys(CATEGORIES, 0.0), "matmul": m, "other": o, "wall": w, "collective_s": 0.0,
-                  "cpu_s": w, "ops": {"aten::mm": (m, i)}, "collectives": [("all_reduce", 8, i, i + 1)]}
+                  "cpu_s": w, "ops": {"aten::mm": (m, i)}, "collectives": [("all_reduce", 8, i, i + 1)],
+                  "faults": 10 * (i + 1), "huge_faults": 3 - i}
                  for i, (m, o, w) in enumerate(((0.5, 0.9, 2.0), (0.3, 0.1, 1.0), (0.4, 0.2, 3.0)))])
     monkeypatch.setattr(roofline_cpu, "profiled_categories", lambda step: next(runs))
     out = roofline_cpu.profiled_steps(lambda: None, 3)
     assert (out["matmul"], out["other"], out["wall"], out["cpu_s"]) == (0.4, 0.2, 2.0, 2.0)
+    assert (out["faults"], out["huge_faults"]) == (20, 2)
     assert out["ops"] == {"aten::mm": (0.3, 1)} and out["collectives"] == [("all_reduce", 8, 1, 2)]
     assert out["repeats"] == 3
 
@@ -267,18 +273,63 @@ def test_bench_recorder_counts_the_page_faults_of_the_op_that_touches_fresh_memo
     region.close()
     assert recorder.faults["elementwise"] >= 2048 * 0.9  # 8 MiB of 4 KiB pages
     assert recorder.faults["matmul"] < 64
+    # their seconds per category at a probe's costs, a category's huge pages (the machine's count over the
+    # ranks that recorded) at the huge page's cost
+    from qwen3_pretrain.simulate.probe import CpuProbe
+
+    probe = CpuProbe(cpu="x", threads=1, matmul_tflops={}, memory_gbps={}, op_latency_us=1.0,
+                     autograd_op_latency_us=1.0, page_fault_us=1.0, huge_page_fault_us=100.0)
+    recorder.faults.clear()
+    recorder.faults.update(elementwise=3000, matmul=10)
+    recorder.huge_faults.clear()
+    recorder.huge_faults.update(elementwise=40, other=6)
+    seconds = recorder.fault_seconds(probe, ranks=2)
+    assert seconds["elementwise"] == pytest.approx((2980 * 1.0 + 20 * 100.0) * 1e-6)
+    assert seconds["matmul"] == pytest.approx(10e-6) and "other" not in seconds
 
 
 def test_page_costs_of_a_fresh_page_are_measured_where_linux_counts_them():
     """``page_costs``: a fresh 4 KiB page's first touch beyond a second, and its release, microseconds: both
     above 0 where the kernel counts minor faults and lets a mapping decline huge pages (0.7-1.5 and 0.2-0.3
-    us on a 2-core EPYC), and below a millisecond."""
-    from qwen3_pretrain.simulate.probe import page_costs
+    us on a 2-core EPYC), and below a millisecond; a huge page's where the kernel gives them (110-140 and 6-8
+    us there): more than a small page's fault, less than its 512 small pages' together."""
+    from qwen3_pretrain.simulate.probe import huge_page_faults, page_costs
 
-    fault, release = page_costs(mib=8)
-    if (fault, release) == (0.0, 0.0) and not minor_faults():
+    costs = page_costs(mib=8)
+    if (costs.fault_us, costs.release_us) == (0.0, 0.0) and not minor_faults():
         pytest.skip("no minor fault count here")
-    assert 0 < fault < 1000 and 0 < release < 1000
+    assert 0 < costs.fault_us < 1000 and 0 < costs.release_us < 1000
+    if not huge_page_faults():
+        assert costs.huge_fault_us == costs.huge_release_us == 0  # no huge page counted: none measured
+        return
+    if costs.huge_fault_us:
+        assert costs.fault_us < costs.huge_fault_us < 512 * costs.fault_us
+        assert 0 < costs.huge_release_us < 512 * costs.release_us
+
+
+def test_huge_pages_of_a_mapping_that_asks_are_counted_by_the_machine():
+    """A fill of a fresh mapping that asks for huge pages: the machine's huge-page count grows by about its
+    whole huge pages (another process's may add), where the kernel gives them (``thp_fault_alloc``); the
+    process's AnonHugePages grows by them until the mapping is released."""
+    import mmap
+
+    from qwen3_pretrain.simulate.probe import HUGE_PAGE, huge_page_faults, huge_resident_bytes
+
+    if not huge_page_faults() or huge_resident_bytes() is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("this kernel counts no huge pages")
+    region = mmap.mmap(-1, 18 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+        view = torch.frombuffer(region, dtype=torch.float32)
+        before, resident = huge_page_faults(), huge_resident_bytes()
+        view.fill_(1.0)
+        faulted, grown = huge_page_faults() - before, huge_resident_bytes() - resident
+        del view
+    finally:
+        region.close()
+    if faulted == 0:
+        pytest.skip("the kernel gave this mapping no huge page (THP off or memory fragmented)")
+    assert faulted >= 8 and grown >= 8 * HUGE_PAGE  # 18 MiB hold 8 aligned huge pages at least
 
 
 def test_profiler_view_spreads_the_priced_faults_and_gives_their_release_to_the_time_outside_ops(monkeypatch):
@@ -295,6 +346,10 @@ def test_profiler_view_spreads_the_priced_faults_and_gives_their_release_to_the_
     assert view["other"] == pytest.approx(0.01)  # the releases (malloc_trim after the step)
     assert view["elementwise"] == pytest.approx(0.2 + 0.03 * 3 / 4)
     assert view["matmul"] == pytest.approx(0.1 + 0.03 / 4)
+    # the profiled steps' own faults, where counted, are what the categories hold
+    result["predicted"]["profiled_page_faults"] = 0.08
+    view = profiler_view(result)
+    assert view["elementwise"] == pytest.approx(0.2 + 0.08 * 3 / 4) and view["other"] == pytest.approx(0.01)
 
 
 def test_probe_device_takes_the_measured_link_and_prices_a_collective_with_it():

@@ -26,6 +26,7 @@ tiny shapes, where the arithmetic is negligible (``host_us_per_op``), and hands 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import statistics
@@ -76,6 +77,9 @@ class CpuProbe:
     # 0: unmeasured
     page_fault_us: float = 0.0
     page_release_us: float = 0.0
+    # the same of a transparent huge page (2 MiB; ``page_costs``); 0: unmeasured, or the kernel has none
+    huge_page_fault_us: float = 0.0
+    huge_page_release_us: float = 0.0
     # TFLOP/s of the triangular solves the caller asked for (``solve_tflops``, at a trace's own shapes); None:
     # none asked (a solve priced as a matmul of the smallest shape class)
     solve_tflops: float | None = None
@@ -109,7 +113,8 @@ class CpuProbe:
           where the caller did (``link_figures``: ``link_gbps``, ``link_latency_us``), else a ring step
           copying each byte out of and into a socket buffer, half the copy bandwidth; per collective kind
           its own figures where measured (``links``: gloo reduces on the CPU);
-        * a fresh page's fault and release (``page_fault_us``, ``page_release_us``);
+        * a fresh page's fault and release (``page_fault_us``, ``page_release_us``), a huge page's
+          (``huge_page_fault_us``, ``huge_page_release_us``);
         * a triangular solve's rate where the caller measured one (``solve_tflops``);
         * the stragglers' share, where the caller measured it (``straggler_share``)."""
         from qwen3_pretrain.hardware import measured_cpu
@@ -135,6 +140,7 @@ class CpuProbe:
             straggler_share=self.straggler_share,
             collective_links=tuple((kind, gbps, us) for kind, (gbps, us) in sorted(self.links.items())),
             page_fault_us=self.page_fault_us, page_release_us=self.page_release_us,
+            huge_page_fault_us=self.huge_page_fault_us, huge_page_release_us=self.huge_page_release_us,
             solve_tflops=self.solve_tflops)
 
     def trace_rate(self, trace, dtype: str) -> float:
@@ -168,6 +174,9 @@ class CpuProbe:
         if self.page_fault_us:
             lines.append(f"fresh 4 KiB page: {self.page_fault_us:.2f} us its fault, "
                          f"{self.page_release_us:.2f} its release")
+        if self.huge_page_fault_us:
+            lines.append(f"fresh 2 MiB huge page: {self.huge_page_fault_us:.1f} us its fault, "
+                         f"{self.huge_page_release_us:.1f} its release")
         if self.engine_op_us is not None:
             lines.append(f"training step's host per op: {self.engine_op_us:.1f} us eager"
                          + (f", {self.engine_compiled_us:.1f} us per compiled kernel" if self.engine_compiled_us else ""))
@@ -484,7 +493,8 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                         autograd_op_latency_us=autograd_op_latency_us(),
                         load_average=os.getloadavg()[0],
                         bandwidth_by_size=bandwidth_curve(curve_mib, min_seconds) if curve_mib else {},
-                        curve_mib=curve_mib, page_fault_us=costs[0], page_release_us=costs[1],
+                        curve_mib=curve_mib, page_fault_us=costs.fault_us, page_release_us=costs.release_us,
+                        huge_page_fault_us=costs.huge_fault_us, huge_page_release_us=costs.huge_release_us,
                         solve_tflops=solve_rate)
     finally:
         torch.set_num_threads(before)
@@ -499,39 +509,96 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def page_costs(mib: int = 32, repeats: int = 3) -> tuple[float, float]:
-    """(fault, release): microseconds one fresh 4 KiB page of memory costs at its first touch beyond a second
-    touch (the OS maps and zeroes it: a minor page fault), and handing it back (``madvise(MADV_DONTNEED)``,
-    what ``malloc_trim`` and ``free`` of a mapped buffer do). An anonymous mapping of ``mib`` MiB with huge
-    pages declined, filled twice and released; the medians of ``repeats``. About 0.75 and 0.25 us on a 2-core
-    EPYC. (0, 0) where the platform counts no minor faults or cannot decline huge pages (not Linux, or a
-    kernel without them). A huge page's fault is not
-    measured: it cost 75 us to 2.6 ms there, as the kernel found a free 2 MiB page or compacted memory for
-    one."""
+HUGE_PAGE = 2**21  # a transparent huge page of x86-64 and arm64 (4 KiB base pages)
+
+
+def huge_page_faults() -> int:
+    """The transparent huge pages faulted in so far on this machine (``/proc/vmstat``'s ``thp_fault_alloc``):
+    every process's, not this one's alone (Linux counts no process's own); a huge page's fault is also one of
+    the process's minor faults (``minor_faults``). 0 where the kernel does not say (not Linux, no huge pages)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("thp_fault_alloc "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def huge_resident_bytes() -> int | None:
+    """This process's resident memory in transparent huge pages now (``AnonHugePages`` of
+    ``/proc/self/smaps_rollup``); None where the kernel does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class PageCosts:
+    """Microseconds a fresh page of memory costs at its first touch beyond a second touch (the OS maps and
+    zeroes it: a minor page fault) and handing it back (``madvise(MADV_DONTNEED)``, what ``malloc_trim`` and
+    ``free`` of a mapped buffer do): a 4 KiB page's, and a transparent huge page's (2 MiB, where the kernel
+    gives them to a mapping that asks, as torch's CPU allocator does for its large buffers under
+    ``THP_MEM_ALLOC_ENABLE``). 0: not measured."""
+
+    fault_us: float = 0.0
+    release_us: float = 0.0
+    huge_fault_us: float = 0.0
+    huge_release_us: float = 0.0
+
+
+def page_costs(mib: int = 32, repeats: int = 3) -> PageCosts:
+    """``PageCosts`` measured: an anonymous mapping of ``mib`` MiB with huge pages declined, filled twice and
+    released; then one of as many huge pages with them asked for (the huge pages its first fill faulted in:
+    the machine's ``huge_page_faults`` over the fill, at most the mapping's whole huge pages, so that another
+    process's at the same time does not count); the medians of ``repeats``. On a 2-core EPYC VM: about 0.75-1.3
+    and 0.25 us a 4 KiB page, 110 us and 6 us a huge page (1/20 of its 512 small pages' fault). A huge page's
+    fault cost 2.5 ms where the machine's memory was fresh to it (the first mapping of a process; a
+    hypervisor backing the page), or as the kernel compacted memory for one: the median keeps the common
+    case. Zeros where the platform counts no minor faults or cannot decline huge pages (not Linux, or a
+    kernel without them); the huge page's zeros where the kernel gave the mapping none."""
     import mmap
 
     if not hasattr(mmap, "MADV_NOHUGEPAGE") or not hasattr(mmap, "MADV_DONTNEED") or not minor_faults():
-        return 0.0, 0.0
+        return PageCosts()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a parallel fill waits for any of its threads a busy machine deschedules
     try:
-        return _page_costs(mib, repeats)
+        small = _page_costs(mib, repeats, huge=False)
+        if small is None:
+            return PageCosts()
+        huge = _page_costs(mib, repeats, huge=True) or (0.0, 0.0)
+        return PageCosts(*small, *huge)
     finally:
         torch.set_num_threads(threads)
 
 
-def _page_costs(mib: int, repeats: int) -> tuple[float, float]:
+def _page_costs(mib: int, repeats: int, huge: bool) -> tuple[float, float] | None:
+    """(fault, release) microseconds per page of a mapping of ``mib`` MiB with huge pages declined, or asked
+    for (``huge``: per huge page faulted in); None where the kernel refuses the advice or faulted no page."""
     import mmap
 
     faults_us, release_us = [], []
+    size = mib * 2**20 + (HUGE_PAGE if huge else 0)  # room to align whole huge pages in
     for _ in range(repeats):
-        region = mmap.mmap(-1, mib * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
-            region.madvise(mmap.MADV_NOHUGEPAGE)
-            view = torch.frombuffer(region, dtype=torch.float32)
-            faults, start = minor_faults(), time.perf_counter()
+            region.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+            # huge: the whole huge pages only (a small page's fault at an unaligned end is not a huge one's)
+            offset = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE if huge else 0
+            view = torch.frombuffer(region, dtype=torch.float32, offset=offset, count=mib * 2**20 // 4)
+            count = huge_page_faults if huge else minor_faults
+            faults, start = count(), time.perf_counter()
             view.fill_(1.0)
-            cold, faults = time.perf_counter() - start, minor_faults() - faults
+            cold, faults = time.perf_counter() - start, count() - faults
+            if huge:
+                faults = min(faults, mib * 2**20 // HUGE_PAGE)
             warm = math.inf
             for value in (2.0, 3.0):  # the faster of two warm fills: one preempted fill would read no fault cost
                 start = time.perf_counter()
@@ -541,14 +608,14 @@ def _page_costs(mib: int, repeats: int) -> tuple[float, float]:
             start = time.perf_counter()
             region.madvise(mmap.MADV_DONTNEED)
             released = time.perf_counter() - start
-        except OSError:  # a kernel built without transparent huge pages refuses the advice
-            return 0.0, 0.0
+        except (OSError, AttributeError):  # a kernel built without transparent huge pages refuses the advice
+            return None
         finally:
             region.close()
         if faults > 0:
             faults_us.append(max(0.0, cold - warm) / faults * 1e6)
             release_us.append(released / faults * 1e6)
-    return (statistics.median(faults_us), statistics.median(release_us)) if faults_us else (0.0, 0.0)
+    return (statistics.median(faults_us), statistics.median(release_us)) if faults_us else None
 
 
 def collective_seconds_measured(group, kind: str, nbytes: int, dtype: torch.dtype = torch.bfloat16,
