@@ -3,6 +3,8 @@ trace with this CPU's measured numbers, beside the measured step time and torch.
 
     python bench/roofline_cpu.py                                  # every model x mode x layout
     python bench/roofline_cpu.py --models dense --modes eager --layouts 1p,dp2 --steps 3
+    python bench/roofline_cpu.py --repeats 3 --json runs.json     # each variant 3 times: per-cell medians
+    python bench/roofline_cpu.py --summarize runs.json more.json  # the tables of earlier runs, together
 
 Models: bench/train_cpu.py's tiny Qwen3 (hidden 256, 4 layers, the full 151,936 vocabulary, seq 512 x batch
 4), its MoE (16 experts of 256, top-4) and its Qwen3.5 hybrid (3 Gated DeltaNet layers and 1 full-attention
@@ -21,7 +23,8 @@ batch). Each variant runs in fresh processes; per rank:
    sizes), causal SDPA, the triangular solves at the trace's own shapes (the hybrid's chunk inverse),
    streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB); on 2 processes, each collective
    kind's link on its own group at its own message (``measure_links``), the median fit over the steps
-   (``median_links``);
+   (``median_links``); each timed step's minor page faults, and of them the transparent huge pages (the
+   machine's count over the ranks), and the pages and huge pages the trainer's ``malloc_trim`` hands back;
 3. ``--profiled-steps`` steps under ``torch.profiler``: self CPU time per op, summed by category (matmul,
    attention, elementwise, communication, other), each category's median over the steps; torch.distributed's
    Python collectives timed whole (``CollectiveClock``: gloo's wait is no op, the profiler alone would put it
@@ -38,7 +41,11 @@ eager cost, over the compiled scope's kernels. Its profiled steps' median share 
 is the host term's share the table compares with the profiler's "other" (below).
 
 The table shows rank 0's figures: measured and predicted step seconds and their ratio (target: within 25%),
-and per category the profiler's and the prediction's seconds (target: within 30%). On a CPU an op's host
+and per category the profiler's and the prediction's seconds (target: within 30%, or both under 5 ms), then
+the tally against the targets. With ``--repeats N`` every variant runs N times, round after round (so that a
+slow window of a shared machine falls on different variants' runs), and a last table gives each figure's
+median over the rounds with the spread of each cell's profiled seconds (max over min): the tally then also
+counts, per category, the cells that reproduce within 30% and how many of those meet the target. On a CPU an op's host
 cost and its computation run on the same thread one after the other, so the profiler's self time of an op
 holds its dispatch as well as its work, while the prediction's host term holds each op's whole host cost.
 The table splits the host term as the calibration run's profile splits its step: the share outside every op
@@ -227,7 +234,8 @@ def profiled_categories(step) -> dict[str, float]:
     seconds["collective_s"], seconds["cpu_s"], seconds["collectives"] = clock.seconds, cpu, clock.calls
     seconds["ops"] = ops  # self seconds and calls per event name
     # the step's minor page faults, and of them the huge pages (the machine's count over the ranks, which
-    # profile at once): a profiled step took 2-3 times a timed step's at the bench's shapes
+    # profile at once): a profiled step's are not a timed step's (the profiler's own buffers, the probes'
+    # allocations before it moving glibc's mmap threshold)
     seconds["faults"], seconds["huge_faults"] = faults, min(faults, round(huge / ranks))
     return seconds
 
@@ -375,7 +383,6 @@ def worker(args: argparse.Namespace) -> None:
     recorder.trace.page_faults = int(statistics.median(faults))
     recorder.trace.huge_page_faults = int(statistics.median(huge))
     recorder.trace.pages_released = int(statistics.median(released.pages)) if released.pages else 0
-    recorder.trace.huge_pages_released = int(statistics.median(released.huge)) if released.huge else 0
     predicted = predict_step(recorder, probe, mode == "compiled")
     # the profiled steps' own faults at the same costs: what the profiler's categories hold
     predicted["profiled_page_faults"] = page_seconds(
@@ -393,9 +400,9 @@ def worker(args: argparse.Namespace) -> None:
 
 class ReleaseCounter:
     """The pages (of the OS's page size, the probe's release unit) the trainer's per-step ``malloc_trim`` hands
-    back (``HostMemory.after_step``), per step (``pages``): its drop of the resident memory; of it, the
-    transparent huge pages (``huge``: the drop of the process's ``AnonHugePages``, in 2 MiB pages). Appends one
-    entry per step; ``close`` restores the trainer."""
+    back (``HostMemory.after_step``), per step (``pages``): its drop of the resident memory; and the drop of the
+    process's transparent huge pages (``huge``, in 2 MiB pages: the trim releases them split, 4 KiB at a time,
+    the roofline prices them so). Appends one entry per step; ``close`` restores the trainer."""
 
     def __init__(self, trainer) -> None:
         from qwen3_pretrain.train.host_memory import resident_bytes
@@ -533,7 +540,6 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
         op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
         load_average=med(lambda p: p.load_average), page_fault_us=med(lambda p: p.page_fault_us),
         page_release_us=med(lambda p: p.page_release_us), huge_page_fault_us=med(lambda p: p.huge_page_fault_us),
-        huge_page_release_us=med(lambda p: p.huge_page_release_us),
         solve_tflops=med(lambda p: p.solve_tflops) if first.solve_tflops else None)
 
 
@@ -547,7 +553,7 @@ def probe_json(probe: CpuProbe) -> dict:
             "link_latency_us": probe.link_latency_us, "links": probe.links,
             "straggler_share": probe.straggler_share, "page_fault_us": probe.page_fault_us,
             "page_release_us": probe.page_release_us, "huge_page_fault_us": probe.huge_page_fault_us,
-            "huge_page_release_us": probe.huge_page_release_us, "solve_tflops": probe.solve_tflops}
+            "solve_tflops": probe.solve_tflops}
 
 
 # --- the prediction: the roofline core's recorder and price, with this CPU's numbers ------------------------
@@ -712,9 +718,9 @@ def predict_step(recorder: StepRecorder, probe: CpuProbe, compiled: bool) -> dic
                        "launch_us": hw.launch_latency_us,
                        "compiled_launch_us": hw.compiled_launch_us, "straggler_share": hw.straggler_share,
                        "page_fault_us": hw.page_fault_us, "page_release_us": hw.page_release_us,
-                       "huge_page_fault_us": hw.huge_page_fault_us, "huge_page_release_us": hw.huge_page_release_us,
+                       "huge_page_fault_us": hw.huge_page_fault_us,
                        "page_faults": trace.page_faults, "pages_released": trace.pages_released,
-                       "huge_page_faults": trace.huge_page_faults, "huge_pages_released": trace.huge_pages_released},
+                       "huge_page_faults": trace.huge_page_faults},
             "page_release": page_seconds(trace, hw)[1]}
 
 

@@ -202,11 +202,10 @@ class Hardware:
     # tensors come from a caching allocator's device memory)
     page_fault_us: float = 0.0
     page_release_us: float = 0.0
-    # the same of a transparent huge page (2 MiB), where the allocator's large buffers get them (torch's CPU
+    # a transparent huge page's fault (2 MiB), where the allocator's large buffers get them (torch's CPU
     # allocator asks for them under ``THP_MEM_ALLOC_ENABLE``, which the CLI sets): one fault of a 4 KiB page's
     # count, about 100 times its cost (``simulate.probe.page_costs``)
     huge_page_fault_us: float = 0.0
-    huge_page_release_us: float = 0.0
 
     def link(self, kind: str, on_node: bool = True) -> tuple[float, float]:
         """(bus bytes/s, latency s) of one ``kind`` of collective on a node's link (``on_node``) or across
@@ -491,8 +490,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
                  straggler_share: float = 0.0,
                  collective_links: tuple[tuple[str, float, float], ...] = (),
                  page_fault_us: float = 0.0, page_release_us: float = 0.0,
-                 huge_page_fault_us: float = 0.0, huge_page_release_us: float = 0.0,
-                 solve_tflops: float | None = None) -> Hardware:
+                 huge_page_fault_us: float = 0.0, solve_tflops: float | None = None) -> Hardware:
     """The table's "cpu" entry with this machine's measured figures: the matmul throughputs (TFLOP/s, at the
     shapes the benchmark ran), the memory bandwidth (GB/s, a streaming copy's read plus write) and the host
     time of one eager op (microseconds, dispatch and the training step's Python included). The efficiencies
@@ -506,8 +504,8 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
     traffic its caches hold (``cache_bytes``), and per op class where its ops stream at other rates
     (``class_curves``), the stragglers' share (``Hardware.straggler_share``), per collective kind its own
     link where measured (``Hardware.collective_links``), the costs of a fresh page's fault and release
-    (``Hardware.page_fault_us``, ``page_release_us``) and a huge page's (``huge_page_fault_us``,
-    ``huge_page_release_us``), and a triangular solve's rate (``Hardware.solve_tflops``)."""
+    (``Hardware.page_fault_us``, ``page_release_us``), a huge page's fault (``huge_page_fault_us``) and a
+    triangular solve's rate (``Hardware.solve_tflops``)."""
     for key, value in (("bf16_tflops", bf16_tflops), ("fp32_tflops", fp32_tflops),
                        ("memory_bandwidth_gbps", memory_bandwidth_gbps), ("launch_latency_us", launch_latency_us)):
         if not value > 0:
@@ -521,8 +519,7 @@ def measured_cpu(bf16_tflops: float, fp32_tflops: float, memory_bandwidth_gbps: 
         grouped_matmul_share=grouped_matmul_share, bandwidth_curve=tuple(bandwidth_curve), cache_bytes=cache_bytes,
         class_curves=tuple((k, tuple(c)) for k, c in class_curves), straggler_share=straggler_share,
         collective_links=tuple(tuple(link) for link in collective_links), page_fault_us=page_fault_us,
-        page_release_us=page_release_us, huge_page_fault_us=huge_page_fault_us,
-        huge_page_release_us=huge_page_release_us, solve_tflops=solve_tflops,
+        page_release_us=page_release_us, huge_page_fault_us=huge_page_fault_us, solve_tflops=solve_tflops,
         intra_node_gbps=intra_node_gbps or DEVICES["cpu"].intra_node_gbps,
         intra_node_latency_us=DEVICES["cpu"].intra_node_latency_us if intra_node_latency_us is None
         else intra_node_latency_us,

@@ -46,8 +46,8 @@ def test_probe_figures_are_positive_and_plausible(probe):
     assert all(len(v) == 2 and all(0 < x < 10_000 for x in v) for v in probe.bandwidth_by_size.values())
     # a fresh page's fault and release: about 1 and 0.25 us; 0 where the platform cannot measure them
     assert 0 <= probe.page_release_us < 1000 and 0 <= probe.page_fault_us < 1000
-    # a huge page's: 110-140 and 6-8 us there; 0 where the kernel gave none
-    assert 0 <= probe.huge_page_fault_us < 100_000 and 0 <= probe.huge_page_release_us < 100_000
+    # a huge page's fault: 110-200 us there; 0 where the kernel gave none
+    assert 0 <= probe.huge_page_fault_us < 100_000
     assert probe.hardware().huge_page_fault_us == probe.huge_page_fault_us
     assert 0 < probe.solve_tflops < 100 and probe.hardware().solve_tflops == probe.solve_tflops
     assert measure_cpu(threads=1, square=64, skinny=(64, 64, 64), min_seconds=0.001, memory_mib=1,
@@ -291,8 +291,8 @@ def test_bench_recorder_counts_the_page_faults_of_the_op_that_touches_fresh_memo
 def test_page_costs_of_a_fresh_page_are_measured_where_linux_counts_them():
     """``page_costs``: a fresh 4 KiB page's first touch beyond a second, and its release, microseconds: both
     above 0 where the kernel counts minor faults and lets a mapping decline huge pages (0.7-1.5 and 0.2-0.3
-    us on a 2-core EPYC), and below a millisecond; a huge page's where the kernel gives them (110-140 and 6-8
-    us there): more than a small page's fault, less than its 512 small pages' together."""
+    us on a 2-core EPYC), and below a millisecond; a huge page's fault where the kernel gives them (110-200
+    us there): more than a small page's, less than its 512 small pages' together."""
     from qwen3_pretrain.simulate.probe import huge_page_faults, page_costs
 
     costs = page_costs(mib=8)
@@ -300,11 +300,10 @@ def test_page_costs_of_a_fresh_page_are_measured_where_linux_counts_them():
         pytest.skip("no minor fault count here")
     assert 0 < costs.fault_us < 1000 and 0 < costs.release_us < 1000
     if not huge_page_faults():
-        assert costs.huge_fault_us == costs.huge_release_us == 0  # no huge page counted: none measured
+        assert costs.huge_fault_us == 0  # no huge page counted: none measured
         return
     if costs.huge_fault_us:
         assert costs.fault_us < costs.huge_fault_us < 512 * costs.fault_us
-        assert 0 < costs.huge_release_us < 512 * costs.release_us
 
 
 def test_huge_pages_of_a_mapping_that_asks_are_counted_by_the_machine():

@@ -77,9 +77,8 @@ class CpuProbe:
     # 0: unmeasured
     page_fault_us: float = 0.0
     page_release_us: float = 0.0
-    # the same of a transparent huge page (2 MiB; ``page_costs``); 0: unmeasured, or the kernel has none
+    # a transparent huge page's fault (2 MiB; ``page_costs``); 0: unmeasured, or the kernel gives none
     huge_page_fault_us: float = 0.0
-    huge_page_release_us: float = 0.0
     # TFLOP/s of the triangular solves the caller asked for (``solve_tflops``, at a trace's own shapes); None:
     # none asked (a solve priced as a matmul of the smallest shape class)
     solve_tflops: float | None = None
@@ -113,8 +112,8 @@ class CpuProbe:
           where the caller did (``link_figures``: ``link_gbps``, ``link_latency_us``), else a ring step
           copying each byte out of and into a socket buffer, half the copy bandwidth; per collective kind
           its own figures where measured (``links``: gloo reduces on the CPU);
-        * a fresh page's fault and release (``page_fault_us``, ``page_release_us``), a huge page's
-          (``huge_page_fault_us``, ``huge_page_release_us``);
+        * a fresh page's fault and release (``page_fault_us``, ``page_release_us``), a huge page's fault
+          (``huge_page_fault_us``);
         * a triangular solve's rate where the caller measured one (``solve_tflops``);
         * the stragglers' share, where the caller measured it (``straggler_share``)."""
         from qwen3_pretrain.hardware import measured_cpu
@@ -140,7 +139,7 @@ class CpuProbe:
             straggler_share=self.straggler_share,
             collective_links=tuple((kind, gbps, us) for kind, (gbps, us) in sorted(self.links.items())),
             page_fault_us=self.page_fault_us, page_release_us=self.page_release_us,
-            huge_page_fault_us=self.huge_page_fault_us, huge_page_release_us=self.huge_page_release_us,
+            huge_page_fault_us=self.huge_page_fault_us,
             solve_tflops=self.solve_tflops)
 
     def trace_rate(self, trace, dtype: str) -> float:
@@ -175,8 +174,7 @@ class CpuProbe:
             lines.append(f"fresh 4 KiB page: {self.page_fault_us:.2f} us its fault, "
                          f"{self.page_release_us:.2f} its release")
         if self.huge_page_fault_us:
-            lines.append(f"fresh 2 MiB huge page: {self.huge_page_fault_us:.1f} us its fault, "
-                         f"{self.huge_page_release_us:.1f} its release")
+            lines.append(f"fresh 2 MiB huge page: {self.huge_page_fault_us:.1f} us its fault")
         if self.engine_op_us is not None:
             lines.append(f"training step's host per op: {self.engine_op_us:.1f} us eager"
                          + (f", {self.engine_compiled_us:.1f} us per compiled kernel" if self.engine_compiled_us else ""))
@@ -494,7 +492,7 @@ def measure_cpu(shapes: Iterable[tuple[int, int, int]] = (), threads: int | None
                         load_average=os.getloadavg()[0],
                         bandwidth_by_size=bandwidth_curve(curve_mib, min_seconds) if curve_mib else {},
                         curve_mib=curve_mib, page_fault_us=costs.fault_us, page_release_us=costs.release_us,
-                        huge_page_fault_us=costs.huge_fault_us, huge_page_release_us=costs.huge_release_us,
+                        huge_page_fault_us=costs.huge_fault_us,
                         solve_tflops=solve_rate)
     finally:
         torch.set_num_threads(before)
@@ -541,24 +539,24 @@ def huge_resident_bytes() -> int | None:
 
 @dataclass(frozen=True)
 class PageCosts:
-    """Microseconds a fresh page of memory costs at its first touch beyond a second touch (the OS maps and
+    """Microseconds a fresh 4 KiB page of memory costs at its first touch beyond a second touch (the OS maps and
     zeroes it: a minor page fault) and handing it back (``madvise(MADV_DONTNEED)``, what ``malloc_trim`` and
-    ``free`` of a mapped buffer do): a 4 KiB page's, and a transparent huge page's (2 MiB, where the kernel
-    gives them to a mapping that asks, as torch's CPU allocator does for its large buffers under
-    ``THP_MEM_ALLOC_ENABLE``). 0: not measured."""
+    ``free`` of a mapped buffer do); a transparent huge page's fault (2 MiB, where the kernel gives them to a
+    mapping that asks, as torch's CPU allocator does for its large buffers under ``THP_MEM_ALLOC_ENABLE``).
+    Not a huge page's release: the trim hands back ranges of the heap, and the kernel splits a huge page a
+    range cuts into small pages to release them. 0: not measured."""
 
     fault_us: float = 0.0
     release_us: float = 0.0
     huge_fault_us: float = 0.0
-    huge_release_us: float = 0.0
 
 
 def page_costs(mib: int = 32, repeats: int = 3) -> PageCosts:
     """``PageCosts`` measured: an anonymous mapping of ``mib`` MiB with huge pages declined, filled twice and
     released; then one of as many huge pages with them asked for (the huge pages its first fill faulted in:
     the machine's ``huge_page_faults`` over the fill, at most the mapping's whole huge pages, so that another
-    process's at the same time does not count); the medians of ``repeats``. On a 2-core EPYC VM: about 0.75-1.3
-    and 0.25 us a 4 KiB page, 110 us and 6 us a huge page (1/20 of its 512 small pages' fault). A huge page's
+    process's at the same time does not count); the medians of ``repeats``. On a 2-core EPYC VM: about 0.75-1.4
+    and 0.25 us a 4 KiB page, a huge page's fault 110-200 us (a fifth of its 512 small pages'). A huge page's
     fault cost 2.5 ms where the machine's memory was fresh to it (the first mapping of a process; a
     hypervisor backing the page), or as the kernel compacted memory for one: the median keeps the common
     case. Zeros where the platform counts no minor faults or cannot decline huge pages (not Linux, or a
@@ -574,7 +572,7 @@ def page_costs(mib: int = 32, repeats: int = 3) -> PageCosts:
         if small is None:
             return PageCosts()
         huge = _page_costs(mib, repeats, huge=True) or (0.0, 0.0)
-        return PageCosts(*small, *huge)
+        return PageCosts(*small, huge_fault_us=huge[0])
     finally:
         torch.set_num_threads(threads)
 

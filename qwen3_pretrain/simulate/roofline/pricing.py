@@ -52,11 +52,13 @@
   ``pages_released``, where a real step was counted) at ``Hardware.page_fault_us`` and ``page_release_us``
   (a fresh 4 KiB page's first touch and its release, a CPU's measured; 0 on the accelerators). On a 2-core
   EPYC a dense bf16 step at the CPU bench's shapes took about 20,000 faults with the engine's per-step
-  ``malloc_trim`` and 1,100 without, and ran 3.5-5% slower with it. The transparent huge pages among them
-  (``OpTrace.huge_page_faults``, ``huge_pages_released``: torch's large CPU buffers, 2 MiB a page) at
-  ``Hardware.huge_page_fault_us`` and ``huge_page_release_us``: a MoE step there took 100-150 huge pages
-  at about 130 us each, one fault of the count at a hundred small pages' cost, and handed back 300 MB of
-  them at a twentieth of the small pages' release cost.
+  ``malloc_trim`` and 1,100 without, and ran 3.5-5% slower with it. The transparent huge pages among the
+  faults (``OpTrace.huge_page_faults``: torch's large CPU buffers, 2 MiB a page) at
+  ``Hardware.huge_page_fault_us``: a step there took 0-150 of them at 120-200 us each, one fault of the
+  count at a hundred small pages' cost. The released pages all at the 4 KiB page's cost: the trim hands
+  back ranges of the heap, not whole huge pages, and the kernel splits a huge page a range cuts (the
+  bench's "outside every op" cells agreed in 12 of 19 rows priced so, 6 of 19 with the huge pages the
+  trim's drop of ``AnonHugePages`` counted at a whole huge page's release, 6 us).
 * **pipeline bubble**: the busy time x Megatron's bubble ratio ``(p - 1) / (v m)``
   (``plan.formulas.megatron_bubble_ratio``).
 """
@@ -273,18 +275,11 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
 
 
 def page_seconds(trace: OpTrace, hardware: Hardware) -> tuple[float, float]:
-    """Seconds of the step's counted page faults, and of its releases: the 4 KiB pages and the huge pages each
-    at their own cost (a huge page: one fault of ``page_faults``, ``HUGE_SMALL_PAGES`` of ``pages_released``)."""
-    huge_faults = min(trace.huge_page_faults, trace.page_faults)
-    huge_released = min(trace.huge_pages_released, trace.pages_released // HUGE_SMALL_PAGES)
-    faults = (trace.page_faults - huge_faults) * hardware.page_fault_us + huge_faults * hardware.huge_page_fault_us
-    released = ((trace.pages_released - huge_released * HUGE_SMALL_PAGES) * hardware.page_release_us
-                + huge_released * hardware.huge_page_release_us)
-    return faults * 1e-6, released * 1e-6
-
-
-# 4 KiB pages in a transparent huge page (2 MiB)
-HUGE_SMALL_PAGES = 512
+    """Seconds of the step's counted page faults (the 4 KiB pages' and the huge pages', each at its own
+    cost), and of its released pages (4 KiB each)."""
+    huge = min(trace.huge_page_faults, trace.page_faults)
+    faults = (trace.page_faults - huge) * hardware.page_fault_us + huge * hardware.huge_page_fault_us
+    return faults * 1e-6, trace.pages_released * hardware.page_release_us * 1e-6
 
 
 def compiled_kernels(trace: OpTrace, comm: dict | None = None) -> int:

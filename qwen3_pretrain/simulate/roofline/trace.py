@@ -167,10 +167,8 @@ class OpTrace:
     # 0: none counted (fake tensors take none; an accelerator's tensors come from its caching allocator)
     page_faults: int = 0
     pages_released: int = 0
-    # of those, the transparent huge pages (2 MiB): faulted in (each one of ``page_faults``) and handed back
-    # (``pages_released`` counts a huge page's 4 KiB pages)
+    # of the faults, the transparent huge pages (2 MiB) faulted in: each one of ``page_faults``
     huge_page_faults: int = 0
-    huge_pages_released: int = 0
 
     def matmul_flops(self) -> float:
         return sum(2.0 * m * n * k * g * calls for (_, _, m, n, k, g), calls in self.matmuls.items())
