@@ -24,7 +24,7 @@ batch). Each variant runs in fresh processes; per rank:
    streaming bandwidth and the bandwidth by working-set size (0.5 to 128 MiB); on 2 processes, each collective
    kind's link on its own group at its own message (``measure_links``), the median fit over the steps
    (``median_links``); each timed step's minor page faults, and of them the transparent huge pages (the
-   machine's count over the ranks), and the pages and huge pages the trainer's ``malloc_trim`` hands back;
+   machine's count over the ranks), and the pages the trainer's ``malloc_trim`` hands back;
 3. ``--profiled-steps`` steps under ``torch.profiler``: self CPU time per op, summed by category (matmul,
    attention, elementwise, communication, other), each category's median over the steps; torch.distributed's
    Python collectives timed whole (``CollectiveClock``: gloo's wait is no op, the profiler alone would put it
@@ -76,9 +76,9 @@ from train_cpu import BATCH, HYBRID, MODEL, MOE, SEQ, free_port  # noqa: E402
 
 from qwen3_pretrain.cli import PROCESS_ENV_DEFAULTS  # noqa: E402
 from qwen3_pretrain.simulate.probe import (  # noqa: E402
-    HUGE_PAGE, CpuProbe, cpu_name, huge_page_faults, huge_resident_bytes, measure_cpu, minor_faults)
+    CpuProbe, cpu_name, huge_page_faults, measure_cpu, minor_faults)
 from qwen3_pretrain.simulate.roofline import RecordingMode  # noqa: E402
-from qwen3_pretrain.simulate.roofline.pricing import page_seconds  # noqa: E402
+from qwen3_pretrain.simulate.roofline.pricing import fault_seconds, page_seconds  # noqa: E402
 from qwen3_pretrain.simulate.track import _KINDS as _COMM_KINDS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -392,7 +392,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
               "probe": probe_json(probe), "predicted": predicted, "links": links, "page_faults": faults,
-              "huge_page_faults": huge, "pages_released": released.pages, "huge_pages_released": released.huge,
+              "huge_page_faults": huge, "pages_released": released.pages,
               "fault_split": recorder.fault_seconds(probe, nproc),
               "comm_calls": [[*key, *value] for key, value in recorder.comm_calls().items()]}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -400,26 +400,23 @@ def worker(args: argparse.Namespace) -> None:
 
 class ReleaseCounter:
     """The pages (of the OS's page size, the probe's release unit) the trainer's per-step ``malloc_trim`` hands
-    back (``HostMemory.after_step``), per step (``pages``): its drop of the resident memory; and the drop of the
-    process's transparent huge pages (``huge``, in 2 MiB pages: the trim releases them split, 4 KiB at a time,
-    the roofline prices them so). Appends one entry per step; ``close`` restores the trainer."""
+    back (``HostMemory.after_step``), per step (``pages``): its drop of the resident memory (a huge page's
+    4 KiB pages: the trim releases it split, the roofline prices it so). Appends one entry per step; ``close``
+    restores the trainer."""
 
     def __init__(self, trainer) -> None:
         from qwen3_pretrain.train.host_memory import resident_bytes
 
         self.pages: list[int] = []
-        self.huge: list[int] = []
         self._memory = trainer.host_memory
         self._after_step = self._memory.after_step
 
         def counted() -> None:
-            before, huge_before = resident_bytes(), huge_resident_bytes()
+            before = resident_bytes()
             self._after_step()
-            after, huge_after = resident_bytes(), huge_resident_bytes()
+            after = resident_bytes()
             if before is not None and after is not None:
                 self.pages.append(max(0, before - after) // mmap.PAGESIZE)
-            if huge_before is not None and huge_after is not None:
-                self.huge.append(max(0, huge_before - huge_after) // HUGE_PAGE)
 
         self._memory.after_step = counted
 
@@ -539,7 +536,9 @@ def median_probe(probes: list[CpuProbe]) -> CpuProbe:
                            for k, v in first.bandwidth_by_size.items()},
         op_latency_us=med(lambda p: p.op_latency_us), autograd_op_latency_us=med(lambda p: p.autograd_op_latency_us),
         load_average=med(lambda p: p.load_average), page_fault_us=med(lambda p: p.page_fault_us),
-        page_release_us=med(lambda p: p.page_release_us), huge_page_fault_us=med(lambda p: p.huge_page_fault_us),
+        page_release_us=med(lambda p: p.page_release_us),
+        # the probes that got huge pages (one whose mapping got none measured 0: unmeasured, not free)
+        huge_page_fault_us=statistics.median([p.huge_page_fault_us for p in probes if p.huge_page_fault_us] or [0.0]),
         solve_tflops=med(lambda p: p.solve_tflops) if first.solve_tflops else None)
 
 
@@ -610,11 +609,8 @@ class StepRecorder(RecordingMode):
         """The recorded step's page faults' seconds per profiler category at ``probe``'s costs: a category's
         huge pages (the machine's count over the ``ranks`` that recorded at once, at most its faults) at the
         huge page's cost, the rest at the small page's (what ``profiler_view`` spreads the priced faults by)."""
-        out = {}
-        for cat, count in self.faults.items():
-            huge = min(count, self.huge_faults.get(cat, 0) / ranks)
-            out[cat] = ((count - huge) * probe.page_fault_us + huge * probe.huge_page_fault_us) * 1e-6
-        return out
+        return {cat: fault_seconds(count, round(self.huge_faults.get(cat, 0) / ranks), probe.page_fault_us,
+                                   probe.huge_page_fault_us) for cat, count in self.faults.items()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
@@ -636,10 +632,12 @@ class StepRecorder(RecordingMode):
                 counts = [e - s for s, e in zip(ends, ends[1:])]
                 if counts not in self.group_counts:
                     self.group_counts.append(counts)
-        faults, huge = minor_faults(), huge_page_faults()
+        huge = huge_page_faults()  # read before the process's own count (a read's faults are not the op's)
+        faults = minor_faults()
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        faults = minor_faults() - faults
         category = op_category(f"aten::{self._op}")
-        self.faults[category] += minor_faults() - faults
+        self.faults[category] += faults
         self.huge_faults[category] += huge_page_faults() - huge
         return out
 
@@ -786,10 +784,13 @@ def profiler_view(result: dict) -> dict[str, float]:
     split it (``outside_share`` of it outside every op: "other"; the rest inside the ops' self times, spread
     over the categories by the ops the trace counts in each)."""
     pred = result["predicted"]
-    share = result["host_calibration"].get("outside_share", 1.0)
-    counts = pred["op_counts"]
+    share = result.get("host_calibration", {}).get("outside_share", 1.0)
+    # a file from before the op counts: the host term all outside the ops
+    counts = pred.get("op_counts") or dict.fromkeys(("matmul", "attention", "elementwise", "communication"), 0)
     total = sum(counts.values()) or 1
-    view = {cat: pred[cat] + pred["host"] * (1 - share) * counts[cat] / total for cat in counts}
+    view = {cat: pred.get(cat, 0.0) + pred["host"] * (1 - share) * counts[cat] / total for cat in counts}
+    if not sum(counts.values()):
+        share = 1.0
     view["other"] = pred["host"] * share
     view["communication"] += pred.get("waiting", 0.0)  # the profiler sees a rank's waiting in its collectives
     # a page's fault is in the self time of the op that touched it first: the profiled steps' own faults
@@ -828,8 +829,11 @@ def variant_cells(ranks: list[dict]) -> dict:
 def median_cells(runs: list[dict]) -> dict:
     """A variant's ``variant_cells`` over its runs (rounds): each figure's median on its own, and per category
     "spread", the profiled seconds' max over min across the runs (1 where every run's is under
-    ``CELL_FLOOR_S``: a millisecond's move there is no signal; inf where one run measured 0)."""
+    ``CELL_FLOOR_S``: a millisecond's move there is no signal; inf where one run measured 0; None with one
+    run: nothing to compare)."""
     def spread(values):
+        if len(values) < 2:
+            return None
         if max(values) < CELL_FLOOR_S:
             return 1.0
         return max(values) / min(values) if min(values) > 0 else float("inf")
@@ -846,8 +850,8 @@ def median_cells(runs: list[dict]) -> dict:
 def tally(summary: dict[str, dict]) -> dict:
     """Against the targets, over variants' ``median_cells`` (or one run's ``variant_cells``): the step ratios,
     and per category the cells that agree (``cell_agrees``) of those counted, a 1-process communication cell
-    not counted; "reproducible": per category the cells whose profiled seconds moved by at most
-    ``CELL_TARGET`` over the runs, and of those the ones that agree."""
+    not counted; "reproducible": per category the cells of variants run more than once whose profiled
+    seconds moved by at most ``CELL_TARGET`` over the runs, and of those the ones that agree."""
     ratios = [v["predicted_s"] / v["step_s"] for v in summary.values()]
     out = {"steps": [sum(abs(x - 1) <= STEP_TARGET for x in ratios), len(ratios)], "ratios": ratios,
            "cells": {}, "reproducible": {}}
@@ -858,7 +862,8 @@ def tally(summary: dict[str, dict]) -> dict:
                 continue
             ok = cell_agrees(*v["cells"][cat])
             agree, total = agree + ok, total + 1
-            if v.get("spread", {}).get(cat, 1.0) <= 1 + CELL_TARGET:
+            moved = v.get("spread", {}).get(cat)
+            if moved is not None and moved <= 1 + CELL_TARGET:
                 rep, rep_agree = rep + 1, rep_agree + ok
         out["cells"][cat] = [agree, total]
         out["reproducible"][cat] = [rep_agree, rep]
@@ -888,7 +893,7 @@ def print_median_table(summary: dict[str, dict]) -> None:
                 f"{v['predicted_s'] / v['step_s']:>5.2f}")
         for cat in CATEGORIES:
             (prof, pred), spread = v["cells"][cat], v["spread"][cat]
-            line += f" {prof:>6.3f}/{pred:<6.3f}x{spread:<5.2f}"
+            line += f" {prof:>6.3f}/{pred:<6.3f}" + (f"x{spread:<5.2f}" if spread is not None else " " * 6)
         print(line)
 
 
@@ -917,7 +922,8 @@ def print_table(rows: dict[str, list[dict]]) -> None:
     for name, ranks in rows.items():
         r = ranks[0]
         pred, meas = r["predicted"], r["step_s"]
-        line = (f"{name:<20} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f} {meas:>6.3f} {pred['step_s']:>6.3f} "
+        load = r.get("load", [0.0, 0.0])
+        line = (f"{name:<20} {load[0]:>4.1f}-{load[1]:<4.1f} {meas:>6.3f} {pred['step_s']:>6.3f} "
                 f"{pred['step_s'] / meas:>5.2f}")
         view = profiler_view(r)
         for cat in CATEGORIES:

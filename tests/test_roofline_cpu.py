@@ -290,45 +290,54 @@ def test_bench_recorder_counts_the_page_faults_of_the_op_that_touches_fresh_memo
 
 def test_page_costs_of_a_fresh_page_are_measured_where_linux_counts_them():
     """``page_costs``: a fresh 4 KiB page's first touch beyond a second, and its release, microseconds: both
-    above 0 where the kernel counts minor faults and lets a mapping decline huge pages (0.7-1.5 and 0.2-0.3
-    us on a 2-core EPYC), and below a millisecond; a huge page's fault where the kernel gives them (110-200
-    us there): more than a small page's, less than its 512 small pages' together."""
-    from qwen3_pretrain.simulate.probe import huge_page_faults, page_costs
+    above 0 where the kernel counts minor faults and lets a mapping decline huge pages (0.7-1.8 and 0.2-0.3
+    us on a 2-core EPYC), and below a millisecond; a huge page's fault above a small page's wherever a mapping
+    that asks for huge pages gets them (110-200 us there; 2.5 ms for memory fresh to a VM)."""
+    from qwen3_pretrain.simulate.probe import page_costs
 
     costs = page_costs(mib=8)
     if (costs.fault_us, costs.release_us) == (0.0, 0.0) and not minor_faults():
         pytest.skip("no minor fault count here")
     assert 0 < costs.fault_us < 1000 and 0 < costs.release_us < 1000
-    if not huge_page_faults():
-        assert costs.huge_fault_us == 0  # no huge page counted: none measured
-        return
-    if costs.huge_fault_us:
-        assert costs.fault_us < costs.huge_fault_us < 512 * costs.fault_us
+    if _huge_pages_given() < 1:
+        pytest.skip("the kernel gives a mapping no huge page here (THP off, or memory fragmented)")
+    assert costs.fault_us < costs.huge_fault_us < 100_000
 
 
-def test_huge_pages_of_a_mapping_that_asks_are_counted_by_the_machine():
-    """A fill of a fresh mapping that asks for huge pages: the machine's huge-page count grows by about its
-    whole huge pages (another process's may add), where the kernel gives them (``thp_fault_alloc``); the
-    process's AnonHugePages grows by them until the mapping is released."""
+def _huge_pages_given(mib: int = 18) -> int:
+    """The transparent huge pages a fresh mapping of ``mib`` MiB that asks for them got at its first fill (this
+    process's ``AnonHugePages`` growth); -1 where the kernel does not say or takes no such advice."""
     import mmap
 
-    from qwen3_pretrain.simulate.probe import HUGE_PAGE, huge_page_faults, huge_resident_bytes
+    from qwen3_pretrain.simulate.probe import HUGE_PAGE, huge_resident_bytes
 
-    if not huge_page_faults() or huge_resident_bytes() is None or not hasattr(mmap, "MADV_HUGEPAGE"):
-        pytest.skip("this kernel counts no huge pages")
-    region = mmap.mmap(-1, 18 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_resident_bytes() is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return -1
+    region = mmap.mmap(-1, mib * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
         view = torch.frombuffer(region, dtype=torch.float32)
-        before, resident = huge_page_faults(), huge_resident_bytes()
+        before = huge_resident_bytes()
         view.fill_(1.0)
-        faulted, grown = huge_page_faults() - before, huge_resident_bytes() - resident
+        grown = huge_resident_bytes() - before
         del view
+    except OSError:
+        return -1
     finally:
         region.close()
-    if faulted == 0:
-        pytest.skip("the kernel gave this mapping no huge page (THP off or memory fragmented)")
-    assert faulted >= 8 and grown >= 8 * HUGE_PAGE  # 18 MiB hold 8 aligned huge pages at least
+    return grown // HUGE_PAGE
+
+
+def test_huge_pages_a_mapping_gets_are_counted_by_the_machine():
+    """A fill of a fresh mapping that asks for huge pages: the machine's huge-page count (``thp_fault_alloc``)
+    grows by at least the huge pages this process's AnonHugePages grew by (another process's may add)."""
+    from qwen3_pretrain.simulate.probe import huge_page_faults
+
+    before = huge_page_faults()
+    given = _huge_pages_given()
+    if given < 1 or not before:
+        pytest.skip("no huge page given, or the kernel counts none")
+    assert huge_page_faults() - before >= given
 
 
 def test_profiler_view_spreads_the_priced_faults_and_gives_their_release_to_the_time_outside_ops(monkeypatch):
@@ -514,14 +523,14 @@ def test_rounds_median_each_cell_and_the_tally_counts_the_targets_and_the_reprod
     assert one["spread"]["matmul"] == pytest.approx(0.60 / 0.50)
     assert one["spread"]["elementwise"] == pytest.approx(3.0)
     assert one["spread"]["communication"] == 1.0  # every run under 5 ms
-    assert summary["a-eager-tp2"]["runs"] == 1
+    assert summary["a-eager-tp2"]["runs"] == 1 and summary["a-eager-tp2"]["spread"]["matmul"] is None
     t = tally(summary)
     assert t["steps"] == [1, 2]  # 1.0 / 1.1 within 25%, 0.70 not
     assert t["cells"]["matmul"] == [2, 2]  # 0.48 of 0.55: 13% off
     assert t["cells"]["elementwise"] == [2, 2]  # tp2: both 0 (under 5 ms)
     assert t["cells"]["communication"] == [1, 1]  # the 1-process cell not counted; 0.12 of 0.10: 20%
-    # reproducible: elementwise of 1p moved 3x, so only tp2's counts
-    assert t["reproducible"]["elementwise"] == [1, 1] and t["reproducible"]["matmul"] == [2, 2]
+    # reproducible: elementwise of 1p moved 3x; tp2 ran once (nothing to compare), counted in neither
+    assert t["reproducible"]["elementwise"] == [0, 0] and t["reproducible"]["matmul"] == [1, 1]
     # one round: a cell 35% off disagrees
     single = tally({"a-eager-1p": summarize([rounds[0]])["a-eager-1p"]})
     assert single["cells"]["elementwise"] == [0, 1] and single["cells"]["matmul"] == [1, 1]

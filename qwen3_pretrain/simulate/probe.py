@@ -519,7 +519,7 @@ def huge_page_faults() -> int:
             for line in f:
                 if line.startswith("thp_fault_alloc "):
                     return int(line.split()[1])
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         pass
     return 0
 
@@ -554,9 +554,10 @@ class PageCosts:
 def page_costs(mib: int = 32, repeats: int = 3) -> PageCosts:
     """``PageCosts`` measured: an anonymous mapping of ``mib`` MiB with huge pages declined, filled twice and
     released; then one of as many huge pages with them asked for (the huge pages its first fill faulted in:
-    the machine's ``huge_page_faults`` over the fill, at most the mapping's whole huge pages, so that another
-    process's at the same time does not count); the medians of ``repeats``. On a 2-core EPYC VM: about 0.75-1.4
-    and 0.25 us a 4 KiB page, a huge page's fault 110-200 us (a fifth of its 512 small pages'). A huge page's
+    the growth of this process's ``huge_resident_bytes`` over the fill, or where the kernel does not say, the
+    machine's ``huge_page_faults``, at most the mapping's whole huge pages); the medians of ``repeats``. On a
+    2-core EPYC VM: about 0.75-1.8 and 0.25 us a 4 KiB page, a huge page's fault 110-200 us (a fifth of its 512
+    small pages'). A huge page's
     fault cost 2.5 ms where the machine's memory was fresh to it (the first mapping of a process; a
     hypervisor backing the page), or as the kernel compacted memory for one: the median keeps the common
     case. Zeros where the platform counts no minor faults or cannot decline huge pages (not Linux, or a
@@ -571,10 +572,17 @@ def page_costs(mib: int = 32, repeats: int = 3) -> PageCosts:
         small = _page_costs(mib, repeats, huge=False)
         if small is None:
             return PageCosts()
-        huge = _page_costs(mib, repeats, huge=True) or (0.0, 0.0)
+        huge = (_page_costs(mib, repeats, huge=True) if hasattr(mmap, "MADV_HUGEPAGE") else None) or (0.0, 0.0)
         return PageCosts(*small, huge_fault_us=huge[0])
     finally:
         torch.set_num_threads(threads)
+
+
+def _own_huge_pages() -> int:
+    """This process's transparent huge pages now, or where the kernel does not say, the machine's faulted in so
+    far (``_page_costs`` takes the difference over one fill)."""
+    resident = huge_resident_bytes()
+    return resident // HUGE_PAGE if resident is not None else huge_page_faults()
 
 
 def _page_costs(mib: int, repeats: int, huge: bool) -> tuple[float, float] | None:
@@ -591,7 +599,7 @@ def _page_costs(mib: int, repeats: int, huge: bool) -> tuple[float, float] | Non
             # huge: the whole huge pages only (a small page's fault at an unaligned end is not a huge one's)
             offset = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE if huge else 0
             view = torch.frombuffer(region, dtype=torch.float32, offset=offset, count=mib * 2**20 // 4)
-            count = huge_page_faults if huge else minor_faults
+            count = _own_huge_pages if huge else minor_faults
             faults, start = count(), time.perf_counter()
             view.fill_(1.0)
             cold, faults = time.perf_counter() - start, count() - faults
@@ -606,7 +614,7 @@ def _page_costs(mib: int, repeats: int, huge: bool) -> tuple[float, float] | Non
             start = time.perf_counter()
             region.madvise(mmap.MADV_DONTNEED)
             released = time.perf_counter() - start
-        except (OSError, AttributeError):  # a kernel built without transparent huge pages refuses the advice
+        except OSError:  # a kernel built without transparent huge pages refuses the advice
             return None
         finally:
             region.close()

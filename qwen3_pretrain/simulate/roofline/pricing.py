@@ -54,11 +54,11 @@
   EPYC a dense bf16 step at the CPU bench's shapes took about 20,000 faults with the engine's per-step
   ``malloc_trim`` and 1,100 without, and ran 3.5-5% slower with it. The transparent huge pages among the
   faults (``OpTrace.huge_page_faults``: torch's large CPU buffers, 2 MiB a page) at
-  ``Hardware.huge_page_fault_us``: a step there took 0-150 of them at 120-200 us each, one fault of the
-  count at a hundred small pages' cost. The released pages all at the 4 KiB page's cost: the trim hands
-  back ranges of the heap, not whole huge pages, and the kernel splits a huge page a range cuts (the
-  bench's "outside every op" cells agreed in 12 of 19 rows priced so, 6 of 19 with the huge pages the
-  trim's drop of ``AnonHugePages`` counted at a whole huge page's release, 6 us).
+  ``Hardware.huge_page_fault_us`` (a 4 KiB page's where unmeasured): a step there took 0-91 of them at
+  110-200 us each, one fault of the count at a hundred small pages' cost. The released pages all at the
+  4 KiB page's cost: the trim hands back ranges of the heap, not whole huge pages, and the kernel splits a
+  huge page a range cuts (the bench's "outside every op" cells agreed in 14 of 18 medians of three rounds
+  priced so, 9 of 18 with the trim's drop of ``AnonHugePages`` priced as whole huge pages, 6-9 us each).
 * **pipeline bubble**: the busy time x Megatron's bubble ratio ``(p - 1) / (v m)``
   (``plan.formulas.megatron_bubble_ratio``).
 """
@@ -275,11 +275,17 @@ def price(trace: OpTrace, hardware: Hardware, compiled: bool = False, comm: dict
 
 
 def page_seconds(trace: OpTrace, hardware: Hardware) -> tuple[float, float]:
-    """Seconds of the step's counted page faults (the 4 KiB pages' and the huge pages', each at its own
-    cost), and of its released pages (4 KiB each)."""
-    huge = min(trace.huge_page_faults, trace.page_faults)
-    faults = (trace.page_faults - huge) * hardware.page_fault_us + huge * hardware.huge_page_fault_us
-    return faults * 1e-6, trace.pages_released * hardware.page_release_us * 1e-6
+    """Seconds of the step's counted page faults (``fault_seconds``), and of its released pages (4 KiB each)."""
+    return (fault_seconds(trace.page_faults, trace.huge_page_faults, hardware.page_fault_us,
+                          hardware.huge_page_fault_us),
+            trace.pages_released * hardware.page_release_us * 1e-6)
+
+
+def fault_seconds(faults: float, huge: float, fault_us: float, huge_fault_us: float) -> float:
+    """Seconds of ``faults`` minor page faults of which ``huge`` (at most all) were transparent huge pages:
+    each at its own cost, a huge page's at a 4 KiB page's where unmeasured (``huge_fault_us`` 0)."""
+    huge = min(huge, faults)
+    return ((faults - huge) * fault_us + huge * (huge_fault_us or fault_us)) * 1e-6
 
 
 def compiled_kernels(trace: OpTrace, comm: dict | None = None) -> int:
