@@ -385,9 +385,8 @@ def worker(args: argparse.Namespace) -> None:
     recorder.trace.pages_released = int(statistics.median(released.pages)) if released.pages else 0
     predicted = predict_step(recorder, probe, mode == "compiled")
     # the profiled steps' own faults at the same costs: what the profiler's categories hold
-    predicted["profiled_page_faults"] = page_seconds(
-        dataclasses.replace(recorder.trace, page_faults=int(profiled["faults"]),
-                            huge_page_faults=int(profiled["huge_faults"])), probe.hardware(recorder.trace))[0]
+    predicted["profiled_page_faults"] = fault_seconds(profiled["faults"], profiled["huge_faults"], probe.page_fault_us,
+                                                      probe.huge_page_fault_us)
     predicted["per_op"] = per_op_view(recorder, probe.hardware(recorder.trace), profiled["ops"])
     trainer.close()
     result = {"wall_s": walls, "step_s": statistics.median(walls), "profiled": profiled,
@@ -876,7 +875,7 @@ def print_tally(summary: dict[str, dict]) -> None:
     print(f"steps within {STEP_TARGET:.0%}: {t['steps'][0]}/{t['steps'][1]} (ratios {min(ratios):.2f}-"
           f"{max(ratios):.2f}, median {statistics.median(ratios):.2f}); per category within {CELL_TARGET:.0%} "
           "(or both under 5 ms): " + ", ".join(f"{c} {a}/{n}" for c, (a, n) in t["cells"].items()))
-    if any("spread" in v for v in summary.values()):
+    if any(x is not None for v in summary.values() for x in v.get("spread", {}).values()):
         print(f"cells whose profiled seconds moved by at most {CELL_TARGET:.0%} over the rounds, and of those "
               "within the target: " + ", ".join(f"{c} {a}/{n}" for c, (a, n) in t["reproducible"].items()))
 
@@ -938,11 +937,12 @@ def print_results(rounds: list[dict[str, list[dict]]]) -> None:
             print(f"round {i + 1}:")
         print_table(rows)
         if len(rounds) > 1:
-            print_tally({name: variant_cells(ranks) for name, ranks in rows.items()})
+            print_tally(summarize([rows]))
+    summary = summarize(rounds)
     if len(rounds) > 1:
         print(f"median over the {len(rounds)} rounds:")
-        print_median_table(summarize(rounds))
-    print_tally(summarize(rounds) if len(rounds) > 1 else {n: variant_cells(r) for n, r in rounds[0].items()})
+        print_median_table(summary)
+    print_tally(summary)
 
 
 def main(argv: list[str]) -> int:
